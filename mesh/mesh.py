@@ -1,0 +1,86 @@
+"""The 4D device mesh: named axes ('dp', 'pp', 'cp', 'tp') and the checks that guard it.
+
+Axis order is outermost to innermost. `tp` is innermost because tensor parallelism
+communicates on every layer (two all-reduces per layer per pass), so it gets the devices with
+the fastest links (neighbours on one host / one NVLink domain); `dp` is outermost because it
+communicates once per step (the gradient reduction) and tolerates the slowest links.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from mesh.errors import ConfigError
+
+# Each axis name is spelled here once; everything else imports these constants.
+DP = "dp"  # data parallel (and ZeRO / FSDP sharding of parameters and optimizer state)
+PP = "pp"  # pipeline parallel: layers split into stages
+CP = "cp"  # context parallel: the sequence split, ring attention
+TP = "tp"  # tensor parallel: heads / MLP columns / vocabulary split (Megatron style)
+AXES: tuple[str, ...] = (DP, PP, CP, TP)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes. `dp=-1` means "every device the other axes leave"."""
+
+    dp: int = -1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def resolve(self, num_devices: int) -> "MeshConfig":
+        """Return a copy with `dp` filled in, checking that the sizes fit `num_devices`."""
+        for name in AXES:
+            size = getattr(self, name)
+            if size == 0 or size < -1 or (size == -1 and name != DP):
+                allowed = "a positive integer or -1 (fill the remaining devices)" if name == DP else "a positive integer"
+                raise ConfigError(f"mesh.{name}={size} is invalid: use {allowed}.")
+        rest = self.pp * self.cp * self.tp
+        if self.dp == -1:
+            if num_devices % rest:
+                raise ConfigError(
+                    f"mesh.pp*mesh.cp*mesh.tp = {self.pp}*{self.cp}*{self.tp} = {rest} does not divide the "
+                    f"{num_devices} available devices; choose sizes whose product divides {num_devices}."
+                )
+            return dataclasses.replace(self, dp=num_devices // rest)
+        if self.dp * rest != num_devices:
+            raise ConfigError(
+                f"mesh dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {self.dp * rest} but "
+                f"{num_devices} devices are available; make the product equal {num_devices} (or set mesh.dp=-1)."
+            )
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.pp, self.cp, self.tp)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the ('dp', 'pp', 'cp', 'tp') mesh over `devices` (default: all devices).
+
+    Axis types are Auto, deliberately: DP, ZeRO/FSDP and TP come from sharding annotations that
+    XLA's partitioner propagates and turns into collectives ("annotate and let XLA propagate").
+    Under Explicit axes every matmul over a sharded contracting dimension needs an explicit
+    `out_sharding` and `with_sharding_constraint` asserts instead of hinting, which would spread
+    sharding decisions through the model code. The axes that need hand-written communication
+    (cp: ring attention, pp: stage transfer) become Manual inside their own `jax.shard_map`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    cfg = cfg.resolve(len(devices))
+    return jax.make_mesh(cfg.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def mesh_summary(mesh: Mesh) -> str:
+    """One line such as 'mesh dp=2 pp=1 cp=1 tp=4 over 8 cpu devices'."""
+    sizes = " ".join(f"{name}={mesh.shape[name]}" for name in AXES)
+    platform = mesh.devices.flat[0].platform
+    return f"mesh {sizes} over {mesh.devices.size} {platform} devices"

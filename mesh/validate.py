@@ -1,0 +1,53 @@
+"""Checks that a model and a batch fit a mesh, each failing with one sentence that says what to change.
+
+Run these before anything is traced: an indivisible shape would otherwise surface as a
+traceback from deep inside XLA's partitioner, or (worse) as silently uneven padding.
+"""
+from __future__ import annotations
+
+from mesh.errors import ConfigError
+from mesh.mesh import MeshConfig
+
+
+def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
+                   hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0) -> None:
+    """Check that heads, kv-heads, MLP and vocabulary split over tp, and layers over pp."""
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={num_heads} is not divisible by model.num_key_value_heads="
+            f"{num_kv_heads}; grouped-query attention needs whole groups."
+        )
+    for key, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
+                       ("intermediate_size", intermediate_size), ("vocab_size", vocab_size)):
+        if value % mesh.tp:
+            raise ConfigError(f"model.{key}={value} is not divisible by mesh.tp={mesh.tp}; choose a tp that divides it.")
+    if num_layers % mesh.pp:
+        raise ConfigError(
+            f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp={mesh.pp}; "
+            f"choose a pp that divides the number of layers."
+        )
+    if zero not in (0, 1, 3):
+        raise ConfigError(f"train.zero={zero} is invalid; choose 0 (replicated), 1 (shard optimizer state) or 3 (FSDP).")
+    if zero and mesh.dp > 1 and hidden_size % mesh.dp:
+        raise ConfigError(
+            f"train.zero={zero} shards the hidden dimension over dp, but model.hidden_size={hidden_size} is not "
+            f"divisible by mesh.dp={mesh.dp}; change mesh.dp or use train.zero=0."
+        )
+
+
+def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_len: int) -> None:
+    """Check that the global batch splits into micro-batches over dp and the sequence over 2*cp."""
+    if grad_accum < 1 or batch_size < 1 or seq_len < 1:
+        raise ConfigError(
+            f"train.batch_size={batch_size}, train.grad_accum={grad_accum} and train.seq_len={seq_len} must all be positive."
+        )
+    if batch_size % (grad_accum * mesh.dp):
+        raise ConfigError(
+            f"train.batch_size={batch_size} is not divisible by train.grad_accum*mesh.dp = {grad_accum}*{mesh.dp}; "
+            f"each data-parallel replica needs a whole number of rows per micro-batch."
+        )
+    if mesh.cp > 1 and seq_len % (2 * mesh.cp):
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by 2*mesh.cp = {2 * mesh.cp}; the load-balanced "
+            f"(zigzag) context-parallel layout cuts the sequence into 2*cp equal chunks."
+        )

@@ -1,0 +1,53 @@
+"""Causal grouped-query attention: the one function every attention call goes through.
+
+Context parallelism (ring attention) and backend-tuned kernels replace `attention` by passing a
+different `AttentionFn` to the model; nothing else in the model knows how attention is computed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+        """q: [B, T, H, D]; k, v: [B, S, KV, D]; positions [B, T] / [B, S]; returns [B, T, H, D]."""
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+    """Plain causal GQA attention with scores and softmax in fp32.
+
+    Queries are viewed as [kv_heads, group] instead of repeating K/V `group` times: the same math,
+    without materialising the expanded keys and values (and it shards cleanly when kv_heads are
+    split over tp). The mask comes from token positions, not indices, so a caller may hand in
+    the tokens in any order (the zigzag context-parallel layout does), as long as every query
+    sees at least its own key.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    causal = q_pos[:, None, None, :, None] >= kv_pos[:, None, None, None, :]
+    # A large finite negative (not -inf) keeps the softmax free of inf-inf NaNs in any dtype.
+    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, h, d)
+
+
+def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
+    """The attention implementation for this backend: 'reference' or 'cudnn' ('auto' picks)."""
+    if impl == "auto":
+        impl = "cudnn" if jax.default_backend() == "gpu" else "reference"
+    if impl == "reference":
+        return reference_attention
+    if impl == "cudnn":
+        return _cudnn_attention
+    raise ValueError(f"unknown attention implementation {impl!r}; choose 'auto', 'reference' or 'cudnn'.")
+
+
+def _cudnn_attention(q, k, v, q_pos, kv_pos):
+    # cuDNN's fused kernel handles GQA and the causal mask itself; it assumes contiguous positions.
+    del q_pos, kv_pos
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)

@@ -1,0 +1,225 @@
+"""LLaMA in Flax (Linen): RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings.
+
+Every parameter is declared once, with its shape, initializer and logical axis names
+('embed', 'heads', 'mlp', ...); `mesh.rules` maps those names to mesh axes. The decoder
+layers' parameters are stacked along a leading 'layers' dimension and run with `jax.lax.scan`
+(one compiled layer body instead of L copies; pipeline stages slice this stack).
+
+Parameter tree (shapes for hidden D, heads H, kv-heads K, head_dim Dh, MLP F, vocab V, layers L):
+    embed/embedding     [V, D]          ('vocab', 'embed')
+    layers/attn_norm    [L, D]          ('layers', 'embed')
+    layers/wq           [L, D, H, Dh]   ('layers', 'embed', 'heads', 'head_dim')
+    layers/wk, wv       [L, D, K, Dh]   ('layers', 'embed', 'kv_heads', 'head_dim')
+    layers/wo           [L, H, Dh, D]   ('layers', 'heads', 'head_dim', 'embed')
+    layers/mlp_norm     [L, D]
+    layers/w_gate, w_up [L, D, F]       ('layers', 'embed', 'mlp')
+    layers/w_down       [L, F, D]       ('layers', 'mlp', 'embed')
+    final_norm/scale    [D]             ('embed',)
+    lm_head/kernel      [D, V]          ('embed', 'vocab')   (absent with tied embeddings)
+
+Activations entering and leaving every matmul are 2-D, [B*T, D] ('tokens', 'embed'): on
+XLA:CPU 3-D activations make the weight-gradient contractions over (B, T) materialise large
+transposes; on GPU it costs nothing. Attention alone sees [B, T, heads, Dh].
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mesh.rules import constrain
+from models.attention import reference_attention
+from models.config import LlamaConfig
+
+Params = dict[str, Any]
+
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back before the scale multiply (HF's order, which matters in bf16)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding with HF's rotate-half convention. x: [B, T, heads, Dh]; positions: [B, T]."""
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm LLaMA block: x + attn(norm(x)), then h + mlp(norm(h)). x is [B*T, D]."""
+
+    cfg: LlamaConfig
+    dtype: Any = jnp.float32
+    attention_fn: Callable[..., jax.Array] = reference_attention
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.cfg
+        d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+        normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
+        attn_norm = _param(self, "attn_norm", (d,), ("embed",), ones)
+        wq = _param(self, "wq", (d, h, dh), ("embed", "heads", "head_dim"), normal)
+        wk = _param(self, "wk", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
+        wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
+        wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
+        mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
+        w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), normal)
+        w_up = _param(self, "w_up", (d, f), ("embed", "mlp"), normal)
+        w_down = _param(self, "w_down", (f, d), ("mlp", "embed"), normal)
+        cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
+        b, t = positions.shape
+
+        # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
+        # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand.
+        y = rms_norm(x, attn_norm, c.rms_norm_eps)
+        q = jnp.einsum("nd,dhk->nhk", y, cast(wq)).reshape(b, t, h, dh)
+        k = jnp.einsum("nd,dhk->nhk", y, cast(wk)).reshape(b, t, kv, dh)
+        v = jnp.einsum("nd,dhk->nhk", y, cast(wv)).reshape(b, t, kv, dh)
+        q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
+        k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        o = self.attention_fn(q, k, v, positions, positions).reshape(b * t, h, dh)
+        x = x + constrain(jnp.einsum("nhk,hkd->nd", o, cast(wo)), ("tokens", "embed"))
+
+        # SwiGLU MLP: gate/up column-parallel, down row-parallel.
+        y = rms_norm(x, mlp_norm, c.rms_norm_eps)
+        gated = jax.nn.silu(y @ cast(w_gate)) * (y @ cast(w_up))
+        gated = constrain(gated, ("tokens", "mlp"))
+        return x + constrain(gated @ cast(w_down), ("tokens", "embed"))
+
+
+class Embed(nn.Module):
+    """Token embedding, vocab-parallel: the table's vocabulary dimension is split over tp."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.cfg
+        table = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+                       nn.initializers.normal(c.initializer_range))
+        return jnp.take(table, tokens, axis=0)
+
+
+class Head(nn.Module):
+    """Final RMSNorm scale and the untied output projection [D, V] (vocab-parallel)."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> None:
+        c = self.cfg
+        _param(self, "scale", (c.hidden_size,), ("embed",), nn.initializers.ones)
+        if not c.tie_word_embeddings:
+            _param(self, "kernel", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+                   nn.initializers.normal(c.initializer_range))
+
+
+def _boxed_init(cfg: LlamaConfig, rng: jax.Array) -> Params:
+    """All parameters as Flax `LogicallyPartitioned` boxes (values + logical axis names)."""
+    k_embed, k_layers, k_head = jax.random.split(rng, 3)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    x, pos = jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, 1), jnp.int32)
+    layer = DecoderLayer(cfg)
+    # vmap over per-layer keys stacks each parameter along a new leading dim; the box keeps the
+    # per-layer names, so prepend 'layers' to them.
+    stacked = jax.vmap(lambda k: layer.init(k, x, pos)["params"])(jax.random.split(k_layers, cfg.num_hidden_layers))
+    stacked = jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), stacked,
+                           is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+    head = Head(cfg).init(k_head, x)["params"]
+    params = {
+        "embed": Embed(cfg).init(k_embed, tokens)["params"],
+        "layers": stacked,
+        "final_norm": {"scale": head["scale"]},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": head["kernel"]}
+    return params
+
+
+def param_logical_axes(cfg: LlamaConfig) -> Params:
+    """The logical axis names of every parameter, as a tree shaped like the parameters."""
+    boxed = jax.eval_shape(lambda: _boxed_init(cfg, jax.random.key(0)))
+    return jax.tree.map(lambda b: b.names, boxed, is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+
+
+def init_params(cfg: LlamaConfig, rng: jax.Array) -> Params:
+    """Random fp32 parameters (HF's init: normal(initializer_range) weights, unit norms).
+
+    Call under `jax.jit(..., out_shardings=...)` to create them already sharded.
+    """
+    return nn.meta.unbox(_boxed_init(cfg, rng))
+
+
+def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32) -> jax.Array:
+    """Token ids [B, T] -> 2-D activations [B*T, D] in the compute dtype."""
+    x = Embed(cfg).apply({"params": params["embed"]}, tokens.reshape(-1)).astype(dtype)
+    return constrain(x, ("tokens", "embed"))
+
+
+def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
+               dtype=jnp.float32, remat: str = "none", scan: bool = True,
+               attention_fn: Callable[..., jax.Array] = reference_attention) -> jax.Array:
+    """Apply a stack of decoder layers (any number: the whole model or one pipeline stage)."""
+    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn)
+
+    def body(h, p):
+        return layer.apply({"params": p}, h, positions), None
+
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        x, _ = jax.lax.scan(body, x, layer_params)
+        return x
+    n = jax.tree.leaves(layer_params)[0].shape[0]
+    for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
+        x, _ = body(x, jax.tree.map(lambda p: p[i], layer_params))
+    return x
+
+
+def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: LlamaConfig, **kw) -> jax.Array:
+    """Embedding, all decoder layers and the final norm: [B, T] ids -> [B*T, D] hidden states."""
+    dtype = kw.get("dtype", jnp.float32)
+    x = run_layers(params["layers"], embed(params, tokens, cfg, dtype), positions, cfg, **kw)
+    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps)
+
+
+def output_kernel(params: Params, cfg: LlamaConfig) -> jax.Array:
+    """The [D, V] output projection (the embedding table's transpose when tied)."""
+    if cfg.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def logits(params: Params, tokens: jax.Array, cfg: LlamaConfig, positions: jax.Array | None = None,
+           **kw) -> jax.Array:
+    """Full-vocabulary logits [B, T, V] in fp32 (for evaluation and tests; training uses the fused loss)."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h = final_hidden(params, tokens, positions, cfg, **kw)
+    out = jnp.einsum("nd,dv->nv", h, output_kernel(params, cfg).astype(h.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(b, t, -1)

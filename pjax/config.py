@@ -1,0 +1,134 @@
+"""Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys.
+
+The YAML layout mirrors these classes: `model.*` (LlamaConfig), `mesh.*`, `train.*`,
+`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`. The key names are a contract used by tests,
+docs and notebooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mesh.errors import ConfigError
+from mesh.mesh import MeshConfig
+from models.config import LlamaConfig
+
+# The choices each string option accepts; the first is the default.
+DTYPES = ("auto", "float32", "bfloat16")
+REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
+ZERO_STAGES = (0, 1, 3)
+ATTENTIONS = ("auto", "reference", "cudnn")
+SCHEDULES = ("1f1b", "afab", "interleaved")
+
+
+def _require(ok: bool, key: str, value: Any, valid: str) -> None:
+    """Raise the one-sentence ConfigError for an impossible value unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid; {valid}.")
+
+
+def _require_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    _require(value in choices, key, value, "choose one of " + ", ".join(str(c) for c in choices))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and step layout. `batch_size` is the global batch in sequences per optimizer
+    step, split into `grad_accum` micro-batches (the pipeline's micro-batches when pp > 1)."""
+
+    steps: int = 100
+    seed: int = 0
+    seq_len: int = 128
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    dtype: str = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
+    remat: str = "none"  # none | full | dots | dots_no_batch | offload
+    zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
+    scan_layers: bool = True  # lax.scan over layers (fast compile) or an unrolled loop
+    attention: str = "auto"  # auto | reference | cudnn
+    init_from: str | None = None  # a HuggingFace checkpoint directory to start from
+
+    def __post_init__(self) -> None:
+        # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
+        for key in ("steps", "seq_len", "batch_size", "grad_accum"):
+            _require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "use an integer >= 1")
+        _require(self.lr > 0, "train.lr", self.lr, "use a learning rate > 0")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use an integer >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "use a value >= 0")
+        for key in ("beta1", "beta2"):
+            _require(0 <= getattr(self, key) < 1, f"train.{key}", getattr(self, key), "use a value in [0, 1)")
+        _require(self.eps > 0, "train.eps", self.eps, "use a value > 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use a value >= 0 (0 disables clipping)")
+        _require_choice("train.dtype", self.dtype, DTYPES)
+        _require_choice("train.remat", self.remat, REMATS)
+        _require_choice("train.zero", self.zero, ZERO_STAGES)
+        _require_choice("train.attention", self.attention, ATTENTIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str = "data/prideprejudice.txt"
+    tokenizer: str = "data/tokenizer/gpt2"
+    cache_dir: str = "data/cache"
+    eval_fraction: float = 0.05  # held-out tail of the token stream
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    dir: str = "runs/debug"
+    every: int = 1
+    eval_every: int = 50
+    eval_batches: int = 4
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU where the device kind is unknown (CPU)
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 1, "log.every", self.every, "use an integer >= 1")
+        _require(self.eval_every >= 0, "log.eval_every", self.eval_every, "use an integer >= 0 (0 disables evaluation)")
+        _require(self.eval_batches >= 1, "log.eval_batches", self.eval_batches, "use an integer >= 1")
+        _require(self.peak_flops is None or self.peak_flops > 0, "log.peak_flops", self.peak_flops,
+                 "use a positive FLOP/s figure or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, "use an integer >= 0 (0 saves only at the end)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "use an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule's v)
+
+    def __post_init__(self) -> None:
+        _require_choice("pipeline.schedule", self.schedule, SCHEDULES)
+        _require(self.virtual_stages >= 1, "pipeline.virtual_stages", self.virtual_stages, "use an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)

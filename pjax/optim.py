@@ -1,0 +1,34 @@
+"""AdamW with linear warmup and cosine decay, global-norm clipping, no decay on norm scales."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from pjax.config import TrainConfig
+
+# Norm scales multiply activations; decaying them toward zero shrinks the signal, not the
+# complexity, so (as in LLaMA/GPT training recipes) only matrices and embeddings are decayed.
+_NO_DECAY = {"attn_norm", "mlp_norm", "scale"}
+
+
+def lr_schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `lr * min_lr_ratio` at `steps`."""
+    warmup = min(tc.warmup_steps, max(tc.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.lr, warmup_steps=warmup,
+        decay_steps=max(tc.steps, warmup + 1), end_value=tc.lr * tc.min_lr_ratio)
+
+
+def _decay_mask(params):
+    def keep(path, _):
+        return getattr(path[-1], "key", None) not in _NO_DECAY
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """The optimizer for a run: clip (if `grad_clip` > 0), then AdamW on the schedule."""
+    adamw = optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps,
+                        weight_decay=tc.weight_decay, mask=_decay_mask)
+    if tc.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+    return adamw

@@ -1,0 +1,149 @@
+"""One training step: loss, gradient accumulation over micro-batches, AdamW update.
+
+Data flow of `train_step(state, batch)` (all inside one `jax.jit`):
+    batch {'inputs', 'labels', 'positions'}: int32 [grad_accum, micro_batch, seq_len], rows over dp
+    -> lax.scan over the grad_accum micro-batches:
+         params (fp32) -> cast to compute dtype -> embed -> scanned decoder layers (remat policy)
+         -> final norm -> vocab-parallel cross-entropy (summed)  => value_and_grad
+         gradients summed in fp32, pinned to their ZeRO sharding
+    -> divide by the total token count -> AdamW (clip, schedule) -> new TrainState (donated)
+Layout never changes the math: every micro-batch has the same number of tokens, so the mean over
+all tokens of the global batch is what every mesh computes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mesh.mesh import CP, DP, MeshConfig
+from mesh.validate import validate_batch, validate_model
+from models import llama
+from models.attention import select_attention
+from models.config import LlamaConfig
+from pjax.config import TrainConfig
+from pjax.optim import lr_schedule, make_optimizer
+from pjax.parallel import data_parallel
+from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+Batch = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
+             attention_fn: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy and token count of one micro-batch ([B, T] arrays)."""
+    dtype = compute_dtype(tc.dtype)
+    hidden = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
+                                scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention))
+    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), micro["labels"].reshape(-1))
+
+
+def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
+                   grad_sharding: Any = None) -> tuple[jax.Array, Any]:
+    """Mean token loss of the global batch and its gradient, accumulated over micro-batches."""
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def pin(g):  # under ZeRO the accumulator lives in slices (a reduce-scatter, not an all-reduce)
+        return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
+
+    def micro_step(carry, micro):
+        loss_acc, count_acc, grads_acc = carry
+        (loss, count), grads = grad_fn(params, micro, cfg, tc)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
+        return (loss_acc + loss, count_acc + count, grads_acc), None
+
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+    (loss, count, grads), _ = jax.lax.scan(micro_step, init, batch)
+    return loss / count, jax.tree.map(lambda g: g / count, grads)
+
+
+def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
+               optimizer: optax.GradientTransformation, grad_sharding: Any = None) -> tuple[TrainState, dict]:
+    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr}."""
+    loss, grads = loss_and_grads(state.params, batch, cfg, tc, grad_sharding)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(tc)(state.step)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def add_positions(batch: Batch) -> Batch:
+    """Fill in 'positions' (0..T-1 per row) when a batch has none."""
+    if "positions" in batch:
+        return batch
+    k, b, t = batch["inputs"].shape
+    return {**batch, "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (k, b, t))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """The compiled pieces of a run on one mesh: shardings, `init` and the jitted `step`."""
+
+    mesh: Mesh
+    cfg: LlamaConfig
+    tc: TrainConfig
+    optimizer: optax.GradientTransformation
+    state_sharding: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
+    grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
+
+
+def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
+    """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
+    mc = MeshConfig(**{name: mesh.shape[name] for name in mesh.axis_names})
+    validate_model(mc, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=tc.zero)
+    validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
+    optimizer = make_optimizer(tc)
+    p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
+    g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
+    params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+    o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
+    state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding)
+    batch_sharding = NamedSharding(mesh, P(None, DP, CP))
+
+    def init(rng: jax.Array) -> TrainState:
+        params = llama.init_params(cfg, rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding)
+    grads = functools.partial(loss_and_grads, cfg=cfg, tc=tc, grad_sharding=g_sharding)
+    return Trainer(
+        mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
+        init=_on_mesh(mesh, jax.jit(init, out_shardings=state_sharding)),
+        step=_on_mesh(mesh, jax.jit(step, in_shardings=(state_sharding, batch_sharding),
+                                    out_shardings=(state_sharding, None), donate_argnums=0)),
+        grads=_on_mesh(mesh, jax.jit(grads, in_shardings=(p_sharding, batch_sharding),
+                                     out_shardings=(None, p_sharding))),
+    )
+
+
+def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """Run `fn` with `mesh` set, so the model's logical sharding constraints resolve against it."""
+    def wrapped(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+    wrapped.jitted = fn  # for .lower(...) in tests and benchmarks
+    return wrapped

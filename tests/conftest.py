@@ -1,0 +1,12 @@
+"""Test setup: 8 forced CPU devices and a persistent compilation cache, before JAX is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+assert jax.device_count() == 8, f"tests need 8 forced CPU devices, got {jax.device_count()}"

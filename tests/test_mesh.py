@@ -1,0 +1,95 @@
+"""The 4D mesh: axis order, dp=-1, logical rules, and every validation error's sentence."""
+import jax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from mesh import AXES, ConfigError, MeshConfig, logical_to_spec, make_mesh, param_rules, validate_batch, validate_model
+
+
+def test_mesh_axes_are_dp_pp_cp_tp_with_tp_innermost():
+    mesh = make_mesh(MeshConfig(dp=2, pp=1, cp=2, tp=2))
+    assert mesh.axis_names == AXES == ("dp", "pp", "cp", "tp")
+    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "cp": 2, "tp": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    ids = [[d.id for d in row] for row in mesh.devices.reshape(-1, 2)]
+    # tp innermost: devices that differ only in their tp coordinate are neighbours.
+    assert ids[0] == [0, 1] and ids[1] == [2, 3]
+
+
+def test_dp_minus_one_fills_remaining_devices():
+    mesh = make_mesh(MeshConfig(dp=-1, tp=2))
+    assert mesh.shape["dp"] == 4
+    assert MeshConfig(dp=-1, cp=2, tp=2).resolve(8).dp == 2
+
+
+def test_subset_of_devices():
+    mesh = make_mesh(MeshConfig(dp=1), jax.devices()[:1])
+    assert mesh.devices.size == 1
+
+
+def test_rules_map_logical_names_to_mesh_axes():
+    assert logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tp", None)
+    assert logical_to_spec(("vocab", "embed")) == P("tp", None)
+    assert logical_to_spec(("tokens", "embed")) == P(("dp", "cp"), None)
+    assert logical_to_spec(("batch", "sequence")) == P("dp", "cp")
+    assert logical_to_spec(("embed", "mlp"), param_rules(zero_sharded=True)) == P("dp", "tp")
+    with pytest.raises(KeyError, match="no rule"):
+        logical_to_spec(("nonsense",))
+
+
+def test_error_mesh_product_differs_from_device_count():
+    with pytest.raises(ConfigError, match=r"mesh dp\*pp\*cp\*tp = 2\*1\*1\*2 = 4 but 8 devices are available"):
+        make_mesh(MeshConfig(dp=2, tp=2))
+
+
+def test_error_mesh_product_does_not_divide_devices():
+    with pytest.raises(ConfigError, match="does not divide the 8 available devices"):
+        make_mesh(MeshConfig(dp=-1, tp=3))
+
+
+def test_error_negative_axis_size():
+    with pytest.raises(ConfigError, match="mesh.tp=-1 is invalid"):
+        MeshConfig(tp=-1).resolve(8)
+
+
+MODEL = dict(num_layers=4, num_heads=8, num_kv_heads=4, hidden_size=256, intermediate_size=688, vocab_size=4096)
+
+
+def test_error_heads_not_divisible_by_tp():
+    with pytest.raises(ConfigError, match="model.num_attention_heads=6 is not divisible by mesh.tp=4"):
+        validate_model(MeshConfig(dp=2, tp=4), **{**MODEL, "num_heads": 6, "num_kv_heads": 2})
+
+
+def test_error_kv_heads_not_divisible_by_tp():
+    with pytest.raises(ConfigError, match="model.num_key_value_heads=2 is not divisible by mesh.tp=4"):
+        validate_model(MeshConfig(dp=2, tp=4), **{**MODEL, "num_kv_heads": 2})
+
+
+def test_error_layers_not_divisible_by_pp():
+    with pytest.raises(ConfigError, match="model.num_hidden_layers=4 is not divisible by mesh.pp=3"):
+        validate_model(MeshConfig(dp=1, pp=3), **MODEL)
+
+
+def test_error_hidden_not_divisible_by_dp_under_zero():
+    with pytest.raises(ConfigError, match="model.hidden_size=256 is not divisible by mesh.dp=3"):
+        validate_model(MeshConfig(dp=3), **MODEL, zero=3)
+
+
+def test_error_bad_zero_level():
+    with pytest.raises(ConfigError, match="train.zero=2 is invalid"):
+        validate_model(MeshConfig(dp=2), **MODEL, zero=2)
+
+
+def test_error_sequence_not_divisible_by_two_cp():
+    with pytest.raises(ConfigError, match=r"train.seq_len=100 is not divisible by 2\*mesh.cp = 8"):
+        validate_batch(MeshConfig(dp=1, cp=4), batch_size=8, grad_accum=1, seq_len=100)
+
+
+def test_error_batch_not_divisible_by_dp():
+    with pytest.raises(ConfigError, match=r"train.batch_size=12 is not divisible by train.grad_accum\*mesh.dp = 1\*8"):
+        validate_batch(MeshConfig(dp=8), batch_size=12, grad_accum=1, seq_len=64)
+
+
+def test_error_batch_not_divisible_by_micro_batches_times_dp():
+    with pytest.raises(ConfigError, match=r"train.grad_accum\*mesh.dp = 4\*2"):
+        validate_batch(MeshConfig(dp=2), batch_size=12, grad_accum=4, seq_len=64)

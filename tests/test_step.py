@@ -1,0 +1,130 @@
+"""The sharded train step equals the 1-device step: DP, TP, ZeRO-1, ZeRO-3, accumulation, remat.
+
+Losses and gradients are compared (not parameters after an AdamW step: near-zero gradients
+flip sign across layouts and Adam amplifies that to ~lr). Compiled trainers are cached per
+layout so each layout compiles once for the whole module.
+"""
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mesh import MeshConfig, make_mesh
+from models.config import LlamaConfig
+from pjax.config import TrainConfig
+from pjax.step import add_positions, build_trainer
+
+CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, initializer_range=0.05)
+TC = TrainConfig(seq_len=16, batch_size=16, grad_accum=2, dtype="float32", steps=10, warmup_steps=2)
+
+
+@functools.cache
+def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none"):
+    mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
+    tc = dataclasses.replace(TC, zero=zero, grad_accum=grad_accum, batch_size=batch_size, remat=remat)
+    return build_trainer(mesh, CFG, tc)
+
+
+def make_batch(grad_accum: int, batch_size: int, seed: int = 0):
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, (batch_size, TC.seq_len + 1)).astype(np.int32)
+    tokens = tokens.reshape(grad_accum, batch_size // grad_accum, -1)
+    return add_positions({"inputs": jnp.asarray(tokens[..., :-1]), "labels": jnp.asarray(tokens[..., 1:])})
+
+
+@functools.cache
+def loss_and_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none"):
+    tr = trainer(dp, tp, zero, grad_accum, batch_size, remat)
+    params = tr.init(jax.random.key(0)).params
+    loss, grads = tr.grads(params, jax.device_put(make_batch(grad_accum, batch_size), tr.batch_sharding))
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def assert_grads_close(grads, ref, rtol=1e-5):
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        r = ref
+        for key in path:
+            r = r[key.key]
+        scale = np.max(np.abs(r))
+        assert scale > 0, f"reference gradient of {jax.tree_util.keystr(path)} is all zero"
+        err = np.max(np.abs(g - r)) / scale
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+
+
+LAYOUTS = {
+    "dp8": dict(dp=8),
+    "dp2_tp4": dict(dp=2, tp=4),
+    "dp2_tp2_zero1": dict(dp=2, tp=2, zero=1),
+    "dp8_zero3": dict(dp=8, zero=3),
+    "dp4_tp2_zero3": dict(dp=4, tp=2, zero=3),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_loss_and_grads_equal_one_device(layout):
+    ref_loss, ref_grads = loss_and_grads(dp=1)
+    loss, grads = loss_and_grads(**LAYOUTS[layout])
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_grads_close(grads, ref_grads)
+
+
+def test_parameters_are_sharded_as_the_rules_say():
+    state = trainer(dp=4, tp=2, zero=3).init(jax.random.key(0))
+    wq = state.params["layers"]["wq"]  # [layers, embed, heads, head_dim]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp", None)
+    mu = state.opt_state[1][0].mu["layers"]["wq"]
+    assert mu.sharding.spec == wq.sharding.spec
+    z1 = trainer(dp=2, tp=2, zero=1).init(jax.random.key(0))
+    assert z1.params["layers"]["w_down"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    assert z1.opt_state[1][0].nu["layers"]["w_down"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", "dp")
+    # The shard a device holds is really 1/(dp*tp) of the tensor under ZeRO-3.
+    assert wq.addressable_shards[0].data.size * 8 == wq.size
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    # Same 16 sequences: 4 micro-batches of 4 vs one batch of 16, both on dp=2.
+    loss_k, grads_k = loss_and_grads(dp=2, grad_accum=4)
+    loss_1, grads_1 = loss_and_grads(dp=2, grad_accum=1)
+    assert abs(loss_k - loss_1) <= 1e-6
+    assert_grads_close(grads_k, grads_1)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_no_batch", "offload"])
+def test_remat_policies_do_not_change_the_math(remat):
+    ref_loss, ref_grads = loss_and_grads(dp=2, grad_accum=1)
+    loss, grads = loss_and_grads(dp=2, grad_accum=1, remat=remat)
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_grads_close(grads, ref_grads)
+
+
+def test_train_step_reports_metrics_and_learns():
+    tr = trainer(dp=2, tp=2, zero=1)
+    state = tr.init(jax.random.key(0))
+    batch = jax.device_put(make_batch(2, 16), tr.batch_sharding)
+    losses = []
+    for _ in range(4):
+        state, metrics = tr.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 4
+    assert losses[0] == pytest.approx(loss_and_grads(dp=1)[0], abs=1e-6)
+    assert float(metrics["grad_norm"]) > 0 and float(metrics["lr"]) > 0
+    assert losses[-1] < losses[0], losses  # the same batch four times: it must be memorised a little
+
+
+def test_tensor_parallel_step_gathers_neither_logits_nor_weights():
+    """Megatron TP + DP needs only all-reduces: an all-gather would mean XLA materialises full
+    logits (or full weights) on a device."""
+    tr = trainer(dp=2, tp=4)
+    state = jax.eval_shape(tr.init.jitted, jax.random.key(0))
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, tr.state_sharding)
+    batch = {k: jax.ShapeDtypeStruct((2, 8, TC.seq_len), jnp.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "labels", "positions")}
+    with jax.set_mesh(tr.mesh):
+        hlo = tr.step.jitted.lower(state, batch).compile().as_text()
+    assert re.search(r"all-reduce(-start)?\(", hlo), "expected TP/DP all-reduces"
+    gathers = [line.strip()[:160] for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
+    assert not gathers, gathers
