@@ -1,0 +1,239 @@
+"""HuggingFace LLaMA checkpoints (config.json + safetensors) <-> pjax parameters.
+
+HF stores one tensor per layer, and every `nn.Linear` weight as (out, in) because torch computes
+`x @ W.T`; pjax stacks the L layers along a leading axis and stores kernels as (in, out) with
+the head dimensions split out, so that `x @ W` and tensor-parallel sharding by head are direct:
+
+    model.embed_tokens.weight                     [V, D]      -> embed/embedding   [V, D]
+    model.layers.{i}.input_layernorm.weight       [D]         -> layers/attn_norm  [L, D]
+    model.layers.{i}.self_attn.q_proj.weight      [H*Dh, D]   -> layers/wq         [L, D, H, Dh]
+    model.layers.{i}.self_attn.k_proj.weight      [K*Dh, D]   -> layers/wk         [L, D, K, Dh]
+    model.layers.{i}.self_attn.v_proj.weight      [K*Dh, D]   -> layers/wv         [L, D, K, Dh]
+    model.layers.{i}.self_attn.o_proj.weight      [D, H*Dh]   -> layers/wo         [L, H, Dh, D]
+    model.layers.{i}.post_attention_layernorm.weight [D]      -> layers/mlp_norm   [L, D]
+    model.layers.{i}.mlp.gate_proj.weight / up_proj [F, D]    -> layers/w_gate, w_up [L, D, F]
+    model.layers.{i}.mlp.down_proj.weight         [F, D]      -> layers/w_down     [L, F, D]
+    model.norm.weight                             [D]         -> final_norm/scale  [D]
+    lm_head.weight                                [V, D]      -> lm_head/kernel    [D, V]
+                                                                 (absent when tie_word_embeddings)
+
+HF's q/k rows are already in rotate-half RoPE order, which is what `models.llama.rope` uses, so
+no permutation is needed (unlike Meta's original checkpoints).
+
+Loading memory-maps the safetensors files (a small reader below, so bf16 needs no torch) and
+hands `jax.make_array_from_callback` a function that cuts each device's slice out of the
+mapped tensors: a device reads only its slice, and no full fp32 copy of the model is built on
+the host first when the parameters are sharded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from mesh.errors import ConfigError
+from models.config import LlamaConfig
+
+Params = dict[str, Any]
+
+# safetensors dtype codes (all little-endian). bf16 and fp8 come from ml_dtypes, as in JAX.
+_DTYPES: dict[str, Any] = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One pjax parameter: its HF name (with `{i}` for per-layer tensors) and pjax shape.
+
+    `n_in` is how many leading pjax dims form the HF Linear's input dim (0: not a Linear, the
+    tensor is copied as is). HF shape = (prod(shape[n_in:]), prod(shape[:n_in])).
+    """
+
+    path: tuple[str, str]
+    hf_name: str
+    shape: tuple[int, ...]  # per layer for stacked tensors
+    n_in: int = 0
+
+    @property
+    def stacked(self) -> bool:
+        return self.path[0] == "layers"
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if not self.n_in:
+            return self.shape
+        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
+
+    def to_pjax(self, w: np.ndarray) -> np.ndarray:
+        # Transposing and splitting an axis are both views: a memory-mapped tensor stays unread.
+        return w.T.reshape(self.shape) if self.n_in else w
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T if self.n_in else w)
+
+
+def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
+    """The name/shape table above, for this config."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pre = "model.layers.{i}."
+    table = [
+        _Tensor(("embed", "embedding"), "model.embed_tokens.weight", (v, d)),
+        _Tensor(("layers", "attn_norm"), pre + "input_layernorm.weight", (d,)),
+        _Tensor(("layers", "wq"), pre + "self_attn.q_proj.weight", (d, h, dh), 1),
+        _Tensor(("layers", "wk"), pre + "self_attn.k_proj.weight", (d, k, dh), 1),
+        _Tensor(("layers", "wv"), pre + "self_attn.v_proj.weight", (d, k, dh), 1),
+        _Tensor(("layers", "wo"), pre + "self_attn.o_proj.weight", (h, dh, d), 2),
+        _Tensor(("layers", "mlp_norm"), pre + "post_attention_layernorm.weight", (d,)),
+        _Tensor(("layers", "w_gate"), pre + "mlp.gate_proj.weight", (d, f), 1),
+        _Tensor(("layers", "w_up"), pre + "mlp.up_proj.weight", (d, f), 1),
+        _Tensor(("layers", "w_down"), pre + "mlp.down_proj.weight", (f, d), 1),
+        _Tensor(("final_norm", "scale"), "model.norm.weight", (d,)),
+    ]
+    if not cfg.tie_word_embeddings:  # tied: HF reuses embed_tokens and may omit lm_head.weight
+        table.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (d, v), 1))
+    return table
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-map a .safetensors file: {name: read-only array view}; nothing is read until used."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        n = int.from_bytes(buf[:8].tobytes(), "little")
+        header = json.loads(buf[8:8 + n].tobytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not a valid safetensors file ({e}); re-save or re-download it.") from None
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ConfigError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}; "
+                              "convert the checkpoint to F32, F16 or BF16.")
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        out[name] = buf[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a single-file or sharded checkpoint directory, memory-mapped."""
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(single):  # HF's own preference when both are present
+        return read_safetensors(single)
+    if not os.path.exists(index):
+        raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {path}; "
+                          "save the checkpoint as safetensors (save_pretrained's default).")
+    with open(index) as fh:
+        shard_names = sorted(set(json.load(fh)["weight_map"].values()))
+    tensors: dict[str, np.ndarray] = {}
+    for shard in shard_names:  # each shard file is mapped once, whatever it holds
+        if not os.path.exists(os.path.join(path, shard)):
+            raise ConfigError(f"model.safetensors.index.json in {path} names {shard}, which is missing; "
+                              "copy the whole checkpoint.")
+        tensors.update(read_safetensors(os.path.join(path, shard)))
+    return tensors
+
+
+def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) -> tuple[tuple[int, ...], Any]:
+    """The pjax shape of `t` and a function index -> host array holding just that slice of it."""
+    names = [t.hf_name.format(i=i) for i in range(num_layers)] if t.stacked else [t.hf_name]
+    parts = []
+    for name in names:
+        if name not in tensors:
+            raise ConfigError(f"the checkpoint has no tensor {name!r}; "
+                              "it does not match its config.json (or is incomplete).")
+        if tuple(tensors[name].shape) != t.hf_shape:
+            raise ConfigError(f"tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json implies "
+                              f"{t.hf_shape}; the weights do not match the config.")
+        parts.append(t.to_pjax(tensors[name]))
+    shape = (num_layers, *t.shape) if t.stacked else t.shape
+
+    def host(idx: tuple[slice, ...]) -> np.ndarray:
+        # Always a fresh copy (never hand JAX a view of the map, which it could alias on CPU).
+        out_dtype = dtype or parts[0].dtype
+        if not t.stacked:
+            return np.array(parts[0][idx], dtype=out_dtype, order="C")
+        layers = range(num_layers)[idx[0]]
+        out = np.empty((len(layers), *parts[0][idx[1:]].shape), out_dtype)
+        for j, i in enumerate(layers):  # read, cast and written once, straight into the stack
+            out[j] = parts[i][idx[1:]]
+        return out
+
+    return shape, host
+
+
+def load_hf(path: str, shardings: Params | None = None, dtype=np.float32) -> tuple[LlamaConfig, Params]:
+    """Read a HuggingFace LLaMA checkpoint directory into pjax parameters.
+
+    `shardings`: optional tree shaped like the parameters, of `jax.sharding.Sharding`; each
+    device then receives only its slice. `dtype=None` keeps the checkpoint's dtype.
+    """
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is not a directory; pass a HuggingFace LLaMA checkpoint directory.")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise ConfigError(f"no config.json in {path}; pass a HuggingFace LLaMA checkpoint directory.")
+    with open(cfg_file) as fh:
+        cfg = LlamaConfig.from_hf(json.load(fh))
+    tensors = _open_checkpoint(path)
+    params: Params = {}
+    for t in _tensors(cfg):
+        shape, host = _slicer(t, tensors, cfg.num_hidden_layers, dtype)
+        if shardings is None:
+            arr = jax.device_put(host(tuple(slice(None) for _ in shape)))
+        else:
+            arr = jax.make_array_from_callback(shape, shardings[t.path[0]][t.path[1]], host)
+        params.setdefault(t.path[0], {})[t.path[1]] = arr
+    return cfg, params
+
+
+def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int | None = None) -> None:
+    """Write `params` as a HuggingFace checkpoint (config.json + safetensors) in their own dtype.
+
+    With `max_shard_bytes`, tensors are packed in order into shard files of at most that size
+    (a larger tensor gets a file of its own) and indexed by model.safetensors.index.json.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(cfg.to_hf(), fh, indent=2)
+    host = jax.device_get(params)  # gathers sharded arrays; one tensor tree on the host
+    tensors: dict[str, np.ndarray] = {}
+    for t in _tensors(cfg):
+        w = np.asarray(host[t.path[0]][t.path[1]])
+        for i in range(cfg.num_hidden_layers) if t.stacked else [None]:
+            tensors[t.hf_name.format(i=i)] = t.to_hf(w[i] if t.stacked else w)
+
+    # A stale file of the other layout would shadow the new one (HF prefers model.safetensors).
+    for stale in ("model.safetensors", "model.safetensors.index.json"):
+        if os.path.exists(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
+    meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
+    if max_shard_bytes is None:
+        safetensors.numpy.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        safetensors.numpy.save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+        json.dump(index, fh, indent=2)
