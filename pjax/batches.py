@@ -1,0 +1,178 @@
+"""Token stream -> training batches: packed windows, a shuffled order per epoch, sharded arrays.
+
+Packing: window i is tokens[i*seq_len : i*seq_len + seq_len + 1]. Consecutive windows share one
+boundary token (the last label of one is the first input of the next), so every token after the
+first is predicted exactly once per epoch and nothing is padded.
+
+Order: epoch e visits the windows in `np.random.default_rng([seed, epoch]).permutation`; global
+batch g of the epoch is the next `batch_size` windows, and the remainder that does not fill a
+batch is dropped. The order depends only on the data, seed, batch_size and seq_len, never on the
+mesh: changing the parallel layout changes where rows live, not which rows are trained on.
+
+Layout: a batch is [grad_accum, batch_size // grad_accum, seq_len], micro-batch j holding rows
+j*mb:(j+1)*mb of the global batch. On a mesh it is sharded P(None, dp, cp): every device gets all
+micro-batches, its dp slice of the rows and its cp slice of the sequence. Each process reads only
+the rows and columns its own devices hold, which is what lets the loader scale across hosts.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mesh.errors import ConfigError
+from mesh.mesh import AXES, CP, DP, MeshConfig
+from mesh.validate import validate_batch
+
+# A permutation of the sequence positions applied to the last axis, e.g. context parallelism's
+# zigzag layout (so each cp shard gets an early and a late chunk and causal work balances).
+SequenceLayout = Callable[[np.ndarray], np.ndarray]
+Batch = dict[str, jax.Array]
+
+
+def identity_layout(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """How many seq_len+1 windows the stream packs into (they overlap by one token)."""
+    return max(num_tokens - 1, 0) // seq_len
+
+
+def epoch_order(seed: int, epoch: int, n_windows: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the windows."""
+    return np.random.default_rng([seed, epoch]).permutation(n_windows)
+
+
+def read_windows(tokens: np.ndarray, ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """int32 [*ids.shape, seq_len + 1]: the windows with these indices."""
+    offsets = np.asarray(ids, dtype=np.int64)[..., None] * seq_len + np.arange(seq_len + 1)
+    return np.asarray(tokens[offsets], dtype=np.int32)
+
+
+def batch_arrays(tokens: np.ndarray, ids: np.ndarray, seq_len: int, columns: np.ndarray) -> dict[str, np.ndarray]:
+    """inputs/labels/positions for windows `ids`, at the (laid-out) sequence positions `columns`."""
+    windows = read_windows(tokens, ids, seq_len)
+    return {
+        "inputs": windows[..., columns],
+        "labels": windows[..., columns + 1],
+        "positions": np.broadcast_to(columns.astype(np.int32), (*ids.shape, len(columns))).copy(),
+    }
+
+
+def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Per dimension, the global indices this process's devices hold.
+
+    They come in the order `jax.make_array_from_process_local_data` reads its input: each
+    distinct shard slice of the dimension, ascending, concatenated. On one host that is every
+    index; on many hosts it is this host's rows (dp) and sequence chunks (cp).
+    """
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    indices = []
+    for dim, size in enumerate(global_shape):
+        ranges = sorted({index[dim].indices(size)[:2] for index in index_map.values()})
+        indices.append(np.concatenate([np.arange(start, stop) for start, stop in ranges]))
+    return tuple(indices)
+
+
+class DataIterator:
+    """Endless, resumable iterator of global batches {'inputs', 'labels', 'positions'}, each
+    int32 [grad_accum, batch_size // grad_accum, seq_len]."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, grad_accum: int, seed: int,
+                 mesh: Mesh | None = None, *, eval_tokens: np.ndarray | None = None,
+                 sequence_layout: SequenceLayout = identity_layout) -> None:
+        if mesh is None:
+            if min(seq_len, batch_size, grad_accum) < 1 or batch_size % grad_accum:
+                raise ConfigError(f"train.batch_size={batch_size} is not divisible by train.grad_accum={grad_accum} "
+                                  f"(all three of batch_size, grad_accum, seq_len must be positive); change one.")
+        else:
+            sizes = MeshConfig(**{axis: mesh.shape[axis] for axis in AXES})
+            validate_batch(sizes, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+        self.tokens, self.eval_tokens = tokens, eval_tokens
+        self.seq_len, self.batch_size, self.grad_accum, self.seed = seq_len, batch_size, grad_accum, seed
+        self.micro_batch = batch_size // grad_accum
+        self.num_windows = num_windows(len(tokens), seq_len)
+        if self.num_windows < batch_size:
+            raise ConfigError(
+                f"the training tokens ({len(tokens)}) pack into only {self.num_windows} windows of train.seq_len="
+                f"{seq_len}, fewer than train.batch_size={batch_size}; use more data or a smaller seq_len or batch_size."
+            )
+        self.batches_per_epoch = self.num_windows // batch_size
+        self.columns = np.asarray(sequence_layout(np.arange(seq_len)))
+        if not np.array_equal(np.sort(self.columns), np.arange(seq_len)):
+            raise ValueError("sequence_layout must permute the last axis (it returned something else for arange).")
+        self.global_shape = (grad_accum, self.micro_batch, seq_len)
+        self.sharding = None if mesh is None else NamedSharding(mesh, P(None, DP, CP))
+        if self.sharding is not None:
+            self._local = process_local_indices(self.sharding, self.global_shape)
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), the current epoch's
+
+    # -- order -------------------------------------------------------------------------------
+    def window_ids(self, epoch: int, step_in_epoch: int) -> np.ndarray:
+        """int [grad_accum, micro_batch]: the windows of one global batch, micro-batch-major."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.seed, epoch, self.num_windows))
+        start = step_in_epoch * self.batch_size
+        return self._order[1][start:start + self.batch_size].reshape(self.grad_accum, self.micro_batch)
+
+    def global_batch(self, epoch: int, step_in_epoch: int) -> dict[str, np.ndarray]:
+        """The whole global batch as numpy arrays (for checks and debugging; training uses next())."""
+        return batch_arrays(self.tokens, self.window_ids(epoch, step_in_epoch), self.seq_len, self.columns)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> "DataIterator":
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self._assemble(self.tokens, self.window_ids(self.epoch, self.step_in_epoch))
+        self.step_in_epoch += 1
+        if self.step_in_epoch == self.batches_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return batch
+
+    def eval_batches(self, n: int) -> Iterator[Batch]:
+        """At most `n` batches of the held-out windows, in stream order (no shuffle)."""
+        if self.eval_tokens is None:
+            raise ValueError("this DataIterator was built without eval_tokens.")
+        available = num_windows(len(self.eval_tokens), self.seq_len) // self.batch_size
+        if available == 0:
+            raise ConfigError(
+                f"the held-out split has {len(self.eval_tokens)} tokens, less than one batch of train.batch_size="
+                f"{self.batch_size} windows of train.seq_len={self.seq_len}; raise data.eval_fraction or shrink the batch."
+            )
+        for k in range(min(n, available)):
+            ids = np.arange(k * self.batch_size, (k + 1) * self.batch_size).reshape(self.grad_accum, self.micro_batch)
+            yield self._assemble(self.eval_tokens, ids)
+
+    def _assemble(self, tokens: np.ndarray, ids: np.ndarray) -> Batch:
+        if self.sharding is None:
+            return {k: jnp.asarray(v) for k, v in batch_arrays(tokens, ids, self.seq_len, self.columns).items()}
+        micro, rows, cols = self._local
+        local = batch_arrays(tokens, ids[np.ix_(micro, rows)], self.seq_len, self.columns[cols])
+        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
+
+    # -- checkpointing -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """A small JSON-serialisable position in the stream, plus the settings that define it."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "num_windows": self.num_windows}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state()` was taken."""
+        ours = self.state()
+        keys = ("seed", "batch_size", "seq_len", "num_windows")
+        if any(state[k] != ours[k] for k in keys):
+            saved = ", ".join(f"{k}={state[k]}" for k in keys)
+            now = ", ".join(f"{k}={ours[k]}" for k in keys)
+            raise ConfigError(f"the saved data stream ({saved}) differs from this run's ({now}); "
+                              f"resume with the same train.seed, batch_size, seq_len and data, or start afresh.")
+        if not 0 <= state["step_in_epoch"] < self.batches_per_epoch:
+            raise ConfigError(f"the saved data state has step_in_epoch={state['step_in_epoch']}, outside "
+                              f"[0, {self.batches_per_epoch}); the checkpoint does not match this data.")
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])

@@ -1,0 +1,243 @@
+"""Text in, token stream out: tokenizer loading, text sources, and the on-disk token cache.
+
+A corpus is tokenized once into a flat binary file of token ids (uint16 when the vocabulary
+fits, else uint32) and memory-mapped from then on, so start-up after the first run costs
+milliseconds. Batching (windows, order, sharding) lives in `pjax/batches.py`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+from jax.sharding import Mesh
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+from mesh.errors import ConfigError
+from pjax.batches import DataIterator
+from pjax.config import DataConfig, TrainConfig
+
+SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_CACHE_FORMAT = 1  # bump when the cache layout or the tokenization procedure changes
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
+
+
+def _local_path(spec: str) -> Path | None:
+    """The existing file or folder `spec` names: relative to the working directory, else to the
+    repository root (so the embedded default data is found from any working directory)."""
+    for path in (Path(spec).expanduser(), _REPO_ROOT / spec):
+        if path.exists():
+            return path
+    return None
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Hub ids are 'name' or 'org/name'; anything else can only be a (missing) local path."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or Path(spec).suffix in (".json", *SOURCE_SUFFIXES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
+    """A tokenizer from a `tokenizer.json`, a folder holding one (or GPT-2's `vocab.json` +
+    `merges.txt`), or a HuggingFace hub name."""
+    path = _local_path(spec)
+    if path is not None and path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+        else:
+            raise ConfigError(f"data.tokenizer={spec} is a folder without tokenizer.json or vocab.json+merges.txt; "
+                              f"point it at a tokenizer file or folder.")
+    if path is not None:
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({e}); point it at one.") from e
+    if _looks_like_path(spec):
+        raise ConfigError(f"data.tokenizer={spec} does not exist; point it at a tokenizer.json or a tokenizer folder.")
+    try:
+        return Tokenizer.from_pretrained(spec)
+    except Exception as e:
+        raise ConfigError(f"data.tokenizer={spec} is not an existing path and could not be loaded from the HuggingFace "
+                          f"hub (unreachable or unknown name); use a local tokenizer path.") from e
+
+
+def eos_id(tokenizer: Any) -> int | None:
+    """The end-of-text id placed between documents, if the vocabulary has one."""
+    for name in _EOS_NAMES:
+        token = tokenizer.token_to_id(name)
+        if token is not None:
+            return token
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Text sources: each yields documents (one per .txt file, JSON line, parquet row, dataset row)
+# ---------------------------------------------------------------------------------------------
+
+def source_files(spec: str) -> list[Path] | None:
+    """The text files behind `data.path` (a file, or a folder's files sorted), or None for a hub name."""
+    path = _local_path(spec)
+    if path is None:
+        if _looks_like_path(spec):
+            raise ConfigError(f"data.path={spec} does not exist; point it at a .txt/.jsonl/.parquet file or a folder of them.")
+        return None
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
+        if not files:
+            raise ConfigError(f"data.path={spec} is a folder with no .txt, .jsonl or .parquet files; add some or point elsewhere.")
+        return files
+    if path.suffix not in SOURCE_SUFFIXES:
+        raise ConfigError(f"data.path={spec} has an unsupported type; use a .txt, .jsonl or .parquet file or a folder of them.")
+    return [path]
+
+
+def _file_documents(path: Path) -> Iterator[str]:
+    if path.suffix == ".txt":
+        yield path.read_text(encoding="utf-8")
+    elif path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if "text" not in record:
+                        raise ConfigError(f"{path}:{line_no} has no \"text\" field; every JSON line needs one.")
+                    yield record["text"]
+    else:
+        try:
+            import pyarrow.parquet as pq  # optional: only parquet sources need it
+        except ImportError as e:
+            raise ConfigError(f"data.path={path} is a parquet file; run `pip install pyarrow` to read it.") from e
+        parquet = pq.ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise ConfigError(f"{path} has no \"text\" column; parquet sources need one.")
+        for batch in parquet.iter_batches(columns=["text"]):
+            yield from batch.column(0).to_pylist()
+
+
+def _hub_documents(name: str) -> Iterator[str]:
+    try:
+        import datasets  # optional and slow to import: only hub sources need it
+    except ImportError as e:
+        raise ConfigError(f"data.path={name} is not a local path; to load it from the HuggingFace hub run "
+                          f"`pip install datasets`, or point data.path at a local file.") from e
+    try:
+        dataset = datasets.load_dataset(name, split="train")
+    except Exception as e:
+        raise ConfigError(f"data.path={name} is not a local path and could not be loaded from the HuggingFace hub "
+                          f"(unreachable or unknown name); point data.path at a local file.") from e
+    for row in dataset:
+        yield row["text"]
+
+
+def documents(spec: str) -> Iterator[str]:
+    """Every document of `data.path`, in a fixed order."""
+    files = source_files(spec)
+    if files is None:
+        yield from _hub_documents(spec)
+    else:
+        for path in files:
+            yield from _file_documents(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and cache
+# ---------------------------------------------------------------------------------------------
+
+def _pieces(text: str) -> list[str]:
+    # Cut just before a newline that precedes a non-space: byte-level BPE's pre-tokenizer always
+    # starts a new word there, so the pieces tokenize exactly as the whole text (checked on the
+    # GPT-2 and SmolLM2 tokenizers); encode_batch then tokenizes them on all cores.
+    return [p for p in re.split(r"(?=\n\S)", text) if p]
+
+
+def tokenize(docs: Iterable[str], tokenizer: Any) -> Iterator[np.ndarray]:
+    """Token ids of the documents, in chunks, with the end-of-text id between documents."""
+    eos = eos_id(tokenizer)
+    pieces: list[str | None] = []  # None marks a document boundary
+    size = 0
+
+    def flush() -> np.ndarray:
+        # No special tokens per piece: a BOS from a post-processor would land in every piece.
+        encoded = iter(tokenizer.encode_batch([p for p in pieces if p is not None], add_special_tokens=False))
+        ids: list[int] = []
+        for piece in pieces:
+            ids.extend([eos] if piece is None else next(encoded).ids)
+        return np.asarray(ids, dtype=np.int64)
+
+    for n, doc in enumerate(docs):
+        if n and eos is not None:
+            pieces.append(None)
+        for piece in _pieces(doc):
+            pieces.append(piece)
+            size += len(piece)
+            if size >= _BATCH_CHARS:
+                yield flush()
+                pieces, size = [], 0
+    if pieces:
+        yield flush()
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size < 2**16 else np.uint32
+
+
+def cache_key(spec: str, tokenizer: Any) -> str:
+    """A hash of the sources (paths, sizes, mtimes) and the tokenizer's full definition."""
+    files = source_files(spec)
+    sources = [spec] if files is None else [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    vocab_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+    blob = json.dumps({"format": _CACHE_FORMAT, "sources": sources, "tokenizer": vocab_hash})
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
+    """The whole corpus as a read-only memory-mapped token array, tokenizing it on first use."""
+    dtype = np.dtype(token_dtype(tokenizer.get_vocab_size()))
+    cache_dir = Path(data_cfg.cache_dir)
+    path = cache_dir / f"tokens-{cache_key(data_cfg.path, tokenizer)}-{dtype.name}.bin"
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # Write under a unique name and rename: a crash leaves no half-written cache, and several
+        # processes (multi-host, shared file system) can race safely, the last rename wins.
+        tmp = cache_dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with tmp.open("wb") as f:
+                for chunk in tokenize(documents(data_cfg.path), tokenizer):
+                    f.write(chunk.astype(dtype).tobytes())
+            if tmp.stat().st_size == 0:
+                raise ConfigError(f"data.path={data_cfg.path} holds no text; point it at a non-empty corpus.")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def split_eval(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval): the last `eval_fraction` of the token stream is held out."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={eval_fraction} is out of range; use a value in [0, 1).")
+    n_eval = int(round(len(tokens) * eval_fraction))
+    return tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
+
+
+def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, mesh: Mesh | None,
+               **iterator_kwargs: Any) -> tuple[DataIterator, np.ndarray, Any]:
+    """(train iterator, held-out tokens, tokenizer) for a run; extra kwargs go to DataIterator
+    (e.g. `sequence_layout`)."""
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    train_tokens, eval_tokens = split_eval(load_tokens(data_cfg, tokenizer), data_cfg.eval_fraction)
+    train_iter = DataIterator(train_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum,
+                              train_cfg.seed, mesh, eval_tokens=eval_tokens, **iterator_kwargs)
+    return train_iter, eval_tokens, tokenizer
