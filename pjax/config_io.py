@@ -1,0 +1,177 @@
+"""Reading and writing run configs: YAML files plus `section.key=value` command-line overrides.
+
+`load_config("picotron-cpu", ["mesh.tp=2", "train.lr=3e-4"])` reads `configs/picotron-cpu.yaml`,
+applies the overrides, checks every value's type against the dataclass field it lands in, and
+builds a `Config` (whose own `__post_init__` checks reject impossible values). A YAML file may be
+partial: missing keys keep their dataclass defaults. `dump_config` writes the fully resolved
+config back out, so a run directory records exactly what ran and `load_config` can replay it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from mesh.errors import ConfigError
+from pjax.config import Config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "debug"
+
+# section name -> its dataclass, in the order the YAML is written.
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that `3e-4` is a float.
+
+    PyYAML implements YAML 1.1, whose float pattern needs a '.' and a signed exponent, so
+    `lr: 3e-4` would arrive as the string '3e-4'. YAML 1.2 (and every user) reads it as a number.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def available_configs() -> list[str]:
+    """Names of the configs shipped in `configs/` (without `.yaml`)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(path: str | None) -> Path:
+    """A config file for `path`: an existing file, or a bare name looked up in `configs/`."""
+    if path is None:
+        return CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml"
+    given = Path(path)
+    if given.is_file():
+        return given
+    if given.parent == Path("."):  # a bare name such as 'picotron-cpu' or 'picotron-cpu.yaml'
+        for candidate in (CONFIG_DIR / given.name, CONFIG_DIR / f"{given.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"config file '{path}' not found; available configs: {', '.join(available_configs())}.")
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (default `configs/debug.yaml`) and apply `section.key=value` overrides."""
+    file = resolve_config_path(path)
+    try:
+        document = yaml.load(file.read_text(), Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file '{file}' is not valid YAML: {problem}{where}.") from None
+    return config_from_dict(document, overrides, source=f"config file '{file}'")
+
+
+def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str = "config") -> Config:
+    """Build a Config from a nested dict (as in a YAML file), then apply overrides."""
+    if document is None:  # an empty file: all defaults
+        document = {}
+    if not isinstance(document, dict):
+        raise ConfigError(
+            f"{source} must be a mapping of sections ({', '.join(sorted(SECTIONS))}), got {_show(document)}."
+        )
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for section, body in document.items():
+        cls = _section(section, source)
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section '{section}' in {source} must be a mapping of keys, got {_show(body)}.")
+        for key, value in body.items():
+            values[section][key] = _coerce(section, key, value, cls, source)
+    for item in overrides:
+        section, key, value = parse_override(item)
+        where = f"override '{item}'"
+        values[section][key] = _coerce(section, key, value, _section(section, where), where)
+    return Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()})
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """Split 'train.lr=3e-4' into ('train', 'lr', 0.0003); the value is read as YAML."""
+    dotted, sep, text = item.partition("=")
+    dotted = dotted.strip()
+    if not sep or not dotted:
+        raise ConfigError(f"override '{item}' must look like key=value, e.g. train.steps=50.")
+    section, dot, key = dotted.partition(".")
+    if not dot or not key or "." in key:
+        raise ConfigError(f"override key '{dotted}' must be section.key, e.g. train.steps; valid sections: "
+                          f"{', '.join(sorted(SECTIONS))}.")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        raise ConfigError(f"override '{item}' has a value that is not valid YAML; quote it or fix it.") from None
+    return section, key, value
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config as nested plain dicts (section -> key -> value), every field resolved."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML that `load_config` reads back into an equal Config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def _section(name: Any, source: str) -> type:
+    if name in SECTIONS:
+        return SECTIONS[name]
+    raise ConfigError(f"unknown config section '{name}' in {source}{_did_you_mean(str(name), SECTIONS)}; "
+                      f"valid sections: {', '.join(sorted(SECTIONS))}.")
+
+
+def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
+    """`value` checked against (and, for int->float and integral float->int, converted to) the field type."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    if key not in fields:
+        candidates = {f"{section}.{name}": name for name in fields}
+        raise ConfigError(f"unknown key '{section}.{key}' in {source}{_did_you_mean(f'{section}.{key}', candidates)}; "
+                          f"valid keys in {section}: {', '.join(fields)}.")
+    name = f"{section}.{key}"
+    kind = hints[key]
+    optional = type(None) in typing.get_args(kind) if isinstance(kind, types.UnionType) else False
+    base = next(t for t in typing.get_args(kind) if t is not type(None)) if optional else kind
+    if value is None and optional:
+        return None
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    if base is str and isinstance(value, str):
+        return value
+    wanted = {bool: "true or false", int: "an integer", float: "a finite number",
+              str: "a string (quote it if YAML reads it as something else)"}[base]
+    raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__} {value!r}"[:80]
+    return repr(value)

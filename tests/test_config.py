@@ -1,0 +1,246 @@
+"""Config loading: shipped YAML files, overrides, round trips, and one-sentence errors."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mesh.errors import ConfigError
+from mesh.mesh import MeshConfig
+from mesh.validate import validate_batch, validate_model
+from pjax.config import Config
+from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config
+
+REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b"]
+REPO = Path(__file__).resolve().parent.parent
+
+# Keys that the README, notebooks and the other modules rely on.
+CONTRACT_KEYS = {
+    "mesh": ["dp", "pp", "cp", "tp"],
+    "train": ["steps", "seed", "seq_len", "batch_size", "grad_accum", "lr", "dtype", "remat", "zero"],
+    "data": ["path", "tokenizer"],
+    "log": ["dir", "every", "eval_every"],
+    "checkpoint": ["dir", "every"],
+    "pipeline": ["schedule", "virtual_stages"],
+    "model": ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings"],
+}
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_every_shipped_config_is_listed():
+    assert {"debug", "picotron-cpu", *REAL_SHAPES} <= set(available_configs())
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_shipped_config_loads_and_sets_every_section(name):
+    cfg = load_config(name)
+    text = (CONFIG_DIR / f"{name}.yaml").read_text()
+    for section in ("model", "mesh", "train", "data", "log", "checkpoint", "pipeline"):
+        assert f"\n{section}:" in "\n" + text, f"{name}.yaml has no {section} section"
+    assert cfg.model.head_dim * cfg.model.num_attention_heads == cfg.model.hidden_size
+    assert cfg.model.vocab_size >= 4096
+
+
+@pytest.mark.parametrize("name,devices", [("debug", 8), ("debug", 4), ("picotron-cpu", 8), ("picotron-cpu", 4)]
+                         + [(n, d) for n in REAL_SHAPES for d in (16, 64)])
+def test_shipped_config_fits_its_intended_device_counts(name, devices):
+    cfg = load_config(name)
+    mesh = cfg.mesh.resolve(devices)
+    m = cfg.model
+    validate_model(mesh, num_layers=m.num_hidden_layers, num_heads=m.num_attention_heads,
+                   num_kv_heads=m.num_key_value_heads, hidden_size=m.hidden_size,
+                   intermediate_size=m.intermediate_size, vocab_size=m.vocab_size, zero=cfg.train.zero)
+    validate_batch(mesh, batch_size=cfg.train.batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len)
+    assert cfg.train.seq_len <= m.max_position_embeddings
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+def test_real_shape_configs_use_bf16_remat_and_zero(name):
+    train = load_config(name).train
+    assert train.dtype == "auto" and train.remat in ("dots_no_batch", "full") and train.zero in (1, 3)
+    assert 2048 <= train.seq_len <= 8192
+
+
+def test_real_shape_parameter_counts_match_the_released_models():
+    billions = {n: load_config(n).model.num_params / 1e9 for n in REAL_SHAPES}
+    assert billions["smollm-135m"] == pytest.approx(0.1345, abs=1e-3)
+    assert billions["smollm-360m"] == pytest.approx(0.3618, abs=1e-3)
+    assert billions["smollm-1.7b"] == pytest.approx(1.711, abs=1e-3)
+    assert billions["llama2-7b"] == pytest.approx(6.738, abs=1e-3)
+    assert billions["llama3-8b"] == pytest.approx(8.030, abs=1e-3)
+
+
+def test_data_paths_in_shipped_configs_exist_or_are_built_on_first_use():
+    for name in available_configs():
+        data = load_config(name).data
+        assert (REPO / data.path).is_file(), f"{name}: {data.path}"
+        if data.tokenizer != "data/tokenizer/bpe4096":  # trained from the shipped text on first use
+            assert (REPO / data.tokenizer).exists(), f"{name}: {data.tokenizer}"
+
+
+def test_no_path_loads_debug_yaml():
+    assert load_config() == load_config(str(CONFIG_DIR / "debug.yaml"))
+    assert load_config().log.dir == "runs/debug"
+
+
+def test_bare_names_with_or_without_yaml_resolve_in_configs_dir():
+    assert load_config("picotron-cpu") == load_config("picotron-cpu.yaml")
+    assert load_config("picotron-cpu").model.vocab_size == 4096
+
+
+def test_partial_yaml_keeps_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  steps: 7\n"))
+    assert cfg.train.steps == 7
+    assert dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=100)) == Config()
+
+
+def test_empty_yaml_is_all_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_overrides_parse_ints_floats_bools_and_null():
+    cfg = load_config(overrides=["train.steps=50", "train.lr=3e-4", "model.tie_word_embeddings=true",
+                                 "checkpoint.dir=null", "mesh.tp=1", "model.rope_theta=500000"])
+    assert cfg.train.steps == 50 and isinstance(cfg.train.steps, int)
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.model.tie_word_embeddings is True
+    assert cfg.checkpoint.dir is None
+    assert cfg.mesh.tp == 1
+    assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
+
+
+def test_override_beats_file_and_last_override_wins():
+    cfg = load_config("debug", ["train.steps=5", "train.steps=6", "checkpoint.dir=runs/x/ckpt"])
+    assert cfg.train.steps == 6 and cfg.checkpoint.dir == "runs/x/ckpt"
+
+
+def test_integral_float_is_accepted_for_int_fields():
+    assert load_config(overrides=["train.steps=2.0"]).train.steps == 2
+    assert load_config(overrides=["train.steps=1e3"]).train.steps == 1000
+
+
+def test_exponent_floats_without_dot_load_as_numbers_from_yaml(tmp_path):
+    assert load_config(write(tmp_path, "train:\n  lr: 1e-3\nmodel:\n  rms_norm_eps: 1e-6\n")).train.lr == 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_dump_then_load_round_trips(name, tmp_path):
+    cfg = load_config(name, ["train.lr=3e-4", "log.peak_flops=1e12"])
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+
+
+def test_config_to_dict_is_plain_nested_dicts():
+    d = config_to_dict(load_config())
+    assert d["train"]["steps"] == 100 and d["model"]["head_dim"] == 32 and d["checkpoint"]["dir"] is None
+    assert all(type(v) is dict for v in d.values())
+
+
+@pytest.mark.parametrize("section,keys", CONTRACT_KEYS.items())
+def test_contract_keys_exist(section, keys):
+    fields = {f.name for f in dataclasses.fields(getattr(Config(), section))}
+    assert set(keys) <= fields
+
+
+# ---- errors: one ConfigError sentence that names the key ----
+
+def test_unknown_section_lists_valid_sections(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config section 'trian'.*did you mean 'train'.*valid sections: "
+                                          r"checkpoint, data, log, mesh, model, pipeline, train"):
+        load_config(write(tmp_path, "trian:\n  steps: 3\n"))
+
+
+def test_unknown_key_suggests_close_match():
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stpes'.*did you mean 'train.steps'.*valid keys in train: "):
+        load_config(overrides=["train.stpes=10"])
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'model.hidden'.*cfg.yaml.*did you mean 'model.hidden_size'"):
+        load_config(write(tmp_path, "model:\n  hidden: 64\n"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.steps=ten", r"train.steps must be an integer, got 'ten'"),
+    ("train.steps=2.5", r"train.steps must be an integer, got 2.5"),
+    ("train.steps=true", r"train.steps must be an integer, got True"),
+    ("train.steps=null", r"train.steps must be an integer, got null"),
+    ("train.lr=fast", r"train.lr must be a finite number, got 'fast'"),
+    ("model.tie_word_embeddings=1", r"model.tie_word_embeddings must be true or false, got 1"),
+    ("data.path=123", r"data.path must be a string"),
+    ("checkpoint.dir=[a, b]", r"checkpoint.dir must be a string .*or null, got a list"),
+])
+def test_wrong_type_names_key_and_value(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override", ["train.steps", "=5", "train.steps 5"])
+def test_malformed_override_says_key_equals_value(override):
+    with pytest.raises(ConfigError, match=r"must look like key=value"):
+        load_config(overrides=[override])
+
+
+def test_override_without_section_asks_for_dotted_key():
+    with pytest.raises(ConfigError, match=r"override key 'steps' must be section.key"):
+        load_config(overrides=["steps=5"])
+
+
+def test_missing_file_lists_available_configs():
+    with pytest.raises(ConfigError, match=r"config file 'nope.yaml' not found; available configs: .*debug.*picotron-cpu"):
+        load_config("nope.yaml")
+
+
+def test_yaml_syntax_error_is_one_line_with_line_number(tmp_path):
+    with pytest.raises(ConfigError, match=r"is not valid YAML.*line 3") as info:
+        load_config(write(tmp_path, "train:\n  steps: 3\n  lr: 1: 2\n"))
+    assert "\n" not in str(info.value)
+
+
+def test_non_mapping_document_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"must be a mapping of sections.*got a list"):
+        load_config(write(tmp_path, "- train\n- mesh\n"))
+
+
+def test_non_mapping_section_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"config section 'train'.*must be a mapping of keys, got 5"):
+        load_config(write(tmp_path, "train: 5\n"))
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.steps=0", "train.steps"), ("train.seq_len=0", "train.seq_len"),
+    ("train.batch_size=0", "train.batch_size"), ("train.grad_accum=0", "train.grad_accum"),
+    ("train.lr=0", "train.lr"), ("train.warmup_steps=-1", "train.warmup_steps"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio"), ("train.min_lr_ratio=-0.1", "train.min_lr_ratio"),
+    ("train.dtype=float16", "train.dtype"), ("train.remat=some", "train.remat"), ("train.zero=2", "train.zero"),
+    ("train.attention=flash", "train.attention"), ("pipeline.schedule=gpipe", "pipeline.schedule"),
+    ("pipeline.virtual_stages=0", "pipeline.virtual_stages"), ("log.every=0", "log.every"),
+    ("log.eval_every=-1", "log.eval_every"), ("checkpoint.every=-1", "checkpoint.every"),
+    ("checkpoint.keep=0", "checkpoint.keep"), ("data.eval_fraction=1.0", "data.eval_fraction"),
+])
+def test_impossible_value_names_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid; "):
+        load_config(overrides=[override])
+
+
+def test_choice_errors_list_the_valid_choices():
+    remats = "none, full, dots, dots_no_batch, offload"
+    with pytest.raises(ConfigError, match=rf"train.remat='some' is invalid; choose one of {remats}"):
+        load_config(overrides=["train.remat=some"])
+    with pytest.raises(ConfigError, match=r"pipeline.schedule='gpipe' is invalid; choose one of 1f1b, afab, interleaved"):
+        load_config(overrides=["pipeline.schedule=gpipe"])
+
+
+def test_model_shape_errors_propagate_from_llama_config():
+    with pytest.raises(ConfigError, match=r"model.hidden_size=130 is not divisible by model.num_attention_heads"):
+        load_config(overrides=["model.hidden_size=130", "model.head_dim=null"])
+
+
+def test_mesh_sizes_are_left_to_mesh_validation():
+    assert load_config(overrides=["mesh.tp=3"]).mesh == MeshConfig(dp=-1, pp=1, cp=1, tp=3)
