@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig
 from mesh.validate import validate_batch, validate_model
 from models import llama
@@ -76,13 +77,23 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     return loss / count, jax.tree.map(lambda g: g / count, grads)
 
 
+def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig) -> jax.Array:
+    """Mean token loss of a batch without gradients (held-out evaluation)."""
+    def micro_step(carry, micro):
+        loss, count = loss_sum(params, micro, cfg, tc)
+        return (carry[0] + loss, carry[1] + count), None
+
+    (loss, count), _ = jax.lax.scan(micro_step, (jnp.zeros(()), jnp.zeros(())), batch)
+    return loss / count
+
+
 def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
                optimizer: optax.GradientTransformation, grad_sharding: Any = None) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr}."""
     loss, grads = loss_and_grads(state.params, batch, cfg, tc, grad_sharding)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(tc)(state.step)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(tc)(state.step)}
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -107,6 +118,7 @@ class Trainer:
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
     grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
+    loss: Callable[[Any, Batch], jax.Array]
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
@@ -137,7 +149,27 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
                                     out_shardings=(state_sharding, None), donate_argnums=0)),
         grads=_on_mesh(mesh, jax.jit(grads, in_shardings=(p_sharding, batch_sharding),
                                      out_shardings=(None, p_sharding))),
+        loss=_on_mesh(mesh, jax.jit(functools.partial(mean_loss, cfg=cfg, tc=tc),
+                                    in_shardings=(p_sharding, batch_sharding))),
     )
+
+
+def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -> TrainState:
+    """Fresh sharded state: random parameters, or a HuggingFace checkpoint's (`train.init_from`)."""
+    if init_from is None:
+        return trainer.init(rng)
+    from models.hf import load_hf
+
+    hf_cfg, params = load_hf(init_from, trainer.state_sharding.params)
+    ours, theirs = dataclasses.asdict(trainer.cfg), dataclasses.asdict(hf_cfg)
+    shape_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+    diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in shape_keys if ours[k] != theirs[k]]
+    if diff:
+        raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
+                          f"set those model keys to the checkpoint's values.")
+    opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params))
 
 
 def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:

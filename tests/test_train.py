@@ -1,0 +1,74 @@
+"""End to end: `python -m pjax.train` on the shipped text; layouts change the layout, not the losses."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from mesh.errors import ConfigError
+from pjax.config_io import load_config
+from pjax.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the trainer forces the CPU device count the mesh needs
+    return subprocess.run([sys.executable, "-m", "pjax.train", "--no_progress", f"data.cache_dir={tmp_path}/cache",
+                           f"log.dir={tmp_path}/run", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
+    proc = run_cli("train.steps=100", "log.every=10", "log.eval_every=100", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mesh dp=2 pp=1 cp=1 tp=2 over 4 cpu devices" in proc.stdout
+    assert "layers/wq" in proc.stdout and "parameters:" in proc.stdout
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train_records] == list(range(10, 101, 10))
+    for r in train_records:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s"} <= r.keys()
+        assert r["mfu"] is None  # no configured CPU peak: no made-up MFU
+        assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
+    evals = [r for r in lines if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [100]
+    ln_vocab = math.log(4096)
+    assert train_records[-1]["loss"] < ln_vocab - 1.5, train_records[-1]
+    assert evals[0]["eval_loss"] < ln_vocab - 1.5, evals
+    assert list((tmp_path / "run").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_cli_bad_config_is_one_line_error(tmp_path):
+    proc = run_cli("mesh.tp=3", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "model.num_attention_heads=4 is not divisible by mesh.tp=3" in proc.stderr
+    proc = run_cli("train.stpes=3", tmp_path=tmp_path)
+    assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr
+
+
+def small_run(tmp_path, name, **mesh):
+    overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + [
+        "train.steps=4", "log.every=1", "log.eval_every=0", f"log.dir={tmp_path}/{name}", f"data.cache_dir={tmp_path}/cache"]
+    cfg = load_config("debug", overrides)
+    n = math.prod(mesh.values())
+    return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:n])]
+
+
+def test_dp2_tp2_losses_equal_one_device(tmp_path):
+    one = small_run(tmp_path, "one", dp=1, tp=1)
+    sharded = small_run(tmp_path, "sharded", dp=2, tp=2)
+    assert len(one) == 4
+    assert max(abs(a - b) for a, b in zip(one, sharded)) <= 1e-5, (one, sharded)
+
+
+def test_tokenizer_larger_than_vocab_is_a_config_error(tmp_path):
+    cfg = load_config("debug", ["model.vocab_size=1024", "mesh.dp=1", "mesh.tp=1", f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="has 4096 tokens but model.vocab_size=1024"):
+        train(cfg, progress=False, devices=jax.devices()[:1])
