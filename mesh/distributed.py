@@ -9,34 +9,43 @@ import os
 
 import jax
 
+from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 
 DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> bool:
+                     process_id: int | None = None) -> int:
     """Join a multi-process run when asked to: explicit arguments, or a SLURM job of several tasks.
 
-    Returns True when `jax.distributed.initialize` was called. One process per host, each seeing
-    its local accelerators; JAX discovers the coordinator from SLURM's environment itself.
+    Returns the number of processes (1 when running alone). One process per host, each seeing
+    its local accelerators; under SLURM JAX finds the coordinator in the environment itself.
     """
-    if coordinator is not None or num_processes is not None:
+    explicit = coordinator is not None or num_processes is not None
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+    if not (explicit or slurm):
+        return 1
+    # CPU-only multi-process runs need a collectives backend; gloo ships with jaxlib. This only
+    # affects the CPU backend, so it is harmless on GPU hosts.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-        return True
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        jax.distributed.initialize()
-        return True
-    return False
+        return num_processes or 1
+    jax.distributed.initialize()
+    return int(os.environ["SLURM_NTASKS"])
 
 
-def force_cpu_devices(mesh_cfg: MeshConfig) -> int:
-    """Ask XLA:CPU for as many devices as the mesh needs (8 when dp=-1 fills them).
+def force_cpu_devices(mesh_cfg: MeshConfig, num_processes: int = 1) -> int:
+    """Ask XLA:CPU for as many devices per process as the mesh needs (8 in all when dp=-1 fills).
 
     Only the CPU backend is affected: on a GPU or TPU host the accelerators stay the default
     devices, so this is safe to call unconditionally before the backend starts.
     """
     rest = mesh_cfg.pp * mesh_cfg.cp * mesh_cfg.tp
-    n = mesh_cfg.dp * rest if mesh_cfg.dp > 0 else max(DEFAULT_CPU_DEVICES // rest, 1) * rest
-    jax.config.update("jax_num_cpu_devices", n)
-    return n
+    total = mesh_cfg.dp * rest if mesh_cfg.dp > 0 else max(DEFAULT_CPU_DEVICES // rest, 1) * rest
+    if total % num_processes:
+        raise ConfigError(f"the mesh's {total} devices do not split evenly over {num_processes} processes; "
+                          f"choose mesh sizes whose product is a multiple of the process count.")
+    jax.config.update("jax_num_cpu_devices", total // num_processes)
+    return total // num_processes

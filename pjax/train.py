@@ -37,8 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        init_distributed(args.coordinator, args.num_processes, args.process_id)
-        force_cpu_devices(cfg.mesh)
+        num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
+        force_cpu_devices(cfg.mesh, num_processes)
         train(cfg, progress=not args.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -79,7 +79,7 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     writer = MetricsWriter(cfg.log.dir)
     records: list[dict[str, Any]] = []
     stop = _StopFlag()
-    bar = _progress_bar(tc.steps, enabled=progress and jax.process_index() == 0)
+    bar = _progress_bar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off")
     t_last, steps_since = time.perf_counter(), 0
     try:
         for step in range(1, tc.steps + 1):
@@ -157,11 +157,12 @@ class _StopFlag:
 
 
 class _progress_bar:
-    """tqdm with loss, tokens/s and MFU in the postfix, or plain log lines."""
+    """tqdm with loss, tokens/s and MFU in the postfix ('bar'), plain log lines ('lines'), or nothing
+    ('off': processes other than 0)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self._bar = None
-        if enabled:
+    def __init__(self, total: int, mode: str) -> None:
+        self._bar, self._quiet = None, mode == "off"
+        if mode == "bar":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
@@ -172,11 +173,12 @@ class _progress_bar:
         if self._bar is not None:
             self._bar.set_postfix(fields, refresh=False)
             self._bar.update(n)
-        else:
+        elif not self._quiet:
             print(f"step {r['step']}: " + " ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
 
     def note(self, text: str) -> None:
-        (self._bar.write if self._bar is not None else print)(text)
+        if not self._quiet:
+            (self._bar.write if self._bar is not None else print)(text)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -72,3 +72,30 @@ def test_tokenizer_larger_than_vocab_is_a_config_error(tmp_path):
     cfg = load_config("debug", ["model.vocab_size=1024", "mesh.dp=1", "mesh.tp=1", f"data.cache_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="has 4096 tokens but model.vocab_size=1024"):
         train(cfg, progress=False, devices=jax.devices()[:1])
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """Multi-host path on one machine: 2 processes x 2 CPU devices (gloo) as dp=2 x tp=2, each
+    loading only its own rows, give the single-process losses; only process 0 writes metrics."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["train.steps=3", "log.every=1", "log.eval_every=0"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "pjax.train", "--no_progress", "--coordinator", f"127.0.0.1:{port}",
+                               "--num_processes", "2", "--process_id", str(i), *common, f"log.dir={tmp_path}/multi",
+                               f"data.cache_dir={tmp_path}/cache{i}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert "step 3:" in outs[0][0] and "step 3:" not in outs[1][0]  # only process 0 reports
+    single = run_cli(*common, tmp_path=tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    read = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()]
+    multi, one = read(tmp_path / "multi"), read(tmp_path / "run")
+    assert len(multi) == 3 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)
