@@ -37,14 +37,21 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
 
 
 def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
-    """The attention implementation for this backend: 'reference' or 'cudnn' ('auto' picks)."""
+    """The attention implementation: 'reference', 'blocked' (fast on XLA:CPU) or 'cudnn' (GPU).
+
+    'auto' picks cuDNN's fused kernel on GPU and the blocked form elsewhere.
+    """
     if impl == "auto":
-        impl = "cudnn" if jax.default_backend() == "gpu" else "reference"
+        impl = "cudnn" if jax.default_backend() == "gpu" else "blocked"
     if impl == "reference":
         return reference_attention
+    if impl == "blocked":
+        from models.cpu_attention import blocked_causal_attention
+
+        return blocked_causal_attention
     if impl == "cudnn":
         return _cudnn_attention
-    raise ValueError(f"unknown attention implementation {impl!r}; choose 'auto', 'reference' or 'cudnn'.")
+    raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked or cudnn.")
 
 
 def _cudnn_attention(q, k, v, q_pos, kv_pos):

@@ -17,7 +17,7 @@ from models.config import LlamaConfig
 DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
-ATTENTIONS = ("auto", "reference", "cudnn")
+ATTENTIONS = ("auto", "reference", "blocked", "cudnn")
 SCHEDULES = ("1f1b", "afab", "interleaved")
 
 
@@ -53,7 +53,7 @@ class TrainConfig:
     remat: str = "none"  # none | full | dots | dots_no_batch | offload
     zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
     scan_layers: bool = True  # lax.scan over layers (fast compile) or an unrolled loop
-    attention: str = "auto"  # auto | reference | cudnn
+    attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | cudnn
     init_from: str | None = None  # a HuggingFace checkpoint directory to start from
 
     def __post_init__(self) -> None:
