@@ -138,7 +138,7 @@ def test_dump_then_load_round_trips(name, tmp_path):
 
 def test_config_to_dict_is_plain_nested_dicts():
     d = config_to_dict(load_config())
-    assert d["train"]["steps"] == 100 and d["model"]["head_dim"] == 32 and d["checkpoint"]["dir"] is None
+    assert d["train"]["steps"] == 200 and d["model"]["head_dim"] == 32 and d["checkpoint"]["dir"] is None
     assert all(type(v) is dict for v in d.values())
 
 

@@ -1,0 +1,297 @@
+"""Evaluate a LLaMA checkpoint on a text (loss and perplexity), or continue a prompt greedily.
+
+    python -m pjax.eval --hf DIR [--text FILE] [--tokenizer PATH] [--batch_size N] [key=value ...]
+    python -m pjax.eval --hf DIR --generate "It is a truth" [--max_new_tokens N]
+
+Evaluation covers the whole text, each token after the first predicted exactly once: window i
+is tokens[i*T : i*T+T+1] with T = train.seq_len, as in training (`pjax.batches`), except that
+the last, partial window is kept. Padding (the partial window's tail, and whole rows that fill
+the last batch) carries weight 0, so every batch has the same shape and one compiled function
+serves them all. The result is one JSON line: mean nats per predicted token, the token count
+and the perplexity.
+
+The model runs on the configured mesh like training does: parameters sharded by
+`param_shardings`, rows over dp, sequence over cp, heads and vocabulary over tp. pp devices
+hold the same layers (there is no pipelined forward here) and simply repeat the work.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mesh.distributed import force_cpu_devices, init_distributed
+from mesh.errors import ConfigError
+from mesh.mesh import CP, DP, MeshConfig, make_mesh
+from mesh.rules import constrain
+from mesh.validate import validate_batch, validate_model
+from models import llama
+from models.attention import select_attention
+from models.config import LlamaConfig
+from models.hf import load_hf
+from pjax.config import Config
+from pjax.config_io import load_config
+from pjax.data import documents, load_tokenizer, tokenize
+from pjax.parallel.data_parallel import param_shardings
+from pjax.step import compute_dtype
+
+Params = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and text
+# ---------------------------------------------------------------------------------------------
+
+def _mesh_config(mesh: Mesh) -> MeshConfig:
+    return MeshConfig(**{name: mesh.shape[name] for name in mesh.axis_names})
+
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """The model shape in a HuggingFace checkpoint directory's config.json."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"--hf {path} is not a directory; pass a HuggingFace LLaMA checkpoint directory.")
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"--hf {path} has no config.json; pass a HuggingFace LLaMA checkpoint directory.")
+    try:
+        return LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # malformed JSON, a missing or mistyped key
+        raise ConfigError(f"{cfg_file} is not a valid LLaMA config.json ({e}); re-save the checkpoint.") from None
+
+
+def load_hf_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
+    """A HuggingFace checkpoint's config and parameters, each device reading only its slice."""
+    cfg = read_hf_config(path)  # the shardings depend on the shape, so it is read before the weights
+    validate_model(_mesh_config(mesh), num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero)
+    return load_hf(path, param_shardings(mesh, cfg, zero))
+
+
+def check_vocab(tokenizer: Any, cfg: LlamaConfig) -> None:
+    """Ids past the embedding table would be silently clamped by XLA's gather: refuse them up front."""
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+                          f"{cfg.vocab_size}; pass the tokenizer the model was trained with (--tokenizer).")
+
+
+def read_tokens(text: str, tokenizer: Any) -> np.ndarray:
+    """All token ids of a text source (a file, a folder, or a hub data set), documents joined by EOS."""
+    chunks = list(tokenize(documents(text), tokenizer))
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    if len(tokens) < 2:
+        raise ConfigError(f"--text {text} holds fewer than 2 tokens; evaluation needs at least one prediction.")
+    return tokens.astype(np.int32)
+
+
+def windows(tokens: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """inputs/labels/weights [n, seq_len] covering every prediction once; the last window padded."""
+    n_pred = len(tokens) - 1
+    n = -(-n_pred // seq_len)
+    padded = np.zeros(n * seq_len + 1, np.int32)
+    padded[:len(tokens)] = tokens
+    weights = (np.arange(n * seq_len) < n_pred).astype(np.float32)
+    return {"inputs": padded[:-1].reshape(n, seq_len), "labels": padded[1:].reshape(n, seq_len),
+            "weights": weights.reshape(n, seq_len)}
+
+
+def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    # Every process holds the whole host array, so each device's slice is cut from it (multi-host safe).
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------------
+
+def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
+    """Weighted sum of next-token cross-entropies, vocab-parallel as in `tensor_parallel`.
+
+    hidden [N, D], kernel [D, V] (vocab split over tp), labels and weights [N]. Only reductions
+    over the vocabulary (max, sum of exps, the masked target pick): no gather across tp shards.
+    """
+    logits = jnp.einsum("nd,dv->nv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("tokens", "vocab"))
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[:, 0]
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    target = jnp.sum(jnp.where(vocab_ids == labels[:, None], logits, 0.0), axis=-1)
+    # where, not a multiply: a padded position's loss is never mixed in, even if it is not finite.
+    return jnp.sum(jnp.where(weights > 0, (lse - target) * weights, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "scan", "attention_fn"))
+def _batch_loss(params: Params, batch: dict[str, jax.Array], *, cfg: LlamaConfig, dtype: Any, scan: bool,
+                attention_fn: Callable) -> jax.Array:
+    b, t = batch["inputs"].shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
+                                attention_fn=attention_fn)
+    return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), batch["labels"].reshape(-1),
+                                batch["weights"].reshape(-1))
+
+
+def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
+             batch_size: int = 8, dtype: Any = jnp.float32, scan: bool = True,
+             attention: str = "auto") -> dict[str, float]:
+    """{loss, tokens, perplexity} of the model over the token stream (mean nats per predicted token)."""
+    data = windows(tokens, seq_len)
+    n = len(data["inputs"])
+    dp = mesh.shape[DP]
+    # Rows per batch: no more than the text needs, rounded up so that dp splits them evenly.
+    rows = -(-min(batch_size, n) // dp) * dp
+    validate_batch(_mesh_config(mesh), batch_size=rows, grad_accum=1, seq_len=seq_len)
+    total = -(-n // rows) * rows
+    data = {k: np.pad(v, ((0, total - n), (0, 0))) for k, v in data.items()}  # padded rows: weight 0
+    sharding = NamedSharding(mesh, P(DP, CP))
+    step = functools.partial(_batch_loss, cfg=cfg, dtype=dtype, scan=scan, attention_fn=select_attention(attention))
+    sums = []
+    with jax.set_mesh(mesh):
+        for start in range(0, total, rows):
+            batch = {k: _put(v[start:start + rows], sharding) for k, v in data.items()}
+            sums.append(step(params, batch))
+            # One batch in flight at a time: with ~200 queued executions XLA:CPU's in-process
+            # collectives deadlocked here (rendezvous timeout, abort) on a 2-core host.
+            sums[-1].block_until_ready()
+    n_pred = len(tokens) - 1
+    loss = math.fsum(float(s) for s in sums) / n_pred  # batches summed in float64 on the host
+    return {"loss": loss, "tokens": n_pred, "perplexity": math.exp(loss)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy generation
+# ---------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "scan", "attention_fn"))
+def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array, *, cfg: LlamaConfig,
+            dtype: Any, scan: bool, attention_fn: Callable) -> jax.Array:
+    """Fill tokens[:, start:stop] greedily. Each step re-runs the whole fixed-length sequence (no KV
+    cache): causal attention makes the not-yet-written tail invisible to the position read."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kernel = llama.output_kernel(params, cfg)
+
+    def body(i, toks):
+        hidden = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan, attention_fn=attention_fn)
+        last = jax.lax.dynamic_index_in_dim(hidden.reshape(b, t, -1), i - 1, axis=1, keepdims=False)
+        logits = jnp.einsum("bd,dv->bv", last, kernel.astype(last.dtype), preferred_element_type=jnp.float32)
+        nxt = jnp.argmax(logits, axis=-1).astype(toks.dtype)
+        return jax.lax.dynamic_update_index_in_dim(toks, nxt, i, axis=1)
+
+    return jax.lax.fori_loop(start, stop, body, tokens)
+
+
+def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh, *, max_new_tokens: int,
+             dtype: Any = jnp.float32, scan: bool = True, attention: str = "auto") -> list[int]:
+    """Greedy continuation of `prompt` (token ids): up to max_new_tokens, within max_position_embeddings."""
+    if not prompt:
+        raise ConfigError("--generate got a prompt with no tokens; pass some text to continue.")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens={max_new_tokens} is invalid; use an integer >= 1.")
+    limit = cfg.max_position_embeddings
+    if len(prompt) >= limit:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens, at least the model's max_position_embeddings="
+                          f"{limit}; shorten it.")
+    stop = min(len(prompt) + max_new_tokens, limit)
+    dp, cp = mesh.shape[DP], mesh.shape[CP]
+    # One row per dp replica (the batch rule splits rows over dp) and a length cp divides; row 0 is read.
+    length = -(-stop // cp) * cp
+    tokens = np.zeros((dp, length), np.int32)
+    tokens[:, :len(prompt)] = prompt
+    with jax.set_mesh(mesh):
+        out = _greedy(params, _put(tokens, NamedSharding(mesh, P(DP, CP))), jnp.int32(len(prompt)), jnp.int32(stop),
+                      cfg=cfg, dtype=dtype, scan=scan, attention_fn=select_attention(attention))
+    return np.asarray(jax.device_get(out))[0, len(prompt):stop].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="DIR", help="a HuggingFace LLaMA checkpoint directory")
+    source.add_argument("--checkpoint", metavar="DIR", help="a pjax (Orbax) checkpoint directory")
+    parser.add_argument("--config", default=None, help="config name or YAML file for mesh, seq_len and data "
+                        "defaults (default: debug)")
+    parser.add_argument("--text", default=None, help="text to evaluate (default: the config's data.path)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's tokenizer.json, "
+                        "else the config's data.tokenizer)")
+    parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass (default 8)")
+    parser.add_argument("--generate", metavar="PROMPT", default=None, help="continue this prompt greedily instead "
+                        "of evaluating")
+    parser.add_argument("--max_new_tokens", type=int, default=50, help="tokens to generate (default 50)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. mesh.tp=2")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] | str:
+    """Evaluate (returns and prints the metrics) or generate (returns and prints the text) on `mesh`."""
+    if args.checkpoint is not None:
+        raise ConfigError("pjax checkpoints are not supported by pjax.eval yet; export to HuggingFace format "
+                          "and pass --hf DIR.")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch_size={args.batch_size} is invalid; use an integer >= 1.")
+    if args.text is not None and not Path(args.text).exists():
+        raise ConfigError(f"--text {args.text} does not exist; pass a .txt, .jsonl or .parquet file or a folder.")
+    model_cfg = read_hf_config(args.hf)
+    spec = args.tokenizer
+    if spec is None:
+        spec = args.hf if (Path(args.hf) / "tokenizer.json").is_file() else cfg.data.tokenizer
+    tokenizer = load_tokenizer(spec)
+    check_vocab(tokenizer, model_cfg)
+    opts = dict(dtype=compute_dtype(cfg.train.dtype), scan=cfg.train.scan_layers, attention=cfg.train.attention)
+    is_main = jax.process_index() == 0
+
+    if args.generate is not None:
+        prompt = tokenizer.encode(args.generate, add_special_tokens=False).ids
+        _, params = load_hf_on_mesh(args.hf, mesh, cfg.train.zero)
+        new = generate(params, model_cfg, prompt, mesh, max_new_tokens=args.max_new_tokens, **opts)
+        text = tokenizer.decode(prompt + new)
+        if is_main:
+            print(text)
+        return text
+
+    # Tokenize before reading the weights: a wrong text fails fast.
+    tokens = read_tokens(args.text if args.text is not None else cfg.data.path, tokenizer)
+    _, params = load_hf_on_mesh(args.hf, mesh, cfg.train.zero)
+    result = evaluate(params, model_cfg, tokens, mesh, seq_len=cfg.train.seq_len, batch_size=args.batch_size, **opts)
+    if is_main:
+        print(json.dumps(result))
+    return result
+
+
+def _devices(n: int) -> list[jax.Device]:
+    # A single CPU process uses exactly the forced count (XLA_FLAGS may have forced more); a
+    # multi-process run or an accelerator host uses every device (mesh.dp=-1 fills them).
+    devices = jax.devices()
+    return devices[:n] if devices[0].platform == "cpu" and jax.process_count() == 1 else devices
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        init_distributed()
+        n = force_cpu_devices(cfg.mesh)
+        run(args, cfg, make_mesh(cfg.mesh, _devices(n)))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Plot a run's metrics: loss (train and eval) and throughput against the step.
+
+    python -m pjax.plot RUN_DIR [--out PNG]
+
+Reads `RUN_DIR/metrics.jsonl` (one JSON object per line: training records carry `loss` and
+`tokens_per_sec`, evaluation records `eval_loss`) and writes a two-panel PNG, by default
+`RUN_DIR/metrics.png`. It works on a run that is still going: a last line caught half-written
+is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mesh.errors import ConfigError
+
+Series = tuple[list[int], list[float]]
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, in order."""
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; pass a run directory that holds metrics.jsonl.")
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the writer may be mid-line while training runs
+                break
+            raise ConfigError(f"{path}:{number} is not valid JSON; fix or delete that line.") from None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def series(records: list[dict[str, Any]], key: str) -> Series:
+    """(steps, values) of the records that hold a finite number under `key` (`mfu` may be null)."""
+    steps, values = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(r["step"])
+            values.append(float(v))
+    return steps, values
+
+
+def plot(records: list[dict[str, Any]], out: Path, title: str = "") -> None:
+    """Write the two-panel figure: loss vs step (train, eval if present), tokens/s vs step."""
+    train, evals = series(records, "loss"), series(records, "eval_loss")
+    # The first logged interval's time includes compilation: its throughput would squash the axis.
+    speed = series([r for r in records if not r.get("includes_compile")], "tokens_per_sec")
+    if not train[0] and not evals[0]:
+        raise ConfigError("no loss records to plot; metrics.jsonl needs lines with \"step\" and \"loss\" or \"eval_loss\".")
+    # A bare Figure on the Agg canvas: no pyplot, so no GUI backend and no global figure state.
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, speed_ax = fig.subplots(1, 2)
+    if train[0]:
+        loss_ax.plot(*train, label="train")
+    if evals[0]:
+        loss_ax.plot(*evals, "o-", label="eval")
+    loss_ax.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    if speed[0]:
+        speed_ax.plot(*speed, color="tab:green")
+    speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    speed_ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pjax.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "metrics.png"
+    try:
+        plot(read_metrics(run_dir / "metrics.jsonl"), out, title=str(run_dir))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
