@@ -1,0 +1,165 @@
+"""Training-step benchmark per parallel layout: compile time, step time, tokens/s, MFU, memory.
+
+    python benchmarks/step.py                                  # picotron-cpu shape, Picotron's layouts
+    python benchmarks/step.py --layouts dp8,dp2-tp4,dp8-zero3 --steps 10
+    python benchmarks/step.py --config smollm-135m --layouts dp8 --aot   # compile only: memory, no timing
+
+Each layout runs in its own process with exactly as many (forced CPU) devices as its mesh, so
+layouts do not share one device pool, and with the allocator setting from `.ci/run`. Output: one
+JSON object per layout on stdout (a JSON array at the end), `--plot PNG` for a bar chart.
+Layout names: `1` (one device) or `-`-joined parts such as `dp2-tp2`, `dp8-zero3`, `pp2`, `cp2`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
+PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "cp2": 4827}
+GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+
+def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
+    """'dp2-tp2-zero3' -> ({'dp': 2, 'tp': 2, ...}, ['train.zero=3'])."""
+    mesh = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
+    extra = []
+    for part in ([] if name == "1" else name.split("-")):
+        for key in ("dp", "pp", "cp", "tp"):
+            if part.startswith(key) and part[len(key):].isdigit():
+                mesh[key] = int(part[len(key):])
+                break
+        else:
+            if part.startswith("zero") and part[4:].isdigit():
+                extra.append(f"train.zero={part[4:]}")
+            else:
+                raise SystemExit(f"cannot parse layout part {part!r} in {name!r}")
+    return mesh, extra
+
+
+def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
+    """Build the trainer for one layout in this process and measure it."""
+    mesh_sizes, extra = parse_layout(layout)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", mesh_sizes["dp"] * mesh_sizes["pp"] * mesh_sizes["cp"] * mesh_sizes["tp"])
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+    from pjax.metrics import model_flops_per_token, peak_flops
+    from pjax.step import build_trainer
+
+    cfg = load_config(config, [f"mesh.{k}={v}" for k, v in mesh_sizes.items()] + extra + overrides)
+    mc, tc = cfg.model, cfg.train
+    mesh = make_mesh(cfg.mesh)
+    kwargs = {"pipeline": cfg.pipeline} if "pipeline" in build_trainer.__code__.co_varnames else {}
+    trainer = build_trainer(mesh, mc, tc, **kwargs)
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    state_shape = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                               jax.eval_shape(trainer.init.jitted, jax.random.key(0)), trainer.state_sharding)
+    batch_shape = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+                   for k in ("inputs", "labels", "positions")}
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = trainer.step.jitted.lower(state_shape, batch_shape).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    n_dev = mesh.devices.size
+    param_bytes = 4 * mc.num_params
+    # Analytic per-device state: params + grads + 2 Adam moments (fp32), each split as the layout splits them.
+    p_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 3 else 1)
+    m_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 1 else 1)
+    analytic = param_bytes / p_split * 2 + 2 * param_bytes / m_split
+    result = {
+        "layout": layout, "config": config, "devices": n_dev, "compile_s": round(compile_s, 2),
+        "device_memory_mb": round((mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                                   + mem.temp_size_in_bytes) / 2**20, 2),
+        "temp_memory_mb": round(mem.temp_size_in_bytes / 2**20, 2),
+        "analytic_state_mb": round(analytic / 2**20, 2),
+    }
+    if aot:
+        return result
+    tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
+    tokens = tokens.reshape(tc.grad_accum, -1, tc.seq_len + 1)
+    pos = np.broadcast_to(np.arange(tc.seq_len, dtype=np.int32), shape)
+    batch = jax.device_put({"inputs": tokens[..., :-1], "labels": tokens[..., 1:], "positions": pos},
+                           trainer.batch_sharding)
+    state = trainer.init(jax.random.key(0))
+    for _ in range(warmup):
+        state, metrics = trainer.step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, metrics = trainer.step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    tps = tc.batch_size * tc.seq_len / step_s
+    flops = tps * model_flops_per_token(mc, tc.seq_len)
+    peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
+    result.update(step_ms=round(1000 * step_s, 1), tokens_per_sec=round(tps), model_tflops=round(flops / 1e12, 4),
+                  mfu=None if not peak else round(flops / n_dev / peak, 4),
+                  picotron_tokens_per_sec=PICOTRON_TOKENS_PER_SEC.get(layout) if config == "picotron-cpu" else None)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="picotron-cpu")
+    ap.add_argument("--layouts", default="1,dp2,tp2,pp2,cp2")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--aot", action="store_true", help="compile only (memory and compile time, no timing)")
+    ap.add_argument("--plot", default=None, help="write a bar chart of tokens/s to this PNG")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="config overrides applied to every layout")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.config, args.one, args.steps, args.warmup, args.aot, args.overrides)))
+        return
+    env = {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.pop("XLA_FLAGS", None)
+    results = []
+    for layout in args.layouts.split(","):
+        cmd = [sys.executable, __file__, "--one", layout, "--config", args.config, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), *(["--aot"] if args.aot else []), *args.overrides]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            result = {"layout": layout, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        else:
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    print(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+
+
+def plot(results: list[dict], out: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ok = [r for r in results if "tokens_per_sec" in r]
+    fig = Figure(figsize=(7, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs = range(len(ok))
+    ax.bar([x - 0.2 for x in xs], [r["tokens_per_sec"] for r in ok], width=0.4, label="pjax")
+    pico = [r.get("picotron_tokens_per_sec") or 0 for r in ok]
+    if any(pico):
+        ax.bar([x + 0.2 for x in xs], pico, width=0.4, label="Picotron")
+    ax.set_xticks(list(xs), [r["layout"] for r in ok])
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
