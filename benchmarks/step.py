@@ -18,57 +18,26 @@ import subprocess
 import sys
 import time
 
+from common import GLIBC_TUNABLES, compile_step, device_memory_bytes, parse_layout
+
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "cp2": 4827}
-GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-
-
-def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
-    """'dp2-tp2-zero3' -> ({'dp': 2, 'tp': 2, ...}, ['train.zero=3'])."""
-    mesh = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
-    extra = []
-    for part in ([] if name == "1" else name.split("-")):
-        for key in ("dp", "pp", "cp", "tp"):
-            if part.startswith(key) and part[len(key):].isdigit():
-                mesh[key] = int(part[len(key):])
-                break
-        else:
-            if part.startswith("zero") and part[4:].isdigit():
-                extra.append(f"train.zero={part[4:]}")
-            else:
-                raise SystemExit(f"cannot parse layout part {part!r} in {name!r}")
-    return mesh, extra
 
 
 def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
     """Build the trainer for one layout in this process and measure it."""
-    mesh_sizes, extra = parse_layout(layout)
+    mesh_sizes, _ = parse_layout(layout)
     import jax
 
     jax.config.update("jax_num_cpu_devices", mesh_sizes["dp"] * mesh_sizes["pp"] * mesh_sizes["cp"] * mesh_sizes["tp"])
-    import jax.numpy as jnp
     import numpy as np
 
-    from mesh.mesh import make_mesh
-    from pjax.config_io import load_config
     from pjax.metrics import model_flops_per_token, peak_flops
-    from pjax.step import build_trainer
 
-    cfg = load_config(config, [f"mesh.{k}={v}" for k, v in mesh_sizes.items()] + extra + overrides)
+    built = compile_step(config, layout, overrides)
+    cfg, mesh, trainer, compiled = built["cfg"], built["mesh"], built["trainer"], built["compiled"]
     mc, tc = cfg.model, cfg.train
-    mesh = make_mesh(cfg.mesh)
-    kwargs = {"pipeline": cfg.pipeline} if "pipeline" in build_trainer.__code__.co_varnames else {}
-    trainer = build_trainer(mesh, mc, tc, **kwargs)
     shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
-    state_shape = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                               jax.eval_shape(trainer.init.jitted, jax.random.key(0)), trainer.state_sharding)
-    batch_shape = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-                   for k in ("inputs", "labels", "positions")}
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = trainer.step.jitted.lower(state_shape, batch_shape).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
     n_dev = mesh.devices.size
     param_bytes = 4 * mc.num_params
     # Analytic per-device state: params + grads + 2 Adam moments (fp32), each split as the layout splits them.
@@ -76,10 +45,9 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     m_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 1 else 1)
     analytic = param_bytes / p_split * 2 + 2 * param_bytes / m_split
     result = {
-        "layout": layout, "config": config, "devices": n_dev, "compile_s": round(compile_s, 2),
-        "device_memory_mb": round((mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                                   + mem.temp_size_in_bytes) / 2**20, 2),
-        "temp_memory_mb": round(mem.temp_size_in_bytes / 2**20, 2),
+        "layout": layout, "config": config, "devices": n_dev, "compile_s": round(built["compile_s"], 2),
+        "device_memory_mb": round(device_memory_bytes(compiled) / 2**20, 2),
+        "temp_memory_mb": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
         "analytic_state_mb": round(analytic / 2**20, 2),
     }
     if aot:

@@ -1,0 +1,93 @@
+"""Communication per training step, read from the compiled HLO, next to the analytic minimum.
+
+    python benchmarks/comm.py                                   # picotron-cpu shape, several layouts
+    python benchmarks/comm.py --layouts dp8,dp2-tp4 --config debug
+
+Counts every collective per step (ops inside scans multiplied by their trip count, see
+`pjax/hlo.py`) and its bytes per device (the operand an all-reduce or permute moves, the gathered
+result of an all-gather). The analytic minimum per device for the layout:
+  DP    one reduction of the gradient bytes a device holds: P*4/(tp*pp), once per step;
+        ZeRO-3 adds a parameter all-gather per micro-batch in forward and in backward;
+  TP    per micro-batch and layer, 2 activation all-reduces forward and 2 backward ([tokens, D]),
+        plus the vocab-parallel embedding's forward all-reduce and the output layer's backward one;
+  CP    per micro-batch and layer, K and V blocks passed cp-1 times forward; backward passes
+        K, V and their gradients (4(cp-1) blocks);
+  PP    each micro-batch's activation crosses each of the pp-1 stage boundaries forward, and its
+        gradient backward (per device: 2*m*(pp-1)/pp activations).
+A layout is flagged when XLA moves more than 10% above that (e.g. gathered logits or weights,
+or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
+shapes on 8 forced CPU devices: no data, seconds per layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from common import compile_step  # noqa: E402
+
+
+def analytic_minimum(cfg, mesh) -> dict[str, float]:
+    """Minimum bytes per device per step, by mechanism (fp32 activations and gradients)."""
+    mc, tc = cfg.model, cfg.train
+    dp, pp, cp, tp = (mesh.shape[a] for a in ("dp", "pp", "cp", "tp"))
+    k, b = tc.grad_accum, 4
+    tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
+    layers = mc.num_hidden_layers // pp
+    act = tokens * mc.hidden_size * b
+    param_bytes = mc.num_params * b / (tp * pp)
+    out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
+    if dp > 1:
+        out["dp"] = param_bytes + (2 * k * param_bytes if tc.zero >= 3 else 0)
+    if tp > 1:
+        out["tp"] = k * (4 * layers + 2) * act
+    if cp > 1:
+        kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * b
+        out["cp"] = k * layers * (2 + 4) * (cp - 1) * kv_block
+    if pp > 1:
+        out["pp"] = 2 * k * (pp - 1) / pp * act
+    return out
+
+
+def measure(config: str, layout: str, overrides: list[str]) -> dict:
+    from pjax.hlo import collective_stats
+
+    built = compile_step(config, layout, overrides)
+    stats = collective_stats(built["compiled"].as_text())
+    minimum = analytic_minimum(built["cfg"], built["mesh"])
+    total = sum(s["bytes"] for s in stats.values())
+    floor = sum(minimum.values())
+    ratio = None if floor == 0 else total / floor
+    return {
+        "layout": layout, "config": config,
+        "collectives": {kind: s for kind, s in stats.items() if s["count"]},
+        "bytes_per_device": total, "analytic_min_bytes": round(floor), "analytic_by_axis": {
+            a: round(v) for a, v in minimum.items() if v},
+        "ratio": None if ratio is None else round(ratio, 2),
+        "flag": bool(ratio is not None and ratio > 1.10) or (floor == 0 and total > 0),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="picotron-cpu")
+    ap.add_argument("--layouts", default="1,dp8,dp2-tp4,dp8-zero1,dp8-zero3,dp2-cp2-tp2,dp2-pp2-tp2")
+    ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"],
+                    help="config overrides (default train.grad_accum=2, so that dp=8 divides the batch of 16)")
+    args = ap.parse_args()
+    results = []
+    for layout in args.layouts.split(","):
+        try:
+            result = measure(args.config, layout, args.overrides)
+        except Exception as e:  # one broken layout should not hide the others' figures
+            result = {"layout": layout, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Shared by the benchmark scripts: layout names, and compiling one training step ahead of time."""
+from __future__ import annotations
+
+from typing import Any
+
+# The allocator setting of .ci/run: XLA:CPU frees and re-maps a large temporary buffer every step.
+GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+
+def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
+    """'dp2-tp2-zero3' -> ({'dp': 2, 'pp': 1, 'cp': 1, 'tp': 2}, ['train.zero=3']); '1' is one device."""
+    mesh = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
+    extra = []
+    for part in ([] if name == "1" else name.split("-")):
+        for key in mesh:
+            if part.startswith(key) and part[len(key):].isdigit():
+                mesh[key] = int(part[len(key):])
+                break
+        else:
+            if part.startswith("zero") and part[4:].isdigit():
+                extra.append(f"train.zero={part[4:]}")
+            else:
+                raise SystemExit(f"cannot parse layout part {part!r} in {name!r}")
+    return mesh, extra
+
+
+def compile_step(config: str, layout: str, overrides: list[str], devices: Any = None) -> dict[str, Any]:
+    """Build the trainer for `layout` and compile its step from shapes alone (no data, no params).
+
+    Returns {'cfg', 'mesh', 'trainer', 'compiled', 'compile_s'}. `devices` defaults to the first
+    mesh-size devices, so several layouts can be compiled in one process with 8 forced devices.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+    from pjax.step import build_trainer
+
+    sizes, extra = parse_layout(layout)
+    cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
+    n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
+    kwargs = {"pipeline": cfg.pipeline} if "pipeline" in build_trainer.__code__.co_varnames else {}
+    trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
+    tc = cfg.train
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         jax.eval_shape(trainer.init.jitted, jax.random.key(0)), trainer.state_sharding)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+             for k in ("inputs", "labels", "positions")}
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = trainer.step.jitted.lower(state, batch).compile()
+    return {"cfg": cfg, "mesh": mesh, "trainer": trainer, "compiled": compiled,
+            "compile_s": time.perf_counter() - t0}
+
+
+def device_memory_bytes(compiled: Any) -> int:
+    """Per-device bytes a compiled step needs: arguments + outputs - donated aliases + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
