@@ -33,6 +33,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     import numpy as np
 
     from pjax.metrics import model_flops_per_token, peak_flops
+    from pjax.parallel.context_parallel import zigzag_layout
 
     built = compile_step(config, layout, overrides)
     cfg, mesh, trainer, compiled = built["cfg"], built["mesh"], built["trainer"], built["compiled"]
@@ -54,9 +55,11 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
         return result
     tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
     tokens = tokens.reshape(tc.grad_accum, -1, tc.seq_len + 1)
-    pos = np.broadcast_to(np.arange(tc.seq_len, dtype=np.int32), shape)
-    batch = jax.device_put({"inputs": tokens[..., :-1], "labels": tokens[..., 1:], "positions": pos},
-                           trainer.batch_sharding)
+    # Columns in the layout the data pipeline would use (zigzag under context parallelism).
+    cols = np.asarray(zigzag_layout(mesh.shape["cp"])(np.arange(tc.seq_len)))
+    pos = np.broadcast_to(cols.astype(np.int32), shape)
+    batch = jax.device_put({"inputs": tokens[..., :-1][..., cols], "labels": tokens[..., 1:][..., cols],
+                            "positions": pos}, trainer.batch_sharding)
     state = trainer.init(jax.random.key(0))
     for _ in range(warmup):
         state, metrics = trainer.step(state, batch)

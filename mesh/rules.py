@@ -16,8 +16,9 @@ from mesh.mesh import CP, DP, PP, TP
 # Activations and parameters share one table. Megatron-style tensor parallelism falls out of it:
 # q/k/v/gate/up are column-parallel because their output dims ('heads', 'kv_heads', 'mlp') are
 # split over tp; o/down are row-parallel because their input dims are; the embedding and the
-# output layer are vocab-parallel. 'layers' (the stacked-layer dim) is split over pp by the
-# pipeline, not here, so it stays None in the table used under jit.
+# output layer are vocab-parallel. 'layers' (the stacked-layer dim) stays None here: under plain
+# jit nothing splits it. With pp > 1 the parameters use PIPELINE_OVERRIDES (each pipeline stage
+# holds its own layers), and pjax/parallel/pipeline_parallel.py runs the stages.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DP,
     "sequence": CP,
@@ -37,12 +38,13 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 # parameter's 'embed' dimension over dp. Every LLaMA weight has exactly one 'embed' dimension,
 # so one rule covers all of them; activations keep 'embed' whole (their batch is split instead).
 FSDP_OVERRIDES: dict[str, str | None] = {"embed": DP}
-_ = PP  # pp is used by the pipeline module, which slices the 'layers' dimension itself.
+PIPELINE_OVERRIDES: dict[str, str | None] = {"layers": PP}
 
 
-def param_rules(zero_sharded: bool) -> dict[str, str | tuple[str, ...] | None]:
-    """The table for parameters (and optimizer state): RULES, plus 'embed'->dp when ZeRO-sharded."""
-    return {**RULES, **FSDP_OVERRIDES} if zero_sharded else dict(RULES)
+def param_rules(zero_sharded: bool, pipelined: bool = False) -> dict[str, str | tuple[str, ...] | None]:
+    """The table for parameters (and optimizer state): RULES, plus 'embed'->dp when ZeRO-sharded
+    and 'layers'->pp when pipelined."""
+    return {**RULES, **(FSDP_OVERRIDES if zero_sharded else {}), **(PIPELINE_OVERRIDES if pipelined else {})}
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P:

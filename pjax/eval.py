@@ -2,6 +2,8 @@
 
     python -m pjax.eval --hf DIR [--text FILE] [--tokenizer PATH] [--batch_size N] [key=value ...]
     python -m pjax.eval --hf DIR --generate "It is a truth" [--max_new_tokens N]
+    python -m pjax.eval --checkpoint DIR ...  (a pjax checkpoint: its latest step; the model shape
+                                               and default tokenizer come from its stored config)
 
 Evaluation covers the whole text, each token after the first predicted exactly once: window i
 is tokens[i*T : i*T+T+1] with T = train.seq_len, as in training (`pjax.batches`), except that
@@ -38,6 +40,7 @@ from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
 from models.hf import load_hf
+from pjax.checkpoint import Checkpointer
 from pjax.config import Config
 from pjax.config_io import load_config
 from pjax.data import documents, load_tokenizer, tokenize
@@ -73,10 +76,32 @@ def read_hf_config(path: str) -> LlamaConfig:
 def load_hf_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
     """A HuggingFace checkpoint's config and parameters, each device reading only its slice."""
     cfg = read_hf_config(path)  # the shardings depend on the shape, so it is read before the weights
+    _validate_layout(cfg, mesh, zero)
+    return load_hf(path, param_shardings(mesh, cfg, zero))
+
+
+def read_checkpoint_config(path: str) -> Config:
+    """The config stored in a pjax checkpoint directory's latest checkpoint."""
+    if (Path(path) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {path} is a HuggingFace checkpoint (config.json), not a pjax one; "
+                          f"pass it as --hf {path}.")
+    with Checkpointer(path, read_only=True) as ckpt:
+        return ckpt.config()
+
+
+def load_checkpoint_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
+    """A pjax checkpoint's (latest step's) model config and parameters, each device reading only its slice."""
+    with Checkpointer(path, read_only=True) as ckpt:
+        step = ckpt.resolve_step()
+        cfg = ckpt.config(step).model
+        _validate_layout(cfg, mesh, zero)
+        return cfg, ckpt.restore_params(param_shardings(mesh, cfg, zero), step)
+
+
+def _validate_layout(cfg: LlamaConfig, mesh: Mesh, zero: int) -> None:
     validate_model(_mesh_config(mesh), num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero)
-    return load_hf(path, param_shardings(mesh, cfg, zero))
 
 
 def check_vocab(tokenizer: Any, cfg: LlamaConfig) -> None:
@@ -239,25 +264,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] | str:
     """Evaluate (returns and prints the metrics) or generate (returns and prints the text) on `mesh`."""
-    if args.checkpoint is not None:
-        raise ConfigError("pjax checkpoints are not supported by pjax.eval yet; export to HuggingFace format "
-                          "and pass --hf DIR.")
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size={args.batch_size} is invalid; use an integer >= 1.")
     if args.text is not None and not Path(args.text).exists():
         raise ConfigError(f"--text {args.text} does not exist; pass a .txt, .jsonl or .parquet file or a folder.")
-    model_cfg = read_hf_config(args.hf)
-    spec = args.tokenizer
-    if spec is None:
-        spec = args.hf if (Path(args.hf) / "tokenizer.json").is_file() else cfg.data.tokenizer
-    tokenizer = load_tokenizer(spec)
+    if args.checkpoint is not None:  # a pjax checkpoint: its stored config knows the model and tokenizer
+        saved = read_checkpoint_config(args.checkpoint)
+        model_cfg, default_tokenizer = saved.model, saved.data.tokenizer
+        load = functools.partial(load_checkpoint_on_mesh, args.checkpoint, mesh, cfg.train.zero)
+    else:
+        model_cfg = read_hf_config(args.hf)
+        default_tokenizer = args.hf if (Path(args.hf) / "tokenizer.json").is_file() else cfg.data.tokenizer
+        load = functools.partial(load_hf_on_mesh, args.hf, mesh, cfg.train.zero)
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer)
     check_vocab(tokenizer, model_cfg)
     opts = dict(dtype=compute_dtype(cfg.train.dtype), scan=cfg.train.scan_layers, attention=cfg.train.attention)
     is_main = jax.process_index() == 0
 
     if args.generate is not None:
         prompt = tokenizer.encode(args.generate, add_special_tokens=False).ids
-        _, params = load_hf_on_mesh(args.hf, mesh, cfg.train.zero)
+        _, params = load()
         new = generate(params, model_cfg, prompt, mesh, max_new_tokens=args.max_new_tokens, **opts)
         text = tokenizer.decode(prompt + new)
         if is_main:
@@ -266,7 +292,7 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
 
     # Tokenize before reading the weights: a wrong text fails fast.
     tokens = read_tokens(args.text if args.text is not None else cfg.data.path, tokenizer)
-    _, params = load_hf_on_mesh(args.hf, mesh, cfg.train.zero)
+    _, params = load()
     result = evaluate(params, model_cfg, tokens, mesh, seq_len=cfg.train.seq_len, batch_size=args.batch_size, **opts)
     if is_main:
         print(json.dumps(result))

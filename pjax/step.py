@@ -22,14 +22,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, MeshConfig
+from mesh.mesh import CP, DP, PP, MeshConfig
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
-from pjax.config import TrainConfig
+from pjax.config import PipelineConfig, TrainConfig
 from pjax.optim import lr_schedule, make_optimizer
-from pjax.parallel import data_parallel
+from pjax.parallel import context_parallel, data_parallel, pipeline_parallel
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -58,7 +58,7 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
 
 
 def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
-                   grad_sharding: Any = None) -> tuple[jax.Array, Any]:
+                   grad_sharding: Any = None, attention_fn: Callable | None = None) -> tuple[jax.Array, Any]:
     """Mean token loss of the global batch and its gradient, accumulated over micro-batches."""
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -67,7 +67,7 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
 
     def micro_step(carry, micro):
         loss_acc, count_acc, grads_acc = carry
-        (loss, count), grads = grad_fn(params, micro, cfg, tc)
+        (loss, count), grads = grad_fn(params, micro, cfg, tc, attention_fn)
         grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
         return (loss_acc + loss, count_acc + count, grads_acc), None
 
@@ -77,10 +77,11 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     return loss / count, jax.tree.map(lambda g: g / count, grads)
 
 
-def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig) -> jax.Array:
+def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
+              attention_fn: Callable | None = None) -> jax.Array:
     """Mean token loss of a batch without gradients (held-out evaluation)."""
     def micro_step(carry, micro):
-        loss, count = loss_sum(params, micro, cfg, tc)
+        loss, count = loss_sum(params, micro, cfg, tc, attention_fn)
         return (carry[0] + loss, carry[1] + count), None
 
     (loss, count), _ = jax.lax.scan(micro_step, (jnp.zeros(()), jnp.zeros(())), batch)
@@ -88,9 +89,12 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig) -> j
 
 
 def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
-               optimizer: optax.GradientTransformation, grad_sharding: Any = None) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr}."""
-    loss, grads = loss_and_grads(state.params, batch, cfg, tc, grad_sharding)
+               optimizer: optax.GradientTransformation, grad_sharding: Any = None,
+               attention_fn: Callable | None = None, grads_fn: Callable | None = None) -> tuple[TrainState, dict]:
+    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr}.
+
+    `grads_fn` replaces `loss_and_grads` (with pp > 1: the pipelined one, same arguments and results)."""
+    loss, grads = (grads_fn or loss_and_grads)(state.params, batch, cfg, tc, grad_sharding, attention_fn)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(tc)(state.step)}
@@ -119,15 +123,22 @@ class Trainer:
     step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
     grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
     loss: Callable[[Any, Batch], jax.Array]
+    pipeline: PipelineConfig | None = None  # set when pp > 1 (interleaved: the layer stack is in pipeline order)
 
 
-def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
-    """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
+def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:
+    """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
+
+    With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
+    stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's."""
     mc = MeshConfig(**{name: mesh.shape[name] for name in mesh.axis_names})
     validate_model(mc, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
+    pipeline = pipeline or PipelineConfig()
+    if mc.pp > 1:
+        pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
     optimizer = make_optimizer(tc)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
@@ -138,10 +149,20 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
+        if mc.pp > 1:  # interleaved: reorder the layer stack so each device's block holds its v chunks
+            params = pipeline_parallel.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding)
-    grads = functools.partial(loss_and_grads, cfg=cfg, tc=tc, grad_sharding=g_sharding)
+    # cp > 1: ring attention over the sequence split (batches must come in the zigzag layout).
+    attention_fn = context_parallel.ring_attention(mesh) if mesh.shape[CP] > 1 else None
+    grads_fn, loss_fn = loss_and_grads, mean_loss
+    if mc.pp > 1:  # pipeline parallelism: drop-ins with the same arguments and results
+        kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype))
+        grads_fn = functools.partial(pipeline_parallel.loss_and_grads, **kw)
+        loss_fn = functools.partial(pipeline_parallel.mean_loss, **kw)
+    step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding,
+                             attention_fn=attention_fn, grads_fn=grads_fn)
+    grads = functools.partial(grads_fn, cfg=cfg, tc=tc, grad_sharding=g_sharding, attention_fn=attention_fn)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
         init=_on_mesh(mesh, jax.jit(init, out_shardings=state_sharding)),
@@ -149,8 +170,9 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig) -> Trainer:
                                     out_shardings=(state_sharding, None), donate_argnums=0)),
         grads=_on_mesh(mesh, jax.jit(grads, in_shardings=(p_sharding, batch_sharding),
                                      out_shardings=(None, p_sharding))),
-        loss=_on_mesh(mesh, jax.jit(functools.partial(mean_loss, cfg=cfg, tc=tc),
+        loss=_on_mesh(mesh, jax.jit(functools.partial(loss_fn, cfg=cfg, tc=tc, attention_fn=attention_fn),
                                     in_shardings=(p_sharding, batch_sharding))),
+        pipeline=pipeline if mc.pp > 1 else None,
     )
 
 
@@ -168,6 +190,10 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
     if diff:
         raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
                           f"set those model keys to the checkpoint's values.")
+    if trainer.pipeline is not None:  # checkpoints are in model order; the state in pipeline order
+        params = jax.jit(functools.partial(pipeline_parallel.to_pipeline_layout, pp=trainer.mesh.shape[PP],
+                                           v=trainer.pipeline.virtual_stages),
+                         out_shardings=trainer.state_sharding.params)(params)
     opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params))
 

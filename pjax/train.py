@@ -53,21 +53,33 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     """
     import jax
 
-    from mesh.mesh import make_mesh, mesh_summary
+    from mesh.mesh import CP, make_mesh, mesh_summary
     from models import llama
+    from pjax.checkpoint import open_for_run, write_config
     from pjax.data import build_data
     from pjax.metrics import MetricsWriter, mfu, model_flops_per_token, peak_flops
+    from pjax.parallel.context_parallel import zigzag_layout
     from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc)
-    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh)
+    trainer = build_trainer(mesh, mc, tc, cfg.pipeline)
+    # Context parallelism's load-balanced layout (the identity when cp = 1); positions follow it.
+    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
-    state = init_state(trainer, jax.random.key(tc.seed), init_from=tc.init_from)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    ckpt = open_for_run(cfg, trainer)  # None without checkpoint.dir
+    if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG
+        state, data_state, rng, _ = ckpt.restore(trainer, cfg)
+        train_iter.restore(data_state)
+        say(f"resumed from {ckpt.directory} at step {int(state.step)}")
+    else:
+        state = init_state(trainer, jax.random.key(tc.seed), init_from=tc.init_from)
+        # The training RNG stream, kept apart from init's: step s draws jax.random.fold_in(rng, s).
+        rng = jax.random.fold_in(jax.random.key(tc.seed), 1)
+    start = int(state.step)
     say(mesh_summary(mesh))
     say(sharding_summary(state.params, llama.param_logical_axes(mc)))
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
@@ -76,14 +88,22 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     flops_per_token = model_flops_per_token(mc, tc.seq_len)
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     tokens_per_step = tc.batch_size * tc.seq_len
-    writer = MetricsWriter(cfg.log.dir)
+    writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl
+    write_config(cfg, cfg.log.dir)  # the run directory records exactly what ran
     records: list[dict[str, Any]] = []
     stop = _StopFlag()
-    bar = _progress_bar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off")
-    t_last, steps_since = time.perf_counter(), 0
+    bar = _progress_bar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
+                        initial=start)
+    t_last, steps_since, in_flight = time.perf_counter(), 0, None
     try:
-        for step in range(1, tc.steps + 1):
+        for step in range(start + 1, tc.steps + 1):
             state, metrics = trainer.step(state, next(train_iter))
+            # Keep at most two steps in flight: the host prepares the next batch while the devices
+            # run this one, but an unbounded queue of dispatched steps can deadlock XLA:CPU's
+            # in-process collectives on few cores (seen with log.every=100 on 2 cores).
+            if in_flight is not None:
+                in_flight.block_until_ready()
+            in_flight = metrics["loss"]
             steps_since += 1
             if step % cfg.log.every == 0 or step == tc.steps:
                 metrics = jax.device_get(metrics)  # the one host sync per logged step
@@ -93,14 +113,14 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
                 record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                           "lr": float(metrics["lr"]), "tokens_per_sec": tps,
                           "mfu": mfu(tps, flops_per_token, mesh.devices.size, peak), "step_time_s": step_time}
-                if step == steps_since:
+                if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 writer.write(record)
                 records.append(record)
                 bar.update(steps_since, record)
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss became {record['loss']} at step {step}; lower train.lr.")
-                t_last, steps_since = time.perf_counter(), 0
+                t_last, steps_since, in_flight = time.perf_counter(), 0, None
             if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == tc.steps):
                 t_eval = time.perf_counter()
                 eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
@@ -109,10 +129,15 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
                 records.append(record)
                 bar.note(f"step {step}: held-out loss {eval_loss:.4f}")
                 t_last += time.perf_counter() - t_eval  # keep evaluation out of the training throughput
+            if ckpt is not None and (ckpt.due(step) or step == tc.steps or stop.requested):
+                # Async: the arrays are copied to host memory and written while the next steps run.
+                ckpt.save(step, state, data=train_iter.state(), rng=rng, config=cfg)
             if stop.requested:
                 bar.note(f"stopping at step {step} on {stop.requested}")
                 break
     finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the save in flight: a stopped run exits with its last checkpoint complete
         bar.close()
         writer.close()
         stop.restore()
@@ -160,12 +185,12 @@ class _progress_bar:
     """tqdm with loss, tokens/s and MFU in the postfix ('bar'), plain log lines ('lines'), or nothing
     ('off': processes other than 0)."""
 
-    def __init__(self, total: int, mode: str) -> None:
+    def __init__(self, total: int, mode: str, initial: int = 0) -> None:
         self._bar, self._quiet = None, mode == "off"
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
     def update(self, n: int, r: dict) -> None:
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"

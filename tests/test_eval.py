@@ -119,12 +119,12 @@ def test_generate_stops_at_max_position_embeddings(setup):
         pjax_eval.generate(params, cfg, [1] * cfg.max_position_embeddings, setup["mesh"], max_new_tokens=1)
 
 
-def test_tokenizer_larger_than_vocab_and_pjax_checkpoint_are_config_errors(setup):
+def test_tokenizer_larger_than_vocab_and_hf_dir_as_checkpoint_are_config_errors(setup):
     cfg = load_config(None, OVERRIDES)
     with pytest.raises(ConfigError, match="vocab_size"):
         pjax_eval.run(pjax_eval.parse_args(["--hf", setup["hf"], "--text", setup["text"], "--tokenizer",
                                             "data/tokenizer/gpt2"]), cfg, setup["mesh"])
-    with pytest.raises(ConfigError, match="not supported"):
+    with pytest.raises(ConfigError, match="is a HuggingFace checkpoint"):
         pjax_eval.run(pjax_eval.parse_args(["--checkpoint", setup["hf"]]), cfg, setup["mesh"])
 
 

@@ -21,6 +21,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mesh.mesh import PP
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
@@ -29,15 +30,16 @@ _is_names = lambda x: isinstance(x, tuple)  # leaves of the logical-axes tree ar
 
 
 def param_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int) -> Any:
-    """NamedShardings for the parameters: split over dp only under ZeRO-3 (FSDP)."""
-    rules = param_rules(zero_sharded=zero >= 3)
+    """NamedShardings for the parameters: split over dp only under ZeRO-3 (FSDP); with pp > 1 the
+    stacked layers are split over pp (each pipeline stage holds its own)."""
+    rules = param_rules(zero_sharded=zero >= 3, pipelined=mesh.shape[PP] > 1)
     return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
                         llama.param_logical_axes(cfg), is_leaf=_is_names)
 
 
 def grad_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int) -> Any:
     """Where gradients live: like the optimizer state, so ZeRO-1/3 reduce-scatter them."""
-    rules = param_rules(zero_sharded=zero >= 1)
+    rules = param_rules(zero_sharded=zero >= 1, pipelined=mesh.shape[PP] > 1)
     return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
                         llama.param_logical_axes(cfg), is_leaf=_is_names)
 

@@ -1,0 +1,135 @@
+"""Pipeline benchmark: per schedule and (p, m, v), the step time, bubble, memory and transfer volume.
+
+    python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--plot DIR] > pipeline.json
+
+For every schedule (afab, 1f1b, interleaved) and pp in --pp, m = k * pp for k in --mult: one
+JSON record with the step time (median of --steps AdamW steps), the bubble fraction read from
+the schedule table (and the textbook formula), the slots a device keeps in flight, the compiled
+step's per-device temporary memory (`memory_analysis()`), and the collective-permute bytes a
+device receives per step, read from the compiled HLO (ops inside the tick loop count once per
+tick). The schedule tables are printed as text on stderr; --plot DIR also saves them as PNGs.
+
+On forced CPU devices all "devices" share the host's cores, so the step time measures the total
+work plus per-tick overhead, not the bubble: read the bubble from the table, time on GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend is affected; before any device use
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mesh import MeshConfig, make_mesh  # noqa: E402
+from models.config import LlamaConfig  # noqa: E402
+from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
+from pjax.parallel import pipeline_schedules as ps  # noqa: E402
+from pjax.parallel.pipeline_parallel import make_schedule  # noqa: E402
+from pjax.step import add_positions, build_trainer  # noqa: E402
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+
+
+def permute_bytes(hlo: str, ticks: int) -> int:
+    """Bytes a device receives through collective-permutes per step (result shapes; a permute
+    inside the shard_map's tick loop runs once per tick)."""
+    total = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* collective-permute(?:-start)?\(", line)
+        if m:
+            n = int(np.prod([int(d) for d in m.group(2).split(",") if d])) * _BYTES[m.group(1)]
+            total += n * (ticks if "shard_map/while/body" in line else 1)
+    return total
+
+
+def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: PipelineConfig, steps: int) -> dict:
+    mesh = make_mesh(mesh_cfg, jax.devices()[: mesh_cfg.dp * mesh_cfg.pp * mesh_cfg.tp])
+    tr = build_trainer(mesh, cfg, tc, pipeline)
+    state = tr.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len + 1))
+    batch = add_positions({"inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
+                           "labels": jnp.asarray(tokens[..., 1:], jnp.int32)})
+    batch = jax.device_put(batch, tr.batch_sharding)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = tr.step.jitted.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch)  # warm-up
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    record = {"schedule": pipeline.schedule if mesh_cfg.pp > 1 else "none", "p": mesh_cfg.pp, "m": tc.grad_accum,
+              "v": pipeline.virtual_stages, "dp": mesh_cfg.dp, "tp": mesh_cfg.tp,
+              "step_time_ms": 1e3 * statistics.median(times), "compile_s": compile_s,
+              "temp_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
+              "loss": float(metrics["loss"])}
+    if mesh_cfg.pp > 1:
+        sched = make_schedule(pipeline, mesh_cfg.pp, tc.grad_accum)
+        p, m, v = sched.p, sched.m, sched.v
+        record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(),
+                      bubble_formula=(p - 1) / (v * m + p - 1), slots=ps.buffer_plan(sched).slots,
+                      collective_permute_bytes_per_step=permute_bytes(compiled.as_text(), sched.ticks))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--mult", type=int, nargs="+", default=[1, 2, 4], help="m = mult * pp micro-batches")
+    ap.add_argument("--v", type=int, default=2, help="virtual stages of the interleaved schedule")
+    ap.add_argument("--schedules", nargs="+", default=["afab", "1f1b", "interleaved"])
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--micro_batch", type=int, default=4, help="rows per micro-batch")
+    ap.add_argument("--seq_len", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--plot", default=None, help="a directory for PNGs of the schedule tables")
+    args = ap.parse_args(argv)
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
+    base = TrainConfig(seq_len=args.seq_len, dtype="float32", steps=1000, warmup_steps=1)
+    if args.plot:
+        os.makedirs(args.plot, exist_ok=True)
+    results, baselines = [], set()
+    for p in args.pp:
+        for m in (k * p for k in args.mult):
+            tc = dataclasses.replace(base, batch_size=m * args.micro_batch, grad_accum=m)
+            if m not in baselines:  # the same global batch without a pipeline, on dp*tp devices
+                baselines.add(m)
+                results.append(bench(cfg, tc, MeshConfig(dp=args.dp, pp=1, tp=args.tp), PipelineConfig(), args.steps))
+                print(json.dumps(results[-1]), file=sys.stderr)
+            for name in args.schedules:
+                pipeline = PipelineConfig(schedule=name, virtual_stages=args.v if name == "interleaved" else 1)
+                sched = make_schedule(pipeline, p, m)
+                print(sched.render(), file=sys.stderr)
+                if args.plot:
+                    ps.plot_schedule(sched, os.path.join(args.plot, f"{name}_p{p}_m{m}_v{sched.v}.png"))
+                record = bench(cfg, tc, MeshConfig(dp=args.dp, pp=p, tp=args.tp), pipeline, args.steps)
+                print(json.dumps(record), file=sys.stderr)
+                results.append(record)
+    print(json.dumps({"model": dataclasses.asdict(cfg), "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+                      "device": jax.devices()[0].device_kind, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

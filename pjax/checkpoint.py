@@ -1,0 +1,253 @@
+"""Checkpoints on Orbax: async saves of the whole run, exact resume, restore onto any mesh.
+
+One checkpoint is `<checkpoint.dir>/<step>/`, written by Orbax's `CheckpointManager` as four items:
+
+    params     StandardSave  the parameters, global arrays in the canonical layout (below)
+    opt_state  StandardSave  the optimizer state: Adam moments shaped like the parameters, counts
+    meta       JsonSave      {"step", "data": DataIterator.state(), "rng": {"impl", "key_data"}}
+    config     JsonSave      the resolved run config (`config_to_dict`)
+
+Arrays go through tensorstore (zarr/OCDBT) and everything else is JSON: loading a checkpoint never
+unpickles, so it never executes code.
+
+Canonical layout. Orbax stores each array as one global array, whatever its sharding, and the
+parameters are already mesh-independent (layers stacked on a leading dim, heads split out), so
+nothing about dp/pp/cp/tp or ZeRO is written. A restore passes `jax.ShapeDtypeStruct`s carrying
+the *new* run's NamedShardings -- for every leaf, the optimizer moments included -- and each
+device reads only its slice. The one layout that moves data rather than placing it is the
+interleaved pipeline's layer order; `layer_rows` (the model layer held by each row of the run's
+stack) turns it into model order on save and back on restore.
+
+Atomicity. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every item
+is written. A process killed mid-save leaves only that temporary directory: `latest_step` never
+sees it and the next manager deletes it.
+
+Asynchrony. `save` copies the arrays to host memory and returns; a background thread writes them
+while training continues (the next step may donate the device buffers). The next `save` and
+`close` first wait for the one in flight.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mesh.errors import ConfigError
+from mesh.mesh import PP
+from models import llama
+from models.config import LlamaConfig
+from pjax.config import Config
+from pjax.config_io import config_from_dict, config_to_dict, dump_config
+from pjax.parallel.pipeline_parallel import layer_order
+from pjax.step import TrainState, Trainer
+
+FORMAT = 1  # bump when the items or their meaning change
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# Model keys that fix the parameter shapes or their meaning; a resume must agree on all of them.
+_MODEL_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+
+
+class Restored(NamedTuple):
+    """A restored run: the state on the new mesh, and where the data stream and RNG continue."""
+
+    state: TrainState
+    data: dict[str, Any]  # DataIterator.state()
+    rng: jax.Array  # the training key
+    config: Config  # the config the checkpoint was written under
+
+
+class Checkpointer:
+    """One run's checkpoint directory: save every `every` steps (async), keep the last `keep`, restore."""
+
+    def __init__(self, directory: str, *, every: int = 0, keep: int = 3, layer_rows: np.ndarray | None = None,
+                 read_only: bool = False) -> None:
+        self.directory = os.path.abspath(directory)
+        if read_only and not os.path.isdir(self.directory):
+            raise ConfigError(f"checkpoint directory {directory} does not exist; pass the checkpoint.dir of a run.")
+        self.every = every
+        identity = layer_rows is None or np.array_equal(layer_rows, np.arange(len(layer_rows)))
+        self._rows = None if identity else np.asarray(layer_rows)
+        # read_only: nothing is created or cleaned up (Orbax's own read_only mode only adds warnings).
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=not read_only, create=not read_only)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.last_saved = self._manager.latest_step()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- reading -----------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """The newest complete step (a save still in flight or killed half-way does not count)."""
+        return self._manager.latest_step()
+
+    def resolve_step(self, step: int | None = None) -> int:
+        """`step` if it was saved, else the latest; a ConfigError when there is none."""
+        steps = self._manager.all_steps()
+        if not steps:
+            raise ConfigError(f"{self.directory} holds no complete checkpoint; pass the checkpoint.dir of a run "
+                              f"that saved one.")
+        if step is None:
+            return max(steps)
+        if step not in steps:
+            raise ConfigError(f"{self.directory} has no checkpoint for step {step}; saved steps: "
+                              f"{', '.join(map(str, sorted(steps)))}.")
+        return step
+
+    def config(self, step: int | None = None) -> Config:
+        """The config a checkpoint was written under (the model shape comes from here)."""
+        step = self.resolve_step(step)
+        saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return config_from_dict(saved["config"], source=f"the config stored in {self.directory}/{step}")
+
+    def restore_params(self, shardings: Any, step: int | None = None) -> Any:
+        """Only the parameters (model layer order), placed by `shardings` (a tree like the params)."""
+        step = self.resolve_step(step)
+        target = _abstract(_param_shapes(self.config(step).model), shardings)
+        saved = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        return saved["params"]
+
+    def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
+        """The whole training state on `trainer`'s mesh and shardings, plus the data position and RNG.
+
+        The checkpoint may come from any other layout; `cfg` (this run's config) must describe the
+        same model and optimizer state.
+        """
+        step = self.resolve_step(step)
+        saved_cfg = self.config(step)
+        check_compatible(saved_cfg, cfg, f"{self.directory}/{step}")
+        target = abstract_state(trainer)
+        items = self._manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(target.params), opt_state=ocp.args.StandardRestore(target.opt_state),
+            meta=ocp.args.JsonRestore()))
+        meta = items["meta"]
+        if meta.get("format") != FORMAT:
+            raise ConfigError(f"{self.directory}/{step} has checkpoint format {meta.get('format')}, this pjax reads "
+                              f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
+        state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
+                           items["params"], items["opt_state"])
+        if self._rows is not None:  # model order -> this run's pipeline order
+            state = _permute_layers(state, self._rows)
+        rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
+        return Restored(state, meta["data"], rng, saved_cfg)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether `checkpoint.every` asks for a save after `step`."""
+        return bool(self.every) and step % self.every == 0
+
+    def save(self, step: int, state: TrainState, *, data: dict[str, Any], rng: jax.Array, config: Config) -> None:
+        """Start an async save of everything needed to continue after `step` (once per step)."""
+        if step == self.last_saved:
+            return
+        if self._rows is not None:  # this run's pipeline order -> model order
+            state = _permute_layers(state, np.argsort(self._rows))
+        meta = {"format": FORMAT, "step": step, "data": data,
+                "rng": {"impl": str(jax.random.key_impl(rng)),
+                        "key_data": np.asarray(jax.random.key_data(rng)).tolist()}}
+        # force: when to save is decided here (every, end, stop), not by Orbax's interval policy.
+        self._manager.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
+            meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config))))
+        self.last_saved = step
+
+    def close(self) -> None:
+        """Finish the save in flight, then release Orbax's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def open_for_run(cfg: Config, trainer: Trainer) -> Checkpointer | None:
+    """The training run's Checkpointer (None without checkpoint.dir), with the resolved config
+    written beside the checkpoints as config.yaml."""
+    cc = cfg.checkpoint
+    if cc.dir is None:
+        return None
+    ckpt = Checkpointer(cc.dir, every=cc.every, keep=cc.keep, layer_rows=layer_rows(trainer))
+    latest = ckpt.latest_step()
+    try:  # fail before any work (and release Orbax's threads) when the directory cannot be continued
+        if latest is not None and not cc.resume:  # two runs' checkpoints in one directory would mix
+            raise ConfigError(f"checkpoint.dir={cc.dir} already holds checkpoints (latest step {latest}) and "
+                              f"checkpoint.resume=false; point checkpoint.dir at a new directory or resume.")
+        if latest is not None:
+            check_compatible(ckpt.config(latest), cfg, f"{ckpt.directory}/{latest}")
+    except ConfigError:
+        ckpt.close()
+        raise
+    write_config(cfg, cc.dir)
+    return ckpt
+
+
+def layer_rows(trainer: Trainer) -> np.ndarray | None:
+    """The model layer held by each row of `trainer`'s layer stack; None when that is model order
+    (everything but the interleaved pipeline)."""
+    if trainer.pipeline is None:
+        return None
+    return layer_order(trainer.cfg.num_hidden_layers, trainer.mesh.shape[PP], trainer.pipeline.virtual_stages)
+
+
+def write_config(cfg: Config, directory: str) -> None:
+    """`directory`/config.yaml: the resolved config, which `load_config` reads back (process 0 writes)."""
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        Path(directory, "config.yaml").write_text(dump_config(cfg))
+
+
+def saving_in_progress(directory: str | Path) -> list[Path]:
+    """The temporary directories of saves not yet committed (in flight, or killed half-way)."""
+    return sorted(p for p in Path(directory).glob(f"*{_TMP_SUFFIX}*") if p.is_dir())
+
+
+def check_compatible(saved: Config, cfg: Config, where: str) -> None:
+    """A ConfigError unless `cfg` can continue a run saved under `saved` (any mesh; same model and optimizer)."""
+    ours, theirs = config_to_dict(cfg), config_to_dict(saved)
+    diff = [f"model.{k}={ours['model'][k]} (checkpoint: {theirs['model'][k]})"
+            for k in _MODEL_KEYS if ours["model"][k] != theirs["model"][k]]
+    if (cfg.train.grad_clip > 0) != (saved.train.grad_clip > 0):  # clipping adds an optimizer-state node
+        diff.append(f"train.grad_clip={cfg.train.grad_clip} (checkpoint: {saved.train.grad_clip})")
+    if diff:
+        raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
+                          f"values, or checkpoint.resume=false with a new checkpoint.dir.")
+
+
+def abstract_state(trainer: Trainer) -> TrainState:
+    """Shapes, dtypes and *this trainer's* shardings of every state leaf: a restore target.
+
+    `jax.eval_shape` of the optimizer's init gives the moments' shapes but no shardings; those
+    come from `trainer.state_sharding`, which derives them from the parameters' logical axes.
+    """
+    params = _param_shapes(trainer.cfg)
+    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(trainer.optimizer.init, params))
+    return _abstract(shapes, trainer.state_sharding)
+
+
+def _param_shapes(cfg: LlamaConfig) -> Any:
+    return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+
+
+def _abstract(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def _reorder_layers(tree: Any, rows: np.ndarray) -> Any:
+    """out[i] = in[rows[i]] along the stacked-layer dim of every leaf under a 'layers' key: the
+    parameters and every optimizer leaf shaped like them (Adam's moments), whatever the optimizer."""
+    def reorder(path, x):
+        return x[rows] if any(getattr(k, "key", None) == "layers" for k in path) else x
+    return jax.tree_util.tree_map_with_path(reorder, tree)
+
+
+def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
+    # A gather across pp stages: jit it, keeping every leaf where it was.
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(functools.partial(_reorder_layers, rows=rows), out_shardings=shardings)(state)

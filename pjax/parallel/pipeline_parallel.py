@@ -1,0 +1,310 @@
+"""Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan.
+
+The schedule is data (`pipeline_schedules.py`: tick x device -> forward / backward / idle), the
+executor is a `lax.scan` over ticks inside `jax.shard_map` (manual over pp only: dp, ZeRO and
+tp shardings keep working inside a stage), and the transfer is one `ppermute` per direction per
+tick. AFAB, 1F1B and interleaved 1F1B are the same program with different tables.
+
+Where things live
+* Device s holds the stacked 'layers' parameters [s*L/p, (s+1)*L/p): the 'layers' dim is split
+  over pp (`mesh.rules.param_rules(pipelined=True)`). With v chunks per device (interleaved),
+  model stage j = c*p + s is chunk c of device s, so a device's layers are not contiguous in the
+  model; the stored stack is then kept in *pipeline order* (`layer_order`): each device's block
+  holds its v chunks, and nothing is re-laid-out per step. `to_model_layout` converts back.
+* The embedding, final norm and output layer are replicated over pp (the parameter tree does not
+  change with pp) and used only by the first / last model stage. Their gradients are summed
+  over pp once, after the scan.
+
+One tick on one device: read the micro-batch's buffers at its slot, `lax.switch` on the table
+entry (idle / forward / backward, with the embedding on the first stage and the loss on the
+last), write the results back, then pass activations one device on and cotangents one device
+back. A forward keeps its VJP residuals (the leaves of `jax.vjp`'s function, minus the weights)
+in a slot buffer until its backward, so a device holds as many micro-batches as the schedule
+keeps in flight: p for 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full'
+keeps only each layer's input).
+
+Pitfalls (see JAX_NOTES.md). A collective inside a switch branch must only involve devices that
+take the same branch: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
+index), but one HLO collective-permute spans every stage, so both transfers run after the switch
+and ring attention (cp > 1) cannot run inside a stage. Fresh zeros and replicated parameters are
+cast to pp-varying first, or the switch/scan types differ and the gradient of a replicated
+weight would psum inside a branch. The loss is seeded with 1/(tokens in the global batch), so
+the gradient is that of the mean over all micro-batches (Picotron's PP path forgets the 1/m).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mesh.errors import ConfigError
+from mesh.mesh import PP, MeshConfig
+from mesh.rules import constrain, logical_to_spec
+from models import llama
+from models.attention import select_attention
+from models.config import LlamaConfig
+from pjax.config import PipelineConfig, TrainConfig
+from pjax.parallel import pipeline_schedules as ps
+from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+Batch = dict[str, jax.Array]
+
+
+def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
+    """Check that the layers split into pp * v stages and the micro-batches suit the schedule."""
+    pp, v = mesh.pp, pipeline.virtual_stages
+    if mesh.cp > 1:
+        # Ring attention's ppermutes would sit inside the per-stage switch branches; one HLO
+        # collective-permute spans every pp stage, and stages in different branches mismatch it.
+        raise ConfigError(f"mesh.pp={pp} with mesh.cp={mesh.cp} is not supported: ring attention cannot run "
+                          f"inside pipeline stages; set mesh.cp=1 (or mesh.pp=1).")
+    if v > 1 and pipeline.schedule != "interleaved":
+        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved; "
+                          f"set pipeline.virtual_stages=1 for {pipeline.schedule}.")
+    if num_layers % (pp * v):
+        raise ConfigError(f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp*pipeline.virtual_stages"
+                          f" = {pp}*{v}; choose a pp and virtual_stages whose product divides the layers.")
+    if pipeline.schedule == "interleaved" and grad_accum % pp:
+        raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of mesh.pp={pp}; the interleaved "
+                          f"schedule needs micro-batches in groups of pp.")
+
+
+def make_schedule(pipeline: PipelineConfig, pp: int, m: int) -> ps.Schedule:
+    """The table `pipeline.schedule` gives for pp devices and m micro-batches."""
+    return ps.SCHEDULES[pipeline.schedule](pp, m, pipeline.virtual_stages)
+
+
+# --- The stored layer order ---------------------------------------------------------------------
+
+def layer_order(num_layers: int, pp: int, v: int) -> np.ndarray:
+    """The model layer held by each row of the stored layer stack (the identity unless v > 1)."""
+    per_chunk = num_layers // (pp * v)
+    row = np.arange(num_layers)
+    device, chunk, k = row // (v * per_chunk), (row // per_chunk) % v, row % per_chunk
+    return (chunk * pp + device) * per_chunk + k
+
+
+def to_pipeline_layout(params: Any, pp: int, v: int) -> Any:
+    """Model-ordered parameters -> the stored order of a pp x v pipeline."""
+    rows = layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v)
+    return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
+
+
+def to_model_layout(params: Any, pp: int, v: int) -> Any:
+    """Pipeline-ordered parameters (or gradients) -> model order."""
+    rows = np.argsort(layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v))
+    return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """`x` typed as varying over pp, whether it was invariant or varying already."""
+    try:
+        return lax.pcast(x, PP, to="varying")
+    except ValueError:  # pcast refuses varying -> varying
+        return x
+
+
+# --- Keeping VJP residuals in slot buffers ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class VjpLayout:
+    """How to store a stage's `jax.vjp` function and rebuild it: its pytree structure, and for
+    each leaf either the index of the weight it is (not stored: the backward has the weights)
+    or None (a residual: stored per micro-batch)."""
+
+    treedef: Any
+    weight_index: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def trace(cls, fn: Callable, w: Any, x: jax.Array) -> "VjpLayout":
+        # Traced inside the shard_map body with pp-varying inputs: a treedef traced outside
+        # carries invariant types and fails on the varying cotangent later.
+        _, vjp_fn = jax.vjp(fn, w, x)
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        w_leaves = jax.tree.leaves(w)
+        index = tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None) for leaf in leaves)
+        stored = tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l, k in zip(leaves, index) if k is None)
+        return cls(treedef, index, stored)
+
+    def pack(self, vjp_fn: Callable) -> list[jax.Array]:
+        leaves = jax.tree.leaves(vjp_fn)
+        assert len(leaves) == len(self.weight_index), "the stage's VJP changed structure between traces"
+        # A residual can be a pp-invariant constant; the slot buffers (and switch branches) are varying.
+        return [_varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
+
+    def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
+        w_leaves, rest = jax.tree.leaves(w), iter(stored)
+        return jax.tree.unflatten(self.treedef, [next(rest) if k is None else w_leaves[k] for k in self.weight_index])
+
+
+# --- The model, cut into the pieces a stage runs ------------------------------------------------
+
+class Stage(NamedTuple):
+    dtype: Any  # the compute dtype: activations, cotangents and the weights a stage runs with
+    shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see `body`)
+    embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
+    layers: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (chunk weights, x, positions) -> y
+    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (shared, y, labels) -> scaled loss
+
+
+def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float) -> Stage:
+    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean."""
+    attention_fn = attention_fn or select_attention(tc.attention)
+
+    def loss(shared, y, labels):
+        h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
+        return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), labels.reshape(-1))[0] * scale
+
+    names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
+    return Stage(
+        dtype=dtype,
+        shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
+        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
+        layers=lambda w, x, pos: llama.run_layers(w, x, pos, cfg, dtype=dtype, remat=tc.remat,
+                                                  scan=tc.scan_layers, attention_fn=attention_fn),
+        loss=loss,
+    )
+
+
+# --- One tick: the switch branches ----------------------------------------------------------------
+
+class TickOut(NamedTuple):
+    """What one device produces in one tick (zeros, or the slot's old contents, where its branch
+    has nothing to give): every branch returns the same structure, as `lax.switch` requires."""
+
+    send_x: jax.Array  # activation for the next model stage
+    send_dy: jax.Array  # cotangent for the previous model stage
+    res: list[jax.Array]  # what the slot's residuals are after the tick: a forward's new ones, else as read
+    dy: jax.Array  # the slot's cotangent after the tick: the last stage's forward sets it, else as read
+    dw: Any  # this chunk's weight gradients (backward)
+    dshared: Any  # embedding / final norm / output layer gradients (first-stage backward, last-stage forward)
+    loss: jax.Array
+
+
+def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
+    """[idle, forward, backward], indexed by the table's op (IDLE, FORWARD, BACKWARD).
+
+    Each takes (first, last, micro-batch, x, dy, residuals, chunk weights, shared params), read at
+    the tick's slot; `first`/`last` say whether this chunk is model stage 0 / the last one. None
+    communicates over pp: the sends are returned and `ppermute`d after the switch.
+    """
+    def idle(first, last, micro, x, dy, res, w, shared) -> TickOut:
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
+        return TickOut(zeros(x), zeros(x), res, dy, zeros(w), zeros(shared), jnp.zeros_like(x, jnp.float32, shape=()))
+
+    def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dshared and dy
+        return jax.value_and_grad(stage.loss, argnums=(0, 1))(shared, y, labels)
+
+    def no_head(shared, y, labels, dy):  # other stages leave their slot's cotangent as it is
+        return jnp.zeros_like(y, jnp.float32, shape=()), (jax.tree.map(jnp.zeros_like, shared), dy)
+
+    def forward(first, last, micro, x, dy, res, w, shared) -> TickOut:
+        x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]), lambda: x)  # stage 0 embeds
+        y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
+        loss, (dshared, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
+        out = idle(first, last, micro, x, dy, res, w, shared)
+        return out._replace(send_x=y, res=layout.pack(vjp_fn), dshared=dshared, loss=loss)
+
+    def backward(first, last, micro, x, dy, res, w, shared) -> TickOut:
+        dw, dx = layout.unpack(w, res)(dy)
+        embed_grad = lambda: jax.vjp(lambda sh: stage.embed(sh, micro["inputs"]), shared)[1](dx)[0]
+        dshared = lax.cond(first, embed_grad, lambda: jax.tree.map(jnp.zeros_like, shared))
+        out = idle(first, last, micro, x, dy, res, w, shared)
+        return out._replace(send_dy=dx, dw=dw, dshared=dshared)
+
+    return [idle, forward, backward]
+
+
+# --- The executor: a scan over ticks inside shard_map -----------------------------------------------
+
+def _executor(sched: ps.Schedule, stage: Stage) -> tuple[Callable, np.ndarray]:
+    """The shard_map body running `sched`, and the table it reads: int32 [ticks, p, 6] of
+    (op, micro-batch, chunk, slot, slot for the arriving activation, for the arriving cotangent)."""
+    plan = ps.buffer_plan(sched)
+    p, v, n_slots = sched.p, sched.v, plan.slots
+    table = np.stack([sched.op, sched.mb, sched.chunk, plan.slot, plan.recv_x, plan.recv_dy], axis=-1)
+    ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
+    to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
+    to_prev = [(s, (s - 1) % p) for s in range(p) if ring or s > 0]
+
+    def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any]:
+        vary = lambda t: jax.tree.map(lambda a: lax.pcast(a, PP, to="varying"), t)
+        device = lax.axis_index(PP)
+        # The embedding and output layer are used by whole ticks: under ZeRO they are gathered over
+        # dp once per step here (and their gradients reduce-scattered after), not in every tick.
+        # (Leaving their dp split to XLA inside the branches also trips its SPMD partitioner.)
+        unzero = lambda t: jax.tree.map(lax.with_sharding_constraint, t, stage.shared_specs)
+        shared, batch = unzero(vary({k: a for k, a in params.items() if k != "layers"})), vary(batch)
+        # This device's [v * layers_per_chunk, ...] -> [v, layers_per_chunk, ...], cast once per step
+        # outside the VJP so the residuals never hold per-micro-batch copies of the weights.
+        layers = jax.tree.map(lambda a: a.reshape(v, -1, *a.shape[1:]).astype(stage.dtype), params["layers"])
+        chunk = lambda c: jax.tree.map(lambda a: a[c], layers)
+        b, t = batch["inputs"].shape[1:]
+        x0 = vary(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))
+        layout = VjpLayout.trace(lambda w, x: stage.layers(w, x, batch["positions"][0]), chunk(0), x0)
+        slots = lambda a, n: vary(jnp.zeros((n, *a.shape), a.dtype))
+        inbox = lambda: constrain(slots(x0, n_slots + 1), (None, "tokens", "embed"))  # + one for "nothing came"
+        f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
+        carry = (inbox(), inbox(), [slots(a, n_slots) for a in layout.stored], f32_zeros(layers), f32_zeros(shared),
+                 vary(jnp.zeros(())))
+        branches = _branches(stage, layout)
+
+        def tick(carry, row):
+            xs, dys, res, gw, gs, loss = carry
+            op, mb, c, slot, recv_x, recv_dy = row
+            first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
+            micro = {k: a[mb] for k, a in batch.items()}
+            out = lax.switch(op, branches, first, last, micro, xs[slot], dys[slot], [r[slot] for r in res],
+                             chunk(c), shared)
+            # Every write is unconditional: a branch returns its slot's new contents (or the old ones).
+            res = [r.at[slot].set(o) for r, o in zip(res, out.res)]
+            dys = dys.at[slot].set(out.dy)
+            gw = jax.tree.map(lambda g, d: g.at[c].add(d.astype(g.dtype)), gw, out.dw)
+            gs = jax.tree.map(jnp.add, gs, out.dshared)
+            # The transfer: activations one device on, cotangents one device back, every tick.
+            xs = xs.at[recv_x].set(lax.ppermute(out.send_x, PP, to_next))
+            dys = dys.at[recv_dy].set(lax.ppermute(out.send_dy, PP, to_prev))
+            return (xs, dys, res, gw, gs, loss + out.loss), None
+
+        (_, _, _, gw, gs, loss), _ = lax.scan(tick, carry, table[:, 0])
+        # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
+        grads = {**lax.psum(unzero(gs), PP), "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), gw)}
+        return lax.psum(loss, PP), grads
+
+    return body, table
+
+
+def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+    body, table = _executor(sched, stage)
+    specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
+    run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs), axis_names={PP})
+    return run(params, batch, jnp.asarray(table))
+
+
+# --- Drop-ins for pjax.step's loss_and_grads and mean_loss when pp > 1 ------------------------------
+
+def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, grad_sharding: Any = None,
+                   attention_fn: Callable | None = None, *, pipeline: PipelineConfig,
+                   dtype: Any) -> tuple[jax.Array, Any]:
+    """Mean token loss of the global batch and its gradient; batch arrays are [m, B, T] and the
+    m = train.grad_accum micro-batches are the pipeline's."""
+    pp = jax.sharding.get_abstract_mesh().shape[PP]
+    sched = make_schedule(pipeline, pp, batch["inputs"].shape[0])
+    loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch)
+    if grad_sharding is not None:  # ZeRO: gradients live in slices
+        grads = lax.with_sharding_constraint(grads, grad_sharding)
+    return loss, grads
+
+
+def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
+              *, pipeline: PipelineConfig, dtype: Any) -> jax.Array:
+    """Mean token loss without gradients (evaluation), through a forwards-only table."""
+    pp = jax.sharding.get_abstract_mesh().shape[PP]
+    sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)
+    return _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch)[0]

@@ -1,0 +1,231 @@
+"""Pipeline schedules as data: tables of (tick x device) -> forward / backward / idle.
+
+A schedule is built in two steps, both pure Python:
+
+1. Each device gets its *program order*, the list of work items it runs, one after another:
+   AFAB runs every forward then every backward; 1F1B runs `p - s - 1` warm-up forwards on
+   device `s`, then alternates one forward and one backward, then drains the backwards.
+2. `_timeline` places every item at the earliest tick its inputs are ready, one item per device
+   per tick: the forward of micro-batch `i` on model stage `j` needs the forward of `i` on stage
+   `j - 1` at an earlier tick; its backward needs its own forward and the backward of `i` on stage
+   `j + 1`. A tick ends with one transfer (activations one device on, cotangents one device back),
+   so "earlier" means at least one tick before.
+
+With a forward and a backward taking one tick each, AFAB and 1F1B take 2(m + p - 1) ticks of
+which 2m are busy on every device: the bubble is (p - 1)/(m + p - 1) for both. 1F1B's gain is
+memory: a device holds at most p micro-batches' activations instead of m. Interleaved 1F1B
+gives each device v chunks of 1/v of the layers (model stage `j = c*p + s` is chunk `c` on device
+`s`); an item is 1/v as long and the bubble shrinks to (p - 1)/(v*m + p - 1).
+
+The executor (`pipeline_parallel.py`) runs any of these tables; `buffer_plan` says in which slot
+of its fixed-size buffers a device keeps each micro-batch that is in flight.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from mesh.errors import ConfigError
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+Item = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk on the device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What every device does at every tick: `op`, `mb` and `chunk` are int arrays [ticks, p]."""
+
+    name: str
+    p: int  # devices (pipeline stages)
+    m: int  # micro-batches
+    v: int  # chunks per device (virtual stages); the model has p * v stages
+    op: np.ndarray
+    mb: np.ndarray
+    chunk: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.op.shape[0]
+
+    def stage(self, device: int, chunk: int) -> int:
+        """The model stage that `chunk` on `device` holds (interleaved: round robin over devices)."""
+        return chunk * self.p + device
+
+    def bubble_fraction(self) -> float:
+        """Idle (device, tick) cells over all cells, counting a forward and a backward as one tick each."""
+        return float(np.mean(self.op == IDLE))
+
+    def render(self) -> str:
+        """The table as text: one row per device, `F3`/`B3` = forward/backward of micro-batch 3
+        (with a chunk letter a, b, ... when v > 1), `.` = idle."""
+        def cell(t: int, s: int) -> str:
+            if self.op[t, s] == IDLE:
+                return "."
+            letter = chr(ord("a") + self.chunk[t, s]) if self.v > 1 else ""
+            return ("F" if self.op[t, s] == FORWARD else "B") + str(self.mb[t, s]) + letter
+        width = max(len(cell(t, s)) for t in range(self.ticks) for s in range(self.p))
+        title = (f"{self.name}: p={self.p} m={self.m} v={self.v}, {self.ticks} ticks, "
+                 f"bubble {self.bubble_fraction():.3f}")
+        rows = [f"device {s} | " + " ".join(cell(t, s).ljust(width) for t in range(self.ticks)).rstrip()
+                for s in range(self.p)]
+        return "\n".join([title, *rows])
+
+
+def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Schedule:
+    """Run each device's program order as early as the dependencies allow (see the module doc)."""
+    done: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
+    pos, rows, t = [0] * p, [], 0
+    last = p * v - 1
+
+    def ready(op: int, i: int, j: int) -> bool:
+        deps = [(FORWARD, i, j - 1)] if op == FORWARD and j > 0 else []
+        if op == BACKWARD:
+            deps = [(FORWARD, i, j)] + ([(BACKWARD, i, j + 1)] if j < last else [])
+        return all(done.get(d, t) < t for d in deps)
+
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        row = [orders[s][pos[s]] if pos[s] < len(orders[s]) else None for s in range(p)]
+        row = [a if a is not None and ready(a[0], a[1], a[2] * p + s) else None for s, a in enumerate(row)]
+        if not any(row):
+            raise RuntimeError(f"schedule {name} deadlocks at tick {t}: the program orders are inconsistent")
+        for s, a in enumerate(row):
+            if a is not None:
+                done[(a[0], a[1], a[2] * p + s)] = t
+                pos[s] += 1
+        rows.append([a or (IDLE, 0, 0) for a in row])
+        t += 1
+    table = np.array(rows, dtype=np.int32)  # [ticks, p, 3]
+    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2])
+
+
+def _forward_order(p: int, m: int, v: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) in the order a device runs its forwards: v = 1 simply 0..m-1;
+    interleaved in groups of p micro-batches per chunk (Megatron-LM's order), so that the
+    first chunk's outputs for a group reach device 0 again just as it needs them."""
+    return [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
+
+
+def _one_f_one_b_order(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int) -> list[Item]:
+    """`warmup` forwards, then one forward / one backward alternately, then the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    order = [(FORWARD, *f) for f in forwards[:warmup]]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [(FORWARD, *f), (BACKWARD, *b)]
+    return order + [(BACKWARD, *b) for b in backwards[len(forwards) - warmup:]]
+
+
+def afab(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (GPipe): every device holds all m micro-batches' activations."""
+    fwd = [(FORWARD, i, 0) for i in range(m)]
+    return _timeline("afab", p, m, 1, [fwd + [(BACKWARD, i, 0) for i in range(m)] for _ in range(p)])
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-flush): device s runs p - s - 1 forwards, then alternates; at most p in flight."""
+    order = [(i, 0) for i in range(m)]
+    return _timeline("1f1b", p, m, 1, [_one_f_one_b_order(order, order, p - s - 1) for s in range(p)])
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B with v chunks per device; m must be a multiple of p (groups of p).
+
+    The warm-up is 1F1B's p - s - 1 plus (v - 1) * p: the first group must pass through the first
+    v - 1 chunks on every device before device s sees its first backward.
+    """
+    if m % p:
+        raise ConfigError(f"train.grad_accum={m} is not a multiple of mesh.pp={p}; the interleaved schedule "
+                          f"sends micro-batches round the devices in groups of pp.")
+    fwd = _forward_order(p, m, v)
+    bwd = [(i, v - 1 - c) for i, c in fwd]  # backwards visit the chunks in reverse
+    orders = [_one_f_one_b_order(fwd, bwd, p - s - 1 + (v - 1) * p) for s in range(p)]
+    return _timeline("interleaved" if v > 1 else "1f1b", p, m, v, orders)
+
+
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Forwards only (evaluation): the loss without gradients, in the training layout."""
+    order = [(FORWARD, i, c) for i, c in _forward_order(p, m, v)]
+    return _timeline("forward", p, m, v, [order] * p)
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "afab": lambda p, m, v: afab(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved": interleaved_1f1b,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferPlan:
+    """Where each device keeps each micro-batch in flight: slots 0..slots-1.
+
+    `slot[t, s]`: the slot of the micro-batch device s works on at tick t (0 when idle: an idle
+    tick reads a slot and writes it back unchanged).
+    `recv_x[t, s]`, `recv_dy[t, s]`: the slot for the activation / cotangent that arrives at the
+    end of tick t (sent by the device before / after s in the ring), or `slots`, a spare discard
+    slot, if none arrives: every tick writes its arrivals unconditionally.
+    """
+
+    slots: int
+    slot: np.ndarray
+    recv_x: np.ndarray
+    recv_dy: np.ndarray
+
+
+def buffer_plan(sched: Schedule) -> BufferPlan:
+    """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its last use.
+
+    A slot is free again from the tick of its last use (reads come before writes within a tick).
+    Interval colouring in order of arrival is optimal, so `slots` is the most micro-batches a
+    device ever holds: p for 1F1B whatever m is, m for AFAB.
+    """
+    p, v = sched.p, sched.v
+    tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
+    for t, s in zip(*np.nonzero(sched.op)):
+        tick[(int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])))] = int(t)
+    lives = {}  # (device, mb, stage) -> (arrival tick, last-use tick)
+    for (op, i, j), t in tick.items():
+        if op == FORWARD:
+            arrival = tick[(FORWARD, i, j - 1)] if j > 0 else t
+            lives[(j % p, i, j)] = (arrival, tick.get((BACKWARD, i, j), t))
+    slot_of, free_at = {}, {s: [] for s in range(p)}  # per device: tick at which each slot frees
+    for key, (start, end) in sorted(lives.items(), key=lambda kv: kv[1]):
+        frees = free_at[key[0]]
+        k = next((k for k, f in enumerate(frees) if f <= start), len(frees))
+        frees[k:k + 1] = [end]
+        slot_of[key] = k
+    slots = max(len(f) for f in free_at.values())
+    plan = BufferPlan(slots, np.zeros(sched.op.shape, np.int32), *(np.full(sched.op.shape, slots, np.int32)
+                                                                   for _ in range(2)))
+    for t, s in zip(*np.nonzero(sched.op)):
+        op, i, j = int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s]))
+        plan.slot[t, s] = slot_of[(s, i, j)]
+        if op == FORWARD and j < p * v - 1:  # the activation goes on to stage j + 1
+            plan.recv_x[t, (s + 1) % p] = slot_of[((j + 1) % p, i, j + 1)]
+        if op == BACKWARD and j > 0:  # the cotangent goes back to stage j - 1
+            plan.recv_dy[t, (s - 1) % p] = slot_of[((j - 1) % p, i, j - 1)]
+    return plan
+
+
+def plot_schedule(sched: Schedule, path: str) -> None:
+    """Save the table as a PNG: devices top to bottom, ticks left to right, one box per item."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * sched.ticks), 0.5 * sched.p + 1.0))
+    blues, greens = plt.get_cmap("Blues"), plt.get_cmap("Greens")
+    for t, s in zip(*np.nonzero(sched.op)):
+        shade = 0.45 + 0.4 * sched.chunk[t, s] / max(sched.v - 1, 1)
+        color = (blues if sched.op[t, s] == FORWARD else greens)(shade)
+        ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white"))
+        ax.text(t + 0.5, s + 0.5, str(sched.mb[t, s]), ha="center", va="center", fontsize=7, color="white")
+    ax.set(xlim=(0, sched.ticks), ylim=(sched.p, 0), xlabel="tick", ylabel="device",
+           yticks=[s + 0.5 for s in range(sched.p)], yticklabels=[str(s) for s in range(sched.p)])
+    ax.set_title(f"{sched.name}: p={sched.p} m={sched.m} v={sched.v}, bubble {sched.bubble_fraction():.3f} "
+                 f"(blue forward, green backward; darker = later chunk)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
