@@ -22,8 +22,9 @@ from mesh.mesh import CP, DP, PP, TP
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DP,
     "sequence": CP,
-    # Matmul activations are kept 2-D, [batch*sequence, embed] ('tokens'): row-major merging
-    # makes a (dp, cp) split of the merged dim exactly "batch over dp, sequence over cp".
+    # Matmul activations are kept 2-D, [batch*sequence, embed] ('tokens'), merged in block order
+    # by `flatten_tokens` so that a (dp, cp) split of the merged dim is exactly "batch over dp,
+    # sequence over cp" and merging never moves data between devices.
     "tokens": (DP, CP),
     "embed": None,
     "heads": TP,
@@ -68,4 +69,50 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+    # Inside a shard_map that is manual over some axes (dp for the once-per-step gradient
+    # reduction, pp in a pipeline stage), arrays are already local blocks along those axes.
+    manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
+
+    def keep(entry):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in manual)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return jax.lax.with_sharding_constraint(x, P(*(keep(e) for e in logical_to_spec(names))))
+
+
+def _auto_size(mesh, axis: str) -> int:
+    """Size of a mesh axis that is still partitioned automatically (1 if absent or Manual)."""
+    if mesh.empty or axis not in mesh.axis_names:
+        return 1
+    if dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Manual:
+        return 1  # inside a shard_map over this axis: the arrays are already local blocks
+    return mesh.shape[axis]
+
+
+def flatten_tokens(x: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [B*T, ...] in block order: the dp x cp blocks of (batch, sequence) one after another.
+
+    A plain row-major merge puts row b's whole sequence before row b+1's, so with more than one
+    row per device and the sequence split over cp, the (dp, cp) split of the merged dimension
+    would not be the block a device holds, and XLA would move activations around every merge.
+    Ordering by (dp block, cp block, row, position) makes the merge local. The order of tokens
+    in the merged dimension is irrelevant to the model (matmuls are per token; the loss is a sum).
+    """
+    b, t, *rest = x.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    dp, cp = _auto_size(mesh, DP), _auto_size(mesh, CP)
+    if cp == 1 or b % dp or t % cp:
+        return x.reshape(b * t, *rest)
+    x = x.reshape(dp, b // dp, cp, t // cp, *rest).swapaxes(1, 2)
+    return x.reshape(b * t, *rest)
+
+
+def unflatten_tokens(x: jax.Array, b: int, t: int) -> jax.Array:
+    """The inverse of `flatten_tokens`: [B*T, ...] -> [B, T, ...]."""
+    rest = x.shape[1:]
+    mesh = jax.sharding.get_abstract_mesh()
+    dp, cp = _auto_size(mesh, DP), _auto_size(mesh, CP)
+    if cp == 1 or b % dp or t % cp:
+        return x.reshape(b, t, *rest)
+    x = x.reshape(dp, cp, b // dp, t // cp, *rest).swapaxes(1, 2)
+    return x.reshape(b, t, *rest)

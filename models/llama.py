@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mesh.rules import constrain
+from mesh.rules import constrain, flatten_tokens, unflatten_tokens
 from models.attention import reference_attention
 from models.config import LlamaConfig
 
@@ -93,13 +93,13 @@ class DecoderLayer(nn.Module):
         # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
         # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand.
         y = rms_norm(x, attn_norm, c.rms_norm_eps)
-        q = jnp.einsum("nd,dhk->nhk", y, cast(wq)).reshape(b, t, h, dh)
-        k = jnp.einsum("nd,dhk->nhk", y, cast(wk)).reshape(b, t, kv, dh)
-        v = jnp.einsum("nd,dhk->nhk", y, cast(wv)).reshape(b, t, kv, dh)
+        q = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wq)), b, t)
+        k = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wk)), b, t)
+        v = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wv)), b, t)
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        o = self.attention_fn(q, k, v, positions, positions).reshape(b * t, h, dh)
+        o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
         x = x + constrain(jnp.einsum("nhk,hkd->nd", o, cast(wo)), ("tokens", "embed"))
 
         # SwiGLU MLP: gate/up column-parallel, down row-parallel.
@@ -173,8 +173,8 @@ def init_params(cfg: LlamaConfig, rng: jax.Array) -> Params:
 
 
 def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32) -> jax.Array:
-    """Token ids [B, T] -> 2-D activations [B*T, D] in the compute dtype."""
-    x = Embed(cfg).apply({"params": params["embed"]}, tokens.reshape(-1)).astype(dtype)
+    """Token ids [B, T] -> 2-D activations [B*T, D] (`flatten_tokens` order) in the compute dtype."""
+    x = Embed(cfg).apply({"params": params["embed"]}, flatten_tokens(tokens)).astype(dtype)
     return constrain(x, ("tokens", "embed"))
 
 
@@ -222,4 +222,4 @@ def logits(params: Params, tokens: jax.Array, cfg: LlamaConfig, positions: jax.A
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h = final_hidden(params, tokens, positions, cfg, **kw)
     out = jnp.einsum("nd,dv->nv", h, output_kernel(params, cfg).astype(h.dtype), preferred_element_type=jnp.float32)
-    return out.reshape(b, t, -1)
+    return unflatten_tokens(out, b, t)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh.distributed import force_cpu_devices, init_distributed
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
-from mesh.rules import constrain
+from mesh.rules import constrain, flatten_tokens, unflatten_tokens
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
@@ -163,8 +163,8 @@ def _batch_loss(params: Params, batch: dict[str, jax.Array], *, cfg: LlamaConfig
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
                                 attention_fn=attention_fn)
-    return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), batch["labels"].reshape(-1),
-                                batch["weights"].reshape(-1))
+    return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(batch["labels"]),
+                                flatten_tokens(batch["weights"]))
 
 
 def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
@@ -209,7 +209,7 @@ def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array
 
     def body(i, toks):
         hidden = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan, attention_fn=attention_fn)
-        last = jax.lax.dynamic_index_in_dim(hidden.reshape(b, t, -1), i - 1, axis=1, keepdims=False)
+        last = jax.lax.dynamic_index_in_dim(unflatten_tokens(hidden, b, t), i - 1, axis=1, keepdims=False)
         logits = jnp.einsum("bd,dv->bv", last, kernel.astype(last.dtype), preferred_element_type=jnp.float32)
         nxt = jnp.argmax(logits, axis=-1).astype(toks.dtype)
         return jax.lax.dynamic_update_index_in_dim(toks, nxt, i, axis=1)

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, MeshConfig
+from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
@@ -54,16 +55,13 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
     dtype = compute_dtype(tc.dtype)
     hidden = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
                                 scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention))
-    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), micro["labels"].reshape(-1))
+    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(micro["labels"]))
 
 
-def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
-                   grad_sharding: Any = None, attention_fn: Callable | None = None) -> tuple[jax.Array, Any]:
-    """Mean token loss of the global batch and its gradient, accumulated over micro-batches."""
+def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
+               pin: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, jax.Array, Any]:
+    """Summed loss, token count and summed fp32 gradients over the micro-batches (a `lax.scan`)."""
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
-
-    def pin(g):  # under ZeRO the accumulator lives in slices (a reduce-scatter, not an all-reduce)
-        return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
 
     def micro_step(carry, micro):
         loss_acc, count_acc, grads_acc = carry
@@ -71,9 +69,29 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
         grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
         return (loss_acc + loss, count_acc + count, grads_acc), None
 
-    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-    (loss, count, grads), _ = jax.lax.scan(micro_step, init, batch)
+    # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
+    scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
+    (loss, count, grads), _ = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
+    return loss, count, grads
+
+
+def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
+                   grad_sharding: Any = None, attention_fn: Callable | None = None) -> tuple[jax.Array, Any]:
+    """Mean token loss of the global batch and its gradient, accumulated over micro-batches.
+
+    The gradients are reduced over dp once per step (`data_parallel.reduce_once`) when the
+    parameters are replicated over dp; under ZeRO-3 they are pinned to their dp slices instead.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn)
+    if data_parallel.can_reduce_once(mesh, tc.zero):
+        return data_parallel.reduce_once(local, params, batch, cfg, tc.zero)
+
+    def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
+        return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
+
+    loss, count, grads = local(params, batch, pin=pin)
     return loss / count, jax.tree.map(lambda g: g / count, grads)
 
 

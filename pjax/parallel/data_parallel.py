@@ -8,6 +8,14 @@ partitioner turns the sharding annotations below into the collectives:
 * zero=1 -- ZeRO-1. Adam moments are split over dp (each parameter's 'embed' dim), so each
   replica updates only its slice; the gradient is reduce-scattered to that slice and the new
   parameters are all-gathered. Optimizer memory / dp.
+
+Once per step, not once per micro-batch: left to itself, XLA reduces each micro-batch's
+gradient as soon as it is computed (the parameters are replicated, so their gradient "must" be
+too), which multiplies DP traffic by train.grad_accum. `reduce_once` makes dp manual for the
+step (`shard_map` over dp only, tp/cp stay automatic inside), lets each replica accumulate its
+own partial gradient, and reduces once at the end: `psum` for zero=0, `psum_scatter` (a real
+reduce-scatter) to the moment slices for zero=1. This is what PyTorch DDP's `no_sync` does for
+gradient accumulation.
 * zero=3 -- ZeRO-3 / FSDP. Parameters are split like the moments; each layer's weights are
   all-gathered just before use (forward and backward) and gradients reduce-scattered. This only
   works if activations stay split over the batch -- the model pins them with `constrain`, or XLA
@@ -21,7 +29,9 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh.mesh import PP
+from jax import lax
+
+from mesh.mesh import CP, DP, PP
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
@@ -56,3 +66,40 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(optimizer, lambda _, s: s, state_shape, grad_shardings(mesh, cfg, zero),
                                  transform_non_params=lambda _: replicated)
+
+
+def can_reduce_once(mesh: Any, zero: int) -> bool:
+    """Whether this step accumulates per dp replica and reduces once.
+
+    Needs replicated parameters (zero < 3) and no pipeline (which reduces its own gradients).
+    Not with cp > 1 either: ring attention's shard_map over cp nested in this one over dp is
+    rejected by the Shardy partitioner ("manual axis cp after free axis dp"), so context-parallel
+    layouts keep XLA's per-micro-batch reduction for now.
+    """
+    shape = {} if mesh.empty else dict(mesh.shape)
+    return shape.get(DP, 1) > 1 and zero < 3 and shape.get(PP, 1) == 1 and shape.get(CP, 1) == 1
+
+
+def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any]:
+    """Mean loss and gradients with one dp reduction per step.
+
+    `accumulate(params, batch) -> (loss_sum, token_count, grad_sum)` runs on each replica's rows.
+    """
+    embed_dim = jax.tree.map(lambda names: names.index("embed"), llama.param_logical_axes(cfg), is_leaf=_is_names)
+
+    def grad_spec(dim):  # where a reduced gradient lives over dp: whole (zero 0) or its embed slice (zero 1)
+        return P() if zero == 0 else P(*([None] * dim + [DP]))
+
+    def body(params, batch):
+        # A varying (per-replica) copy: its gradient stays a local partial sum until reduced below.
+        params = jax.tree.map(lambda p: lax.pcast(p, DP, to="varying"), params)
+        loss, count, grads = accumulate(params, batch)
+        loss, count = lax.psum((loss, count), DP)
+        if zero == 0:
+            grads = lax.psum(grads, DP)
+        else:
+            grads = jax.tree.map(lambda g, d: lax.psum_scatter(g, DP, scatter_dimension=d, tiled=True), grads, embed_dim)
+        return loss / count, jax.tree.map(lambda g: g / count, grads)
+
+    specs = (P(), jax.tree.map(grad_spec, embed_dim))
+    return jax.shard_map(body, in_specs=(P(), P(None, DP)), out_specs=specs, axis_names={DP})(params, batch)

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import PP, MeshConfig
-from mesh.rules import constrain, logical_to_spec
+from mesh.rules import constrain, flatten_tokens, logical_to_spec
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
@@ -159,7 +159,7 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
 
     def loss(shared, y, labels):
         h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
-        return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), labels.reshape(-1))[0] * scale
+        return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels))[0] * scale
 
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
     return Stage(
