@@ -28,59 +28,21 @@ import statistics
 import time
 from typing import Any
 
-_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(collective-permute|all-to-all)(?:-done)?\(")
-_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([^,\s]+)")
-_TRIP_COUNT = re.compile(r'known_trip_count":\{"n":"(\d+)"')
-_CALLEES = re.compile(r"\b(?:calls|to_apply|branch_computations)=\{?([^}]*?)\}?(?:,|$)")
+from pjax.hlo import collective_stats  # plain text parsing: imports no JAX
 
 
-def shape_bytes(hlo_type: str) -> int:
-    """Bytes of an HLO result type such as 'f32[8,2,16]{2,1,0}' or a tuple of them."""
-    total = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", hlo_type):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _BYTES.get(dtype, 4)
-    return total
+def _ring_or_reshard(kind: str, line: str) -> str | None:
+    """'ring': the `lax.ppermute`s of ring attention; 'reshard': permutes and all-to-alls that XLA's
+    partitioner inserts to move activations between shardings; other collectives are left out."""
+    if kind == "collective-permute" and re.search(r'op_name="[^"]*/ppermute"', line):
+        return "ring"
+    return "reshard" if kind in ("collective-permute", "all-to-all") else None
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes one device moves per execution of a compiled (SPMD) module, by kind: 'ring' (the
-    `lax.ppermute`s of ring attention), and 'reshard' (permutes and all-to-alls XLA's partitioner
-    inserts to move activations between shardings). Loop bodies count times their trip counts."""
-    comps: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            name = m.group(1)
-            comps[name] = []
-            entry = name if line.startswith("ENTRY") else entry
-        elif name is not None:
-            comps[name].append(line)
-
-    def total(comp: str) -> dict[str, int]:
-        n = {"ring": 0, "reshard": 0}
-        for line in comps.get(comp, []):
-            if m := _COLLECTIVE.search(line):
-                ring = m.group(2) == "collective-permute" and re.search(r'op_name="[^"]*/ppermute"', line)
-                n["ring" if ring else "reshard"] += shape_bytes(m.group(1))
-            callees = [(1, c.strip().lstrip("%")) for m in _CALLEES.finditer(line) for c in m.group(1).split(",")
-                       if c.strip()]
-            if m := _WHILE_BODY.search(line):
-                trips = _TRIP_COUNT.search(line)
-                if trips is None:
-                    raise ValueError(f"a while loop without a known trip count: {line.strip()[:120]}")
-                callees.append((int(trips.group(1)), m.group(1)))
-            for times, callee in callees:
-                for key, value in total(callee).items():
-                    n[key] += times * value
-        return n
-
-    return total(entry)
+    """Bytes one device moves per step through ring permutes and reshards (loops x trip counts)."""
+    stats = collective_stats(hlo, _ring_or_reshard)
+    return {key: stats[key]["bytes"] if key in stats else 0 for key in ("ring", "reshard")}
 
 
 def analytic_permute_bytes(cp: int, layers: int, grad_accum: int, micro_batch: int, seq_len: int,

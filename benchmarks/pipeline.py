@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -33,23 +32,14 @@ import numpy as np  # noqa: E402
 from mesh import MeshConfig, make_mesh  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
+from pjax.hlo import collective_stats  # noqa: E402
 from pjax.parallel import pipeline_schedules as ps  # noqa: E402
 from pjax.parallel.pipeline_parallel import make_schedule  # noqa: E402
 from pjax.step import add_positions, build_trainer  # noqa: E402
 
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
-
-
-def permute_bytes(hlo: str, ticks: int) -> int:
-    """Bytes a device receives through collective-permutes per step (result shapes; a permute
-    inside the shard_map's tick loop runs once per tick)."""
-    total = 0
-    for line in hlo.splitlines():
-        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* collective-permute(?:-start)?\(", line)
-        if m:
-            n = int(np.prod([int(d) for d in m.group(2).split(",") if d])) * _BYTES[m.group(1)]
-            total += n * (ticks if "shard_map/while/body" in line else 1)
-    return total
+def permute_bytes(hlo: str) -> int:
+    """Bytes a device receives through collective-permutes per step (the tick loop x its trip count)."""
+    return collective_stats(hlo)["collective-permute"]["bytes"]
 
 
 def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: PipelineConfig, steps: int) -> dict:
@@ -83,7 +73,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         p, m, v = sched.p, sched.m, sched.v
         record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(),
                       bubble_formula=(p - 1) / (v * m + p - 1), slots=ps.buffer_plan(sched).slots,
-                      collective_permute_bytes_per_step=permute_bytes(compiled.as_text(), sched.ticks))
+                      collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
     return record
 
 

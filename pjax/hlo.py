@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any
+from typing import Any, Callable
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -40,8 +40,9 @@ def shape_bytes(shape_text: str) -> int:
     return total
 
 
-def _parse(hlo_text: str) -> tuple[str, dict[str, list[tuple[str, int]]], dict[str, list[tuple[str, int]]]]:
-    """(entry name, computation -> [(collective kind, bytes)], computation -> [(callee, multiplier)])."""
+def _parse(hlo_text: str, classify: Callable[[str, str], str | None]
+           ) -> tuple[str, dict[str, list[tuple[str, int]]], dict[str, list[tuple[str, int]]]]:
+    """(entry name, computation -> [(class, bytes)], computation -> [(callee, multiplier)])."""
     entry, current = None, None
     ops: dict[str, list] = collections.defaultdict(list)
     calls: dict[str, list] = collections.defaultdict(list)
@@ -58,7 +59,9 @@ def _parse(hlo_text: str) -> tuple[str, dict[str, list[tuple[str, int]]], dict[s
         result, opcode, rest = m.groups()
         base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
         if base in KINDS and not opcode.endswith("-done"):
-            ops[current].append((base, shape_bytes(result)))
+            label = classify(base, line)
+            if label is not None:
+                ops[current].append((label, shape_bytes(result)))
         trips = 1
         if opcode == "while":
             trip = _TRIP.search(rest)
@@ -72,19 +75,26 @@ def _parse(hlo_text: str) -> tuple[str, dict[str, list[tuple[str, int]]], dict[s
     return entry, ops, calls
 
 
-def collective_stats(hlo_text: str) -> dict[str, dict[str, Any]]:
-    """Per collective kind: {'count': executions per step, 'bytes': bytes per device per step}."""
-    entry, ops, calls = _parse(hlo_text)
-    totals = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
+def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] = lambda kind, line: kind
+                     ) -> dict[str, dict[str, Any]]:
+    """Per collective kind: {'count': executions per step, 'bytes': bytes per device per step}.
+
+    `classify(kind, instruction_line)` may group differently (e.g. by the op_name in the line's
+    metadata); returning None leaves the op out.
+    """
+    entry, ops, calls = _parse(hlo_text, classify)
+    totals: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for kind in KINDS:
+        totals[kind]  # the standard kinds are always present, zero when absent
 
     def visit(comp: str, mult: int, depth: int = 0) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (a cycle?)")
-        for kind, nbytes in ops.get(comp, ()):
-            totals[kind]["count"] += mult
-            totals[kind]["bytes"] += mult * nbytes
+        for label, nbytes in ops.get(comp, ()):
+            totals[label]["count"] += mult
+            totals[label]["bytes"] += mult * nbytes
         for callee, trips in calls.get(comp, ()):
             visit(callee, mult * trips, depth + 1)
 
     visit(entry, 1)
-    return totals
+    return dict(totals)
