@@ -143,21 +143,21 @@ def test_missing_weights_file_raises_config_error(untied, tmp_path):
         load_hf(str(tmp_path))
 
 
-def test_missing_weight_key_names_the_key(untied, tmp_path):
-    _, path, _ = untied
+def _copy_without(path: str, out, name: str) -> str:
+    """A copy of the checkpoint at `path` in `out` with tensor `name` removed."""
     tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(json.load(open(os.path.join(path, "config.json")))))
-    with pytest.raises(ConfigError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
-        load_hf(str(tmp_path))
+    del tensors[name]
+    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    return str(out)
 
 
-def test_missing_lm_head_in_untied_checkpoint_is_a_config_error(untied, tmp_path):
-    _, path, _ = untied
-    tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
-    del tensors["lm_head.weight"]
-    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
-    with pytest.raises(ConfigError, match="lm_head.weight"):
-        load_hf(str(tmp_path))
+@pytest.mark.parametrize("name,message", [
+    ("model.layers.1.mlp.up_proj.weight", r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"),
+    ("lm_head.weight", "lm_head.weight"),  # an untied checkpoint must have its output layer
+])
+def test_missing_weight_names_the_tensor(untied, tmp_path, name, message):
+    with pytest.raises(ConfigError, match=message):
+        load_hf(_copy_without(untied[1], tmp_path, name))
+
+
