@@ -128,3 +128,20 @@ def test_tensor_parallel_step_gathers_neither_logits_nor_weights():
     assert re.search(r"all-reduce(-start)?\(", hlo), "expected TP/DP all-reduces"
     gathers = [line.strip()[:160] for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
     assert not gathers, gathers
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch():
+    """dp=8 with 2 micro-batches: one all-reduce of the gradient bytes per step (plus the loss and
+    token count riding along), where XLA alone would reduce after every micro-batch."""
+    from pjax.hlo import collective_stats
+
+    tr = trainer(dp=8)
+    state = jax.eval_shape(tr.init.jitted, jax.random.key(0))
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, tr.state_sharding)
+    batch = {k: jax.ShapeDtypeStruct((2, 8, TC.seq_len), jnp.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "labels", "positions")}
+    with jax.set_mesh(tr.mesh):
+        stats = collective_stats(tr.step.jitted.lower(state, batch).compile().as_text())
+    grad_bytes = 4 * CFG.num_params
+    assert stats["all-reduce"]["count"] <= 2, stats
+    assert grad_bytes <= stats["all-reduce"]["bytes"] <= grad_bytes + 64, (stats, grad_bytes)
