@@ -33,7 +33,6 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     import time
 
     import jax
-    import jax.numpy as jnp
 
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
@@ -45,15 +44,8 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     mesh = make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
     kwargs = {"pipeline": cfg.pipeline} if "pipeline" in build_trainer.__code__.co_varnames else {}
     trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
-    tc = cfg.train
-    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         jax.eval_shape(trainer.init.jitted, jax.random.key(0)), trainer.state_sharding)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-             for k in ("inputs", "labels", "positions")}
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = trainer.step.jitted.lower(state, batch).compile()
+    compiled = trainer.compile_step()
     return {"cfg": cfg, "mesh": mesh, "trainer": trainer, "compiled": compiled,
             "compile_s": time.perf_counter() - t0}
 

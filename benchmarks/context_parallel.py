@@ -75,8 +75,7 @@ def measure(seq_len: int, cp: int, batch_size: int, steps: int) -> dict[str, Any
              "positions": np.broadcast_to(columns.astype(np.int32), (1, batch_size, seq_len))}
     batch = jax.device_put(batch, trainer.batch_sharding)
     state = trainer.init(jax.random.key(0))
-    with jax.set_mesh(mesh):
-        compiled = trainer.step.jitted.lower(state, batch).compile()
+    compiled = trainer.compile_step(state, batch)
     mem = compiled.memory_analysis()
     times = []
     for _ in range(steps + 1):  # the first run warms up

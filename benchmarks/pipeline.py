@@ -52,8 +52,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
                            "labels": jnp.asarray(tokens[..., 1:], jnp.int32)})
     batch = jax.device_put(batch, tr.batch_sharding)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = tr.step.jitted.lower(state, batch).compile()
+    compiled = tr.compile_step(state, batch)
     compile_s = time.perf_counter() - t0
     state, metrics = compiled(state, batch)  # warm-up
     jax.block_until_ready(metrics)

@@ -55,6 +55,11 @@ class MeshConfig:
             )
         return self
 
+    @classmethod
+    def of(cls, mesh: Mesh) -> "MeshConfig":
+        """The sizes of a built mesh."""
+        return cls(**{name: mesh.shape[name] for name in AXES})
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.dp, self.pp, self.cp, self.tp)

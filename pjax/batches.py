@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import AXES, CP, DP, MeshConfig
+from mesh.mesh import CP, DP, MeshConfig
 from mesh.validate import validate_batch
 
 # A permutation of the sequence positions applied to the last axis, e.g. context parallelism's
@@ -90,7 +90,7 @@ class DataIterator:
                 raise ConfigError(f"train.batch_size={batch_size} is not divisible by train.grad_accum={grad_accum} "
                                   f"(all three of batch_size, grad_accum, seq_len must be positive); change one.")
         else:
-            sizes = MeshConfig(**{axis: mesh.shape[axis] for axis in AXES})
+            sizes = MeshConfig.of(mesh)
             validate_batch(sizes, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
         self.tokens, self.eval_tokens = tokens, eval_tokens
         self.seq_len, self.batch_size, self.grad_accum, self.seed = seq_len, batch_size, grad_accum, seed

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -126,7 +125,7 @@ class Checkpointer:
         step = self.resolve_step(step)
         saved_cfg = self.config(step)
         check_compatible(saved_cfg, cfg, f"{self.directory}/{step}")
-        target = abstract_state(trainer)
+        target = trainer.abstract_state()
         items = self._manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target.params), opt_state=ocp.args.StandardRestore(target.opt_state),
             meta=ocp.args.JsonRestore()))
@@ -218,17 +217,6 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")
-
-
-def abstract_state(trainer: Trainer) -> TrainState:
-    """Shapes, dtypes and *this trainer's* shardings of every state leaf: a restore target.
-
-    `jax.eval_shape` of the optimizer's init gives the moments' shapes but no shardings; those
-    come from `trainer.state_sharding`, which derives them from the parameters' logical axes.
-    """
-    params = _param_shapes(trainer.cfg)
-    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(trainer.optimizer.init, params))
-    return _abstract(shapes, trainer.state_sharding)
 
 
 def _param_shapes(cfg: LlamaConfig) -> Any:

@@ -13,8 +13,9 @@ serves them all. The result is one JSON line: mean nats per predicted token, the
 and the perplexity.
 
 The model runs on the configured mesh like training does: parameters sharded by
-`param_shardings`, rows over dp, sequence over cp, heads and vocabulary over tp. pp devices
-hold the same layers (there is no pipelined forward here) and simply repeat the work.
+`param_shardings`, rows over dp, sequence over cp, heads and vocabulary over tp. There is no
+pipelined or ring-attention forward here: with pp > 1 XLA gathers each layer's weights from the
+stage that holds them, and with cp > 1 it gathers keys and values for attention.
 """
 from __future__ import annotations
 
@@ -54,8 +55,6 @@ Params = dict[str, Any]
 # Model and text
 # ---------------------------------------------------------------------------------------------
 
-def _mesh_config(mesh: Mesh) -> MeshConfig:
-    return MeshConfig(**{name: mesh.shape[name] for name in mesh.axis_names})
 
 
 def read_hf_config(path: str) -> LlamaConfig:
@@ -99,7 +98,7 @@ def load_checkpoint_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[Llama
 
 
 def _validate_layout(cfg: LlamaConfig, mesh: Mesh, zero: int) -> None:
-    validate_model(_mesh_config(mesh), num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+    validate_model(MeshConfig.of(mesh), num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero)
 
@@ -176,7 +175,7 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     dp = mesh.shape[DP]
     # Rows per batch: no more than the text needs, rounded up so that dp splits them evenly.
     rows = -(-min(batch_size, n) // dp) * dp
-    validate_batch(_mesh_config(mesh), batch_size=rows, grad_accum=1, seq_len=seq_len)
+    validate_batch(MeshConfig.of(mesh), batch_size=rows, grad_accum=1, seq_len=seq_len)
     total = -(-n // rows) * rows
     data = {k: np.pad(v, ((0, total - n), (0, 0))) for k, v in data.items()}  # padded rows: weight 0
     sharding = NamedSharding(mesh, P(DP, CP))

@@ -143,13 +143,34 @@ class Trainer:
     loss: Callable[[Any, Batch], jax.Array]
     pipeline: PipelineConfig | None = None  # set when pp > 1 (interleaved: the layer stack is in pipeline order)
 
+    def abstract_state(self) -> TrainState:
+        """The state as sharded shapes (every leaf, the optimizer moments included): a restore
+        target, or an input to compile from without allocating anything."""
+        shapes = jax.eval_shape(self.init.jitted, jax.random.key(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_sharding)
+
+    def abstract_batch(self) -> Batch:
+        """A global batch as sharded shapes: int32 [grad_accum, batch_size // grad_accum, seq_len]."""
+        shape = (self.tc.grad_accum, self.tc.batch_size // self.tc.grad_accum, self.tc.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+                for k in ("inputs", "labels", "positions")}
+
+    def compile_step(self, state: Any = None, batch: Any = None) -> Any:
+        """The step compiled ahead of time (from shapes unless arrays are given), for its
+        `memory_analysis()`, its HLO (`as_text()`), or to call directly."""
+        state = self.abstract_state() if state is None else state
+        batch = self.abstract_batch() if batch is None else batch
+        with jax.set_mesh(self.mesh):
+            return self.step.jitted.lower(state, batch).compile()
+
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
 
     With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
     stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's."""
-    mc = MeshConfig(**{name: mesh.shape[name] for name in mesh.axis_names})
+    mc = MeshConfig.of(mesh)
     validate_model(mc, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=tc.zero)

@@ -140,8 +140,7 @@ def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3) -> tuple[tu
     data = DataIterator(TOKENS, TC.seq_len, TC.batch_size, TC.grad_accum, TC.seed, mesh,
                         sequence_layout=zigzag_layout(cp))
     state, batch, losses = trainer.init(jax.random.key(0)), next(data), []
-    with jax.set_mesh(mesh):
-        step = trainer.step.jitted.lower(state, batch).compile()
+    step = trainer.compile_step(state, batch)
     for _ in range(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
@@ -172,13 +171,7 @@ def temp_bytes(fn, *args) -> int:
 def step_temp_bytes(cp: int, per_device_seq: int = 32) -> int:
     """Temporary memory of the compiled train step at a fixed per-device sequence length."""
     trainer = build_trainer(cp_mesh(cp), CFG, dataclasses.replace(TC, seq_len=per_device_seq * cp, grad_accum=1))
-    state = jax.eval_shape(trainer.init.jitted, jax.random.key(0))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                         trainer.state_sharding)
-    batch = {k: jax.ShapeDtypeStruct((1, TC.batch_size, per_device_seq * cp), jnp.int32,
-                                     sharding=trainer.batch_sharding) for k in ("inputs", "labels", "positions")}
-    with jax.set_mesh(trainer.mesh):
-        return temp_bytes(trainer.step.jitted, state, batch)
+    return trainer.compile_step().memory_analysis().temp_size_in_bytes
 
 
 def attention_grad_temp_bytes(cp: int, custom_backward: bool, per_device_seq: int = 64) -> int:

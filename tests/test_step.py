@@ -118,13 +118,7 @@ def test_train_step_reports_metrics_and_learns():
 def test_tensor_parallel_step_gathers_neither_logits_nor_weights():
     """Megatron TP + DP needs only all-reduces: an all-gather would mean XLA materialises full
     logits (or full weights) on a device."""
-    tr = trainer(dp=2, tp=4)
-    state = jax.eval_shape(tr.init.jitted, jax.random.key(0))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, tr.state_sharding)
-    batch = {k: jax.ShapeDtypeStruct((2, 8, TC.seq_len), jnp.int32, sharding=tr.batch_sharding)
-             for k in ("inputs", "labels", "positions")}
-    with jax.set_mesh(tr.mesh):
-        hlo = tr.step.jitted.lower(state, batch).compile().as_text()
+    hlo = trainer(dp=2, tp=4).compile_step().as_text()
     assert re.search(r"all-reduce(-start)?\(", hlo), "expected TP/DP all-reduces"
     gathers = [line.strip()[:160] for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
     assert not gathers, gathers
@@ -135,13 +129,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch()
     token count riding along), where XLA alone would reduce after every micro-batch."""
     from pjax.hlo import collective_stats
 
-    tr = trainer(dp=8)
-    state = jax.eval_shape(tr.init.jitted, jax.random.key(0))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, tr.state_sharding)
-    batch = {k: jax.ShapeDtypeStruct((2, 8, TC.seq_len), jnp.int32, sharding=tr.batch_sharding)
-             for k in ("inputs", "labels", "positions")}
-    with jax.set_mesh(tr.mesh):
-        stats = collective_stats(tr.step.jitted.lower(state, batch).compile().as_text())
+    stats = collective_stats(trainer(dp=8).compile_step().as_text())
     grad_bytes = 4 * CFG.num_params
     assert stats["all-reduce"]["count"] <= 2, stats
     assert grad_bytes <= stats["all-reduce"]["bytes"] <= grad_bytes + 64, (stats, grad_bytes)
