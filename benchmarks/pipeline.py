@@ -1,6 +1,6 @@
 """Pipeline benchmark: per schedule and (p, m, v), the step time, bubble, memory and transfer volume.
 
-    python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--plot DIR] > pipeline.json
+    python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--cp 2] [--plot DIR] > pipeline.json
 
 For every schedule (afab, 1f1b, interleaved) and pp in --pp, m = k * pp for k in --mult: one
 JSON record with the step time (median of --steps AdamW steps), the bubble fraction read from
@@ -34,6 +34,7 @@ from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402
 from pjax.parallel import pipeline_schedules as ps  # noqa: E402
+from pjax.parallel.context_parallel import zigzag_layout  # noqa: E402
 from pjax.parallel.pipeline_parallel import make_schedule  # noqa: E402
 from pjax.step import add_positions, build_trainer  # noqa: E402
 
@@ -43,13 +44,15 @@ def permute_bytes(hlo: str) -> int:
 
 
 def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: PipelineConfig, steps: int) -> dict:
-    mesh = make_mesh(mesh_cfg, jax.devices()[: mesh_cfg.dp * mesh_cfg.pp * mesh_cfg.tp])
+    mesh = make_mesh(mesh_cfg, jax.devices()[: mesh_cfg.dp * mesh_cfg.pp * mesh_cfg.cp * mesh_cfg.tp])
     tr = build_trainer(mesh, cfg, tc, pipeline)
     state = tr.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len + 1))
     batch = add_positions({"inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
                            "labels": jnp.asarray(tokens[..., 1:], jnp.int32)})
+    cols = np.asarray(zigzag_layout(mesh_cfg.cp)(np.arange(tc.seq_len)))  # ring attention's column order
+    batch = {k: a[..., cols] for k, a in batch.items()}
     batch = jax.device_put(batch, tr.batch_sharding)
     t0 = time.perf_counter()
     compiled = tr.compile_step(state, batch)
@@ -63,17 +66,23 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     record = {"schedule": pipeline.schedule if mesh_cfg.pp > 1 else "none", "p": mesh_cfg.pp, "m": tc.grad_accum,
-              "v": pipeline.virtual_stages, "dp": mesh_cfg.dp, "tp": mesh_cfg.tp,
+              "v": pipeline.virtual_stages, "dp": mesh_cfg.dp, "cp": mesh_cfg.cp, "tp": mesh_cfg.tp,
               "step_time_ms": 1e3 * statistics.median(times), "compile_s": compile_s,
               "temp_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
               "loss": float(metrics["loss"])}
     if mesh_cfg.pp > 1:
-        sched = make_schedule(pipeline, mesh_cfg.pp, tc.grad_accum)
+        sched = run_schedule(pipeline, mesh_cfg, tc.grad_accum)
         p, m, v = sched.p, sched.m, sched.v
         record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(),
                       bubble_formula=(p - 1) / (v * m + p - 1), slots=ps.buffer_plan(sched).slots,
                       collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
     return record
+
+
+def run_schedule(pipeline: PipelineConfig, mesh_cfg: MeshConfig, m: int) -> ps.Schedule:
+    """The table the executor runs: in lockstep when cp > 1 (ring attention inside the stages)."""
+    sched = make_schedule(pipeline, mesh_cfg.pp, m)
+    return ps.lockstep(sched) if mesh_cfg.cp > 1 else sched
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--v", type=int, default=2, help="virtual stages of the interleaved schedule")
     ap.add_argument("--schedules", nargs="+", default=["afab", "1f1b", "interleaved"])
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallelism inside the stages (lockstep tables)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--micro_batch", type=int, default=4, help="rows per micro-batch")
     ap.add_argument("--seq_len", type=int, default=128)
@@ -104,15 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             tc = dataclasses.replace(base, batch_size=m * args.micro_batch, grad_accum=m)
             if m not in baselines:  # the same global batch without a pipeline, on dp*tp devices
                 baselines.add(m)
-                results.append(bench(cfg, tc, MeshConfig(dp=args.dp, pp=1, tp=args.tp), PipelineConfig(), args.steps))
+                results.append(bench(cfg, tc, MeshConfig(dp=args.dp, pp=1, cp=args.cp, tp=args.tp), PipelineConfig(),
+                                     args.steps))
                 print(json.dumps(results[-1]), file=sys.stderr)
             for name in args.schedules:
                 pipeline = PipelineConfig(schedule=name, virtual_stages=args.v if name == "interleaved" else 1)
-                sched = make_schedule(pipeline, p, m)
+                mesh_cfg = MeshConfig(dp=args.dp, pp=p, cp=args.cp, tp=args.tp)
+                sched = run_schedule(pipeline, mesh_cfg, m)
                 print(sched.render(), file=sys.stderr)
                 if args.plot:
                     ps.plot_schedule(sched, os.path.join(args.plot, f"{name}_p{p}_m{m}_v{sched.v}.png"))
-                record = bench(cfg, tc, MeshConfig(dp=args.dp, pp=p, tp=args.tp), pipeline, args.steps)
+                record = bench(cfg, tc, mesh_cfg, pipeline, args.steps)
                 print(json.dumps(record), file=sys.stderr)
                 results.append(record)
     print(json.dumps({"model": dataclasses.asdict(cfg), "micro_batch": args.micro_batch, "seq_len": args.seq_len,

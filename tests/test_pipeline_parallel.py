@@ -22,6 +22,7 @@ from models.config import LlamaConfig
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.parallel import pipeline_parallel as ppl
 from pjax.parallel import pipeline_schedules as ps
+from pjax.parallel.context_parallel import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
@@ -38,8 +39,12 @@ def table_sweep():
             yield ps.interleaved_1f1b(p, m, v)
 
 
+def lockstep_sweep():
+    return (ps.lockstep(sched) for sched in table_sweep() if sched.p <= 4 and sched.m <= 8)
+
+
 def test_schedule_tables_run_every_micro_batch_once_per_stage_in_dependency_order():
-    for sched in table_sweep():
+    for sched in itertools.chain(table_sweep(), lockstep_sweep()):
         p, v, last = sched.p, sched.v, sched.p * sched.v - 1
         tick = {}
         for t, s in zip(*np.nonzero(sched.op)):
@@ -65,7 +70,8 @@ def test_bubble_fraction_is_the_textbook_one():
 
 def test_buffer_plan_never_overwrites_a_micro_batch_in_flight():
     """Replay the plan's writes and check that every read finds the micro-batch it expects."""
-    for sched in [*table_sweep(), *(ps.forward_only(p, m, v) for p, m, v in [(2, 4, 1), (4, 8, 2), (3, 6, 3)])]:
+    for sched in [*table_sweep(), *lockstep_sweep(),
+                  *(ps.forward_only(p, m, v) for p, m, v in [(2, 4, 1), (4, 8, 2), (3, 6, 3)])]:
         plan, p, last = ps.buffer_plan(sched), sched.p, sched.p * sched.v - 1
         x_at, res_at, dy_at = ({s: {} for s in range(p)} for _ in range(3))  # device -> slot -> item
         for t in range(sched.ticks):
@@ -89,6 +95,26 @@ def test_buffer_plan_never_overwrites_a_micro_batch_in_flight():
             for where, s, k, item in arrivals:  # writes land after every read of the tick
                 assert k < plan.slots
                 where[s][int(k)] = item
+
+
+def test_lockstep_tables_run_one_kind_of_op_per_tick_in_each_devices_program_order():
+    def program(sched, s):
+        return [(int(sched.op[t, s]), int(sched.mb[t, s]), int(sched.chunk[t, s]))
+                for t in range(sched.ticks) if sched.op[t, s] != ps.IDLE]
+
+    for sched in table_sweep():
+        if sched.p > 4 or sched.m > 8:
+            continue
+        lock = ps.lockstep(sched)
+        kinds = ps.tick_ops(lock)
+        busy = lock.op != ps.IDLE
+        assert np.all(~busy | (lock.op == kinds[:, None])), lock.render()
+        mixed = sum(len(set(row.tolist()) - {ps.IDLE}) > 1 for row in sched.op)
+        assert lock.ticks == sched.ticks + mixed  # only the mixed ticks are split
+        assert all(program(lock, s) == program(sched, s) for s in range(sched.p))
+    assert ps.lockstep(ps.afab(4, 8)).ticks == ps.afab(4, 8).ticks  # AFAB is lockstep already
+    with pytest.raises(ValueError, match="lockstep"):
+        ps.tick_ops(ps.one_f_one_b(2, 4))
 
 
 def test_one_f_one_b_holds_p_micro_batches_and_afab_holds_m():
@@ -118,10 +144,10 @@ def init_params():
 
 
 @functools.cache
-def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1):
-    """(loss, gradients in model order, temporary bytes) of `trainer.grads` on one layout."""
+def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False):
+    """(loss, gradients in model order, temporary bytes[, eval loss]) of `trainer.grads` on one layout."""
     v = V if schedule == "interleaved" else 1
-    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, tp=tp), jax.devices()[: dp * pp * tp])
+    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1)
     tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
@@ -129,12 +155,16 @@ def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1):
     batch = make_batch(m)
     if pp == 1:  # the reference: the same rows as one big micro-batch
         batch = jax.tree.map(lambda a: a.reshape(1, m * MICRO, SEQ), batch)
+    if cp > 1:  # columns (and their positions) in the zigzag order ring attention expects
+        cols = np.asarray(zigzag_layout(cp)(np.arange(SEQ)))
+        batch = jax.tree.map(lambda a: a[..., cols], batch)
     batch = jax.device_put(batch, tr.batch_sharding)
     with jax.set_mesh(mesh):
         compiled = tr.grads.jitted.lower(params, batch).compile()
         loss, grads = compiled(params, batch)
     grads = ppl.to_model_layout(jax.tree.map(np.asarray, grads), pp, v)
-    return float(loss), grads, compiled.memory_analysis().temp_size_in_bytes
+    out = float(loss), grads, compiled.memory_analysis().temp_size_in_bytes
+    return (*out, float(tr.loss(params, batch))) if eval_loss else out
 
 
 def assert_grads_close(grads, ref, rtol=1e-5):
@@ -159,6 +189,18 @@ def test_pipeline_with_data_and_tensor_parallelism_equals_one_device(schedule):
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _ = run(4, pp=2, schedule=schedule, dp=2, tp=2)
     assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,layout", [("afab", dict(cp=2, tp=2)), ("1f1b", dict(dp=2, cp=2)),
+                                             ("interleaved", dict(cp=2))], ids=["afab_cp2_tp2", "1f1b_dp2_cp2",
+                                                                                "interleaved_cp2"])
+def test_pipeline_with_context_parallelism_equals_one_device(schedule, layout):
+    """pp=2 with ring attention inside the stages (lockstep tables): training gradients and the
+    forwards-only evaluation loss."""
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _, eval_loss = run(4, pp=2, schedule=schedule, eval_loss=True, **layout)
+    assert abs(loss - ref_loss) <= 1e-5 and abs(eval_loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 
 
@@ -199,16 +241,15 @@ def test_pipelined_fsdp_train_step_and_eval_loss_match_one_device():
     assert int(state.step) == 2 and float(tr.loss(state.params, batch)) < ref_loss
 
 
-@pytest.mark.parametrize("pp,cp,layers,schedule,v,grad_accum,key", [
-    (4, 1, 6, "1f1b", 1, 4, "model.num_hidden_layers=6"),
-    (2, 1, 4, "interleaved", 4, 4, "mesh.pp*pipeline.virtual_stages"),
-    (4, 1, 8, "interleaved", 2, 6, "train.grad_accum=6"),
-    (2, 1, 8, "1f1b", 2, 4, "pipeline.virtual_stages=2"),
-    (2, 2, 8, "1f1b", 1, 4, "mesh.cp=2"),
+@pytest.mark.parametrize("pp,layers,schedule,v,grad_accum,key", [
+    (4, 6, "1f1b", 1, 4, "model.num_hidden_layers=6"),
+    (2, 4, "interleaved", 4, 4, "mesh.pp*pipeline.virtual_stages"),
+    (4, 8, "interleaved", 2, 6, "train.grad_accum=6"),
+    (2, 8, "1f1b", 2, 4, "pipeline.virtual_stages=2"),
 ])
-def test_impossible_pipeline_layouts_raise_one_sentence(pp, cp, layers, schedule, v, grad_accum, key):
+def test_impossible_pipeline_layouts_raise_one_sentence(pp, layers, schedule, v, grad_accum, key):
     # layers=6 with pp=4 is caught by validate_model's pp check; the others by validate_pipeline.
-    mesh = make_mesh(MeshConfig(dp=1, pp=pp, cp=cp), jax.devices()[: pp * cp])
+    mesh = make_mesh(MeshConfig(dp=1, pp=pp), jax.devices()[:pp])
     cfg = dataclasses.replace(CFG, num_hidden_layers=layers)
     tc = dataclasses.replace(TC, batch_size=grad_accum * MICRO, grad_accum=grad_accum)
     with pytest.raises(ConfigError, match=re.escape(key)):

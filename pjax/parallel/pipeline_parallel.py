@@ -25,8 +25,10 @@ keeps only each layer's input).
 
 Pitfalls (see JAX_NOTES.md). A collective inside a switch branch must only involve devices that
 take the same branch: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
-index), but one HLO collective-permute spans every stage, so both transfers run after the switch
-and ring attention (cp > 1) cannot run inside a stage. Fresh zeros and replicated parameters are
+index), but one HLO collective-permute spans every stage, so both transfers run after the switch.
+Ring attention (cp > 1) has its permutes inside the forward and backward, so then every device
+must take the same branch each tick: the table is run in lockstep (`ps.lockstep`), a device with
+no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros and replicated parameters are
 cast to pp-varying first, or the switch/scan types differ and the gradient of a replicated
 weight would psum inside a branch. The loss is seeded with 1/(tokens in the global batch), so
 the gradient is that of the mean over all micro-batches (Picotron's PP path forgets the 1/m).
@@ -43,7 +45,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import PP, MeshConfig
+from mesh.mesh import CP, PP, MeshConfig
 from mesh.rules import constrain, flatten_tokens, logical_to_spec
 from models import llama
 from models.attention import select_attention
@@ -58,11 +60,6 @@ Batch = dict[str, jax.Array]
 def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
     """Check that the layers split into pp * v stages and the micro-batches suit the schedule."""
     pp, v = mesh.pp, pipeline.virtual_stages
-    if mesh.cp > 1:
-        # Ring attention's ppermutes would sit inside the per-stage switch branches; one HLO
-        # collective-permute spans every pp stage, and stages in different branches mismatch it.
-        raise ConfigError(f"mesh.pp={pp} with mesh.cp={mesh.cp} is not supported: ring attention cannot run "
-                          f"inside pipeline stages; set mesh.cp=1 (or mesh.pp=1).")
     if v > 1 and pipeline.schedule != "interleaved":
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved; "
                           f"set pipeline.virtual_stages=1 for {pipeline.schedule}.")
@@ -77,6 +74,12 @@ def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: in
 def make_schedule(pipeline: PipelineConfig, pp: int, m: int) -> ps.Schedule:
     """The table `pipeline.schedule` gives for pp devices and m micro-batches."""
     return ps.SCHEDULES[pipeline.schedule](pp, m, pipeline.virtual_stages)
+
+
+def needs_lockstep() -> bool:
+    """With cp > 1 every stage's forward and backward hold ring-attention transfers, so every
+    device must run the same kind of op each tick (`ps.lockstep`)."""
+    return jax.sharding.get_abstract_mesh().shape[CP] > 1
 
 
 # --- The stored layer order ---------------------------------------------------------------------
@@ -162,12 +165,15 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
         return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels))[0] * scale
 
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
+    # Ring attention's shard_map (manual over cp) inside a lax.scan inside this one (manual over
+    # pp) fails Shardy's verifier ("manual axis cp after free axis pp"); unrolled, it lowers.
+    scan = tc.scan_layers and jax.sharding.get_abstract_mesh().shape[CP] == 1
     return Stage(
         dtype=dtype,
         shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
         embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
         layers=lambda w, x, pos: llama.run_layers(w, x, pos, cfg, dtype=dtype, remat=tc.remat,
-                                                  scan=tc.scan_layers, attention_fn=attention_fn),
+                                                  scan=scan, attention_fn=attention_fn),
         loss=loss,
     )
 
@@ -223,12 +229,23 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
 
 # --- The executor: a scan over ticks inside shard_map -----------------------------------------------
 
-def _executor(sched: ps.Schedule, stage: Stage) -> tuple[Callable, np.ndarray]:
-    """The shard_map body running `sched`, and the table it reads: int32 [ticks, p, 6] of
-    (op, micro-batch, chunk, slot, slot for the arriving activation, for the arriving cotangent)."""
+def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple[Callable, np.ndarray]:
+    """The shard_map body running `sched`, and the table it reads: int32 [ticks, p, 7] of
+    (op, micro-batch, chunk, slot, slot for the arriving activation, for the arriving cotangent,
+    active).
+
+    In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
+    with nothing to do runs it anyway on the discard slot, its results masked by `active`; that
+    keeps collectives inside the branches (ring attention's) in step across the stages.
+    """
     plan = ps.buffer_plan(sched)
     p, v, n_slots = sched.p, sched.v, plan.slots
-    table = np.stack([sched.op, sched.mb, sched.chunk, plan.slot, plan.recv_x, plan.recv_dy], axis=-1)
+    active = sched.op != ps.IDLE
+    op, slot = sched.op, plan.slot
+    if lockstep:
+        op = np.broadcast_to(ps.tick_ops(sched)[:, None], sched.op.shape)
+        slot = np.where(active, plan.slot, n_slots)  # the discard slot, shared with "nothing came"
+    table = np.stack([op, sched.mb, sched.chunk, slot, plan.recv_x, plan.recv_dy, active], axis=-1).astype(np.int32)
     ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
     to_prev = [(s, (s - 1) % p) for s in range(p) if ring or s > 0]
@@ -251,13 +268,14 @@ def _executor(sched: ps.Schedule, stage: Stage) -> tuple[Callable, np.ndarray]:
         slots = lambda a, n: vary(jnp.zeros((n, *a.shape), a.dtype))
         inbox = lambda: constrain(slots(x0, n_slots + 1), (None, "tokens", "embed"))  # + one for "nothing came"
         f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
-        carry = (inbox(), inbox(), [slots(a, n_slots) for a in layout.stored], f32_zeros(layers), f32_zeros(shared),
+        res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
+        carry = (inbox(), inbox(), [slots(a, res_slots) for a in layout.stored], f32_zeros(layers), f32_zeros(shared),
                  vary(jnp.zeros(())))
         branches = _branches(stage, layout)
 
         def tick(carry, row):
             xs, dys, res, gw, gs, loss = carry
-            op, mb, c, slot, recv_x, recv_dy = row
+            op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
             out = lax.switch(op, branches, first, last, micro, xs[slot], dys[slot], [r[slot] for r in res],
@@ -265,12 +283,13 @@ def _executor(sched: ps.Schedule, stage: Stage) -> tuple[Callable, np.ndarray]:
             # Every write is unconditional: a branch returns its slot's new contents (or the old ones).
             res = [r.at[slot].set(o) for r, o in zip(res, out.res)]
             dys = dys.at[slot].set(out.dy)
-            gw = jax.tree.map(lambda g, d: g.at[c].add(d.astype(g.dtype)), gw, out.dw)
-            gs = jax.tree.map(jnp.add, gs, out.dshared)
+            keep = lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))  # lockstep: drop an idle device's work
+            gw = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), gw, out.dw)
+            gs = jax.tree.map(lambda g, d: g + keep(d), gs, out.dshared)
             # The transfer: activations one device on, cotangents one device back, every tick.
             xs = xs.at[recv_x].set(lax.ppermute(out.send_x, PP, to_next))
             dys = dys.at[recv_dy].set(lax.ppermute(out.send_dy, PP, to_prev))
-            return (xs, dys, res, gw, gs, loss + out.loss), None
+            return (xs, dys, res, gw, gs, loss + keep(out.loss)), None
 
         (_, _, _, gw, gs, loss), _ = lax.scan(tick, carry, table[:, 0])
         # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
@@ -280,8 +299,8 @@ def _executor(sched: ps.Schedule, stage: Stage) -> tuple[Callable, np.ndarray]:
     return body, table
 
 
-def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
-    body, table = _executor(sched, stage)
+def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool) -> tuple[jax.Array, Any]:
+    body, table = _executor(ps.lockstep(sched) if lockstep else sched, stage, lockstep)
     specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
     run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs), axis_names={PP})
     return run(params, batch, jnp.asarray(table))
@@ -296,7 +315,8 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     m = train.grad_accum micro-batches are the pipeline's."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     sched = make_schedule(pipeline, pp, batch["inputs"].shape[0])
-    loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch)
+    loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
+                       needs_lockstep())
     if grad_sharding is not None:  # ZeRO: gradients live in slices
         grads = lax.with_sharding_constraint(grads, grad_sharding)
     return loss, grads
@@ -307,4 +327,5 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, atte
     """Mean token loss without gradients (evaluation), through a forwards-only table."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)
-    return _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch)[0]
+    return _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
+                needs_lockstep())[0]

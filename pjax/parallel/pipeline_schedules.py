@@ -149,6 +149,35 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return _timeline("forward", p, m, v, [order] * p)
 
 
+def lockstep(sched: Schedule) -> Schedule:
+    """The same schedule with every tick's busy devices all forwarding or all backwarding.
+
+    A tick where some devices forward while others backward is split in two: its forwards, then
+    its backwards (each device keeps its program order, and a dependency that was one tick or more
+    apart still is). The executor then runs one kind of op per tick on *every* device, the idle
+    ones on a discard slot: what context parallelism needs, since ring attention's transfers sit
+    inside the forward and backward and all stages must reach the same transfer together. The
+    cost is the split ticks: 1F1B's steady state takes twice as many (half-full) ticks.
+    """
+    rows = []
+    for t in range(sched.ticks):
+        ops = set(sched.op[t].tolist()) - {IDLE}
+        for kind in sorted(ops) if len(ops) > 1 else [None]:
+            keep = np.ones(sched.p, bool) if kind is None else sched.op[t] == kind
+            rows.append([np.where(keep, a[t], 0) for a in (sched.op, sched.mb, sched.chunk)])
+    op, mb, chunk = (np.array([r[k] for r in rows], np.int32) for k in range(3))
+    return Schedule(sched.name + "-lockstep", sched.p, sched.m, sched.v, op, mb, chunk)
+
+
+def tick_ops(sched: Schedule) -> np.ndarray:
+    """[ticks] the one kind of op each tick of a lockstep table runs (IDLE only if all devices idle)."""
+    busy = np.where(sched.op == IDLE, 0, sched.op)
+    kinds = busy.max(axis=1)
+    if np.any((busy != 0) & (busy != kinds[:, None])):
+        raise ValueError(f"schedule {sched.name} mixes forwards and backwards in a tick; pass it through lockstep()")
+    return kinds
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "afab": lambda p, m, v: afab(p, m),
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
