@@ -80,7 +80,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*(keep(e) for e in logical_to_spec(names))))
 
 
-def _auto_size(mesh, axis: str) -> int:
+def auto_size(mesh, axis: str) -> int:
     """Size of a mesh axis that is still partitioned automatically (1 if absent or Manual)."""
     if mesh.empty or axis not in mesh.axis_names:
         return 1
@@ -100,7 +100,7 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
     """
     b, t, *rest = x.shape
     mesh = jax.sharding.get_abstract_mesh()
-    dp, cp = _auto_size(mesh, DP), _auto_size(mesh, CP)
+    dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b * t, *rest)
     x = x.reshape(dp, b // dp, cp, t // cp, *rest).swapaxes(1, 2)
@@ -111,7 +111,7 @@ def unflatten_tokens(x: jax.Array, b: int, t: int) -> jax.Array:
     """The inverse of `flatten_tokens`: [B*T, ...] -> [B, T, ...]."""
     rest = x.shape[1:]
     mesh = jax.sharding.get_abstract_mesh()
-    dp, cp = _auto_size(mesh, DP), _auto_size(mesh, CP)
+    dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b, t, *rest)
     x = x.reshape(dp, cp, b // dp, t // cp, *rest).swapaxes(1, 2)

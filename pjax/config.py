@@ -54,6 +54,7 @@ class TrainConfig:
     zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
     scan_layers: bool = True  # lax.scan over layers (fast compile) or an unrolled loop
     attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | cudnn
+    loss_chunk: int = 0  # tokens per block of the fused output layer + loss (0: the whole micro-batch)
     init_from: str | None = None  # a HuggingFace checkpoint directory to start from
 
     def __post_init__(self) -> None:
@@ -72,6 +73,7 @@ class TrainConfig:
         _require_choice("train.remat", self.remat, REMATS)
         _require_choice("train.zero", self.zero, ZERO_STAGES)
         _require_choice("train.attention", self.attention, ATTENTIONS)
+        _require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
 
 
 @dataclasses.dataclass(frozen=True)

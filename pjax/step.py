@@ -55,7 +55,8 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
     dtype = compute_dtype(tc.dtype)
     hidden = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
                                 scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention))
-    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(micro["labels"]))
+    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(micro["labels"]),
+                                        tc.loss_chunk)
 
 
 def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh import MeshConfig, make_mesh
+from mesh import ConfigError, MeshConfig, make_mesh
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
 from pjax.step import add_positions, build_trainer
@@ -24,10 +24,12 @@ TC = TrainConfig(seq_len=16, batch_size=16, grad_accum=2, dtype="float32", steps
 
 
 @functools.cache
-def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none"):
+def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
+            loss_chunk: int = 0, cfg: LlamaConfig = CFG):
     mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
-    tc = dataclasses.replace(TC, zero=zero, grad_accum=grad_accum, batch_size=batch_size, remat=remat)
-    return build_trainer(mesh, CFG, tc)
+    tc = dataclasses.replace(TC, zero=zero, grad_accum=grad_accum, batch_size=batch_size, remat=remat,
+                             loss_chunk=loss_chunk)
+    return build_trainer(mesh, cfg, tc)
 
 
 def make_batch(grad_accum: int, batch_size: int, seed: int = 0):
@@ -37,8 +39,9 @@ def make_batch(grad_accum: int, batch_size: int, seed: int = 0):
 
 
 @functools.cache
-def loss_and_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none"):
-    tr = trainer(dp, tp, zero, grad_accum, batch_size, remat)
+def loss_and_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
+                   loss_chunk: int = 0):
+    tr = trainer(dp, tp, zero, grad_accum, batch_size, remat, loss_chunk)
     params = tr.init(jax.random.key(0)).params
     loss, grads = tr.grads(params, jax.device_put(make_batch(grad_accum, batch_size), tr.batch_sharding))
     return float(loss), jax.tree.map(np.asarray, grads)
@@ -70,6 +73,30 @@ def test_sharded_loss_and_grads_equal_one_device(layout):
     loss, grads = loss_and_grads(**LAYOUTS[layout])
     assert abs(loss - ref_loss) <= 1e-6
     assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=1, loss_chunk=32), dict(dp=2, tp=2, loss_chunk=16)],
+                         ids=["one_device_chunk32", "dp2_tp2_chunk16"])
+def test_fused_chunked_loss_equals_the_whole_micro_batch(layout):
+    """train.loss_chunk: the output layer + loss in blocks of tokens with gradients formed in the
+    forward (128 tokens per micro-batch, 64 per device under dp2: 4 blocks each)."""
+    ref_loss, ref_grads = loss_and_grads(dp=1)
+    loss, grads = loss_and_grads(**layout)
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_grads_close(grads, ref_grads)
+
+
+def test_fused_chunked_loss_never_holds_the_whole_logits():
+    big_vocab = dataclasses.replace(CFG, vocab_size=4096)  # logits of a micro-batch: 128 x 4096 x 4 B = 2 MiB
+    temp = [trainer(1, loss_chunk=chunk, cfg=big_vocab).compile_step().memory_analysis().temp_size_in_bytes
+            for chunk in (0, 16)]
+    assert temp[1] < temp[0] - 0.75 * 2 * 2**20, temp  # at least most of one whole-logits buffer saved
+
+
+def test_loss_chunk_that_does_not_divide_the_tokens_is_a_config_error():
+    tr = trainer(1, loss_chunk=48)  # 128 tokens per micro-batch
+    with pytest.raises(ConfigError, match=re.escape("train.loss_chunk=48 does not divide the 128 tokens")):
+        tr.compile_step()
 
 
 def test_parameters_are_sharded_as_the_rules_say():
