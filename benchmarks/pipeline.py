@@ -2,9 +2,11 @@
 
     python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--cp 2] [--plot DIR] > pipeline.json
 
-For every schedule (afab, 1f1b, interleaved) and pp in --pp, m = k * pp for k in --mult: one
-JSON record with the step time (median of --steps AdamW steps), the bubble fraction read from
-the schedule table (and the textbook formula), the slots a device keeps in flight, the compiled
+For every schedule (afab, 1f1b, 1f1b_lockstep, interleaved) and pp in --pp, m = k * pp for k in
+--mult: one JSON record with the step time (median of --steps AdamW steps), the bubble fraction
+read from the schedule table (and the textbook formula), the table's span (its time when each
+tick lasts as long as its slowest item, forward 1 and backward 2), the slots a device keeps in
+flight, the compiled
 step's per-device temporary memory (`memory_analysis()`), and the collective-permute bytes a
 device receives per step, read from the compiled HLO (ops inside the tick loop count once per
 tick). The schedule tables are printed as text on stderr; --plot DIR also saves them as PNGs.
@@ -73,7 +75,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
     if mesh_cfg.pp > 1:
         sched = run_schedule(pipeline, mesh_cfg, tc.grad_accum)
         p, m, v = sched.p, sched.m, sched.v
-        record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(),
+        record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(), span_units=sched.span(),
                       bubble_formula=(p - 1) / (v * m + p - 1), slots=ps.buffer_plan(sched).slots,
                       collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
     return record
@@ -81,8 +83,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
 
 def run_schedule(pipeline: PipelineConfig, mesh_cfg: MeshConfig, m: int) -> ps.Schedule:
     """The table the executor runs: in lockstep when cp > 1 (ring attention inside the stages)."""
-    sched = make_schedule(pipeline, mesh_cfg.pp, m)
-    return ps.lockstep(sched) if mesh_cfg.cp > 1 else sched
+    return make_schedule(pipeline, mesh_cfg.pp, m, lockstep=mesh_cfg.cp > 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mult", type=int, nargs="+", default=[1, 2, 4], help="m = mult * pp micro-batches")
     ap.add_argument("--v", type=int, default=2, help="virtual stages of the interleaved schedule")
-    ap.add_argument("--schedules", nargs="+", default=["afab", "1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["afab", "1f1b", "1f1b_lockstep", "interleaved"])
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1, help="context parallelism inside the stages (lockstep tables)")
     ap.add_argument("--tp", type=int, default=1)

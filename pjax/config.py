@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "cudnn")
-SCHEDULES = ("1f1b", "afab", "interleaved")
+SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved")
 
 
 def _require(ok: bool, key: str, value: Any, valid: str) -> None:
@@ -117,7 +117,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # afab | 1f1b | interleaved
+    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule's v)
 
     def __post_init__(self) -> None:

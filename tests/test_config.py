@@ -233,7 +233,7 @@ def test_choice_errors_list_the_valid_choices():
     remats = "none, full, dots, dots_no_batch, offload"
     with pytest.raises(ConfigError, match=rf"train.remat='some' is invalid; choose one of {remats}"):
         load_config(overrides=["train.remat=some"])
-    with pytest.raises(ConfigError, match=r"pipeline.schedule='gpipe' is invalid; choose one of 1f1b, afab, interleaved"):
+    with pytest.raises(ConfigError, match=r"pipeline.schedule='gpipe' is invalid; choose one of 1f1b, 1f1b_lockstep, afab, interleaved"):
         load_config(overrides=["pipeline.schedule=gpipe"])
 
 

@@ -34,7 +34,7 @@ V = 2  # virtual stages of the interleaved schedule
 
 def table_sweep():
     for p, m, v in itertools.product(range(1, 7), range(1, 13), range(1, 5)):
-        yield from [ps.afab(p, m), ps.one_f_one_b(p, m)] if v == 1 else []
+        yield from [ps.afab(p, m), ps.one_f_one_b(p, m), ps.one_f_one_b_lockstep(p, m)] if v == 1 else []
         if m % p == 0:
             yield ps.interleaved_1f1b(p, m, v)
 
@@ -120,7 +120,18 @@ def test_lockstep_tables_run_one_kind_of_op_per_tick_in_each_devices_program_ord
 def test_one_f_one_b_holds_p_micro_batches_and_afab_holds_m():
     for p, m in itertools.product(range(2, 6), range(1, 17)):
         assert ps.buffer_plan(ps.one_f_one_b(p, m)).slots == min(p, m)
+        assert ps.buffer_plan(ps.one_f_one_b_lockstep(p, m)).slots == min(2 * p - 1, m)
         assert ps.buffer_plan(ps.afab(p, m)).slots == m
+
+
+def test_lockstep_one_f_one_b_takes_afab_time_where_one_f_one_b_waits_on_backwards():
+    """In one SPMD program a tick lasts as long as its slowest device (backward = 2 forwards)."""
+    for p, m in itertools.product(range(2, 6), range(2, 17)):
+        lock, afab, plain = ps.one_f_one_b_lockstep(p, m), ps.afab(p, m), ps.one_f_one_b(p, m)
+        assert np.all(ps.tick_ops(lock) > 0)  # one kind of op per tick, no all-idle ticks
+        assert lock.span() == afab.span() == 3 * (m + p - 1)
+        assert plain.span() > lock.span()
+    assert (ps.one_f_one_b(4, 16).span(), ps.one_f_one_b_lockstep(4, 16).span()) == (72, 57)
 
 
 def test_schedules_render_as_text_and_png(tmp_path):
@@ -180,6 +191,14 @@ LAYOUTS = [(pp, k * pp, s) for pp in (2, 4) for k in (1, 2, 4) for s in ("afab",
 def test_pipelined_loss_and_grads_equal_one_device(pp, m, schedule):
     ref_loss, ref_grads, _ = run(m)
     loss, grads, _ = run(m, pp, schedule)
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_lockstep_one_f_one_b_equals_one_device(pp, m):
+    ref_loss, ref_grads, _ = run(m)
+    loss, grads, _ = run(m, pp, "1f1b_lockstep")
     assert abs(loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 

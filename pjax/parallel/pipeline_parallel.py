@@ -71,9 +71,12 @@ def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: in
                           f"schedule needs micro-batches in groups of pp.")
 
 
-def make_schedule(pipeline: PipelineConfig, pp: int, m: int) -> ps.Schedule:
-    """The table `pipeline.schedule` gives for pp devices and m micro-batches."""
-    return ps.SCHEDULES[pipeline.schedule](pp, m, pipeline.virtual_stages)
+def make_schedule(pipeline: PipelineConfig, pp: int, m: int, lockstep: bool = False) -> ps.Schedule:
+    """The table `pipeline.schedule` gives for pp devices and m micro-batches; with `lockstep`,
+    one kind of op per tick (1F1B takes its own lockstep form, other tables are split)."""
+    name = "1f1b_lockstep" if lockstep and pipeline.schedule == "1f1b" else pipeline.schedule
+    sched = ps.SCHEDULES[name](pp, m, pipeline.virtual_stages)
+    return ps.lockstep(sched) if lockstep else sched
 
 
 def needs_lockstep() -> bool:
@@ -301,7 +304,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
 
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool) -> tuple[jax.Array, Any]:
-    body, table = _executor(ps.lockstep(sched) if lockstep else sched, stage, lockstep)
+    body, table = _executor(sched, stage, lockstep)
     specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
     run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs), axis_names={PP})
     return run(params, batch, jnp.asarray(table))
@@ -315,9 +318,10 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     """Mean token loss of the global batch and its gradient; batch arrays are [m, B, T] and the
     m = train.grad_accum micro-batches are the pipeline's."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
-    sched = make_schedule(pipeline, pp, batch["inputs"].shape[0])
+    lockstep = needs_lockstep()
+    sched = make_schedule(pipeline, pp, batch["inputs"].shape[0], lockstep)
     loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
-                       needs_lockstep())
+                       lockstep)
     if grad_sharding is not None:  # ZeRO: gradients live in slices
         grads = lax.with_sharding_constraint(grads, grad_sharding)
     return loss, grads
@@ -327,6 +331,6 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, atte
               *, pipeline: PipelineConfig, dtype: Any) -> jax.Array:
     """Mean token loss without gradients (evaluation), through a forwards-only table."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
-    sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)
+    sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)  # one kind of op: lockstep
     return _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
                 needs_lockstep())[0]

@@ -17,6 +17,11 @@ memory: a device holds at most p micro-batches' activations instead of m. Interl
 gives each device v chunks of 1/v of the layers (model stage `j = c*p + s` is chunk `c` on device
 `s`); an item is 1/v as long and the bubble shrinks to (p - 1)/(v*m + p - 1).
 
+In one SPMD program every device finishes a tick before the next starts, so a tick costs its
+slowest item (`Schedule.span`). Lockstep 1F1B keeps 1F1B's bounded memory (2p - 1 in flight)
+but lines up all forwards and all backwards, so it takes AFAB's time, which on separate devices
+is below plain 1F1B's whenever a backward costs more than a forward.
+
 The executor (`pipeline_parallel.py`) runs any of these tables; `buffer_plan` says in which slot
 of its fixed-size buffers a device keeps each micro-batch that is in flight.
 """
@@ -53,6 +58,12 @@ class Schedule:
         """The model stage that `chunk` on `device` holds (interleaved: round robin over devices)."""
         return chunk * self.p + device
 
+    def span(self, forward: float = 1.0, backward: float = 2.0) -> float:
+        """Time of the table when every tick lasts as long as its slowest device, as in one SPMD
+        program on devices of their own (a backward costs about twice a forward)."""
+        cost = np.array([0.0, forward, backward])
+        return float(cost[self.op].max(axis=1).sum())
+
     def bubble_fraction(self) -> float:
         """Idle (device, tick) cells over all cells, counting a forward and a backward as one tick each."""
         return float(np.mean(self.op == IDLE))
@@ -73,13 +84,19 @@ class Schedule:
         return "\n".join([title, *rows])
 
 
-def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Schedule:
-    """Run each device's program order as early as the dependencies allow (see the module doc)."""
+def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alternate: bool = False) -> Schedule:
+    """Run each device's program order as early as the dependencies allow (see the module doc).
+
+    `alternate`: forwards only on even ticks and backwards only on odd ones, so every tick runs
+    one kind of op on all devices (ticks where no device can work are left out of the table).
+    """
     done: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
-    pos, rows, t = [0] * p, [], 0
+    pos, rows, t, skipped = [0] * p, [], 0, 0
     last = p * v - 1
 
     def ready(op: int, i: int, j: int) -> bool:
+        if alternate and op != (FORWARD if t % 2 == 0 else BACKWARD):
+            return False
         deps = [(FORWARD, i, j - 1)] if op == FORWARD and j > 0 else []
         if op == BACKWARD:
             deps = [(FORWARD, i, j)] + ([(BACKWARD, i, j + 1)] if j < last else [])
@@ -89,7 +106,12 @@ def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Sc
         row = [orders[s][pos[s]] if pos[s] < len(orders[s]) else None for s in range(p)]
         row = [a if a is not None and ready(a[0], a[1], a[2] * p + s) else None for s, a in enumerate(row)]
         if not any(row):
-            raise RuntimeError(f"schedule {name} deadlocks at tick {t}: the program orders are inconsistent")
+            skipped += 1
+            if not alternate or skipped > 1:
+                raise RuntimeError(f"schedule {name} deadlocks at tick {t}: the program orders are inconsistent")
+            t += 1  # the other kind of tick may have work; an all-idle tick itself is not kept
+            continue
+        skipped = 0
         for s, a in enumerate(row):
             if a is not None:
                 done[(a[0], a[1], a[2] * p + s)] = t
@@ -126,6 +148,21 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B (PipeDream-flush): device s runs p - s - 1 forwards, then alternates; at most p in flight."""
     order = [(i, 0) for i in range(m)]
     return _timeline("1f1b", p, m, 1, [_one_f_one_b_order(order, order, p - s - 1) for s in range(p)])
+
+
+def one_f_one_b_lockstep(p: int, m: int) -> Schedule:
+    """1F1B with every device forwarding on the same ticks and backwarding on the same ticks.
+
+    Device s runs 2(p - s - 1) warm-up forwards (not p - s - 1), then alternates, and forwards /
+    backwards take turns tick by tick. In an SPMD program a tick lasts as long as its slowest
+    device, so plain 1F1B's steady state (some devices forwarding while others backward) costs a
+    backward per tick; here a forward tick costs a forward. The time is that of AFAB and of
+    asynchronous (MPMD) 1F1B, (m + p - 1)(F + B), with at most 2p - 1 micro-batches in flight
+    instead of m. It is also what ring attention (cp > 1) needs: all stages in the same branch.
+    """
+    order = [(i, 0) for i in range(m)]
+    return _timeline("1f1b_lockstep", p, m, 1, [_one_f_one_b_order(order, order, 2 * (p - s - 1)) for s in range(p)],
+                     alternate=True)
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -181,6 +218,7 @@ def tick_ops(sched: Schedule) -> np.ndarray:
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "afab": lambda p, m, v: afab(p, m),
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "1f1b_lockstep": lambda p, m, v: one_f_one_b_lockstep(p, m),
     "interleaved": interleaved_1f1b,
 }
 
