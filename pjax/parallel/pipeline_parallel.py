@@ -204,9 +204,10 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     the tick's slot; `first`/`last` say whether this chunk is model stage 0 / the last one. None
     communicates over pp: the sends are returned and `ppermute`d after the switch.
     """
-    def idle(first, last, micro, x, dy, res, w, shared) -> TickOut:
+    def idle(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
-        return TickOut(zeros(x), zeros(x), res, dy, zeros(w), zeros(shared), jnp.zeros_like(x, jnp.float32, shape=()))
+        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, zeros(w), zeros(shared),
+                       jnp.zeros_like(x, jnp.float32, shape=()))
 
     def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dshared and dy
         return jax.value_and_grad(stage.loss, argnums=(0, 1))(shared, y, labels)
@@ -214,19 +215,20 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     def no_head(shared, y, labels, dy):  # other stages leave their slot's cotangent as it is
         return jnp.zeros_like(y, jnp.float32, shape=()), (jax.tree.map(jnp.zeros_like, shared), dy)
 
-    def forward(first, last, micro, x, dy, res, w, shared) -> TickOut:
+    def forward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
         x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]), lambda: x)  # stage 0 embeds
         y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
         loss, (dshared, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
-        out = idle(first, last, micro, x, dy, res, w, shared)
-        return out._replace(send_x=y, res=layout.pack(vjp_fn), dshared=dshared, loss=loss)
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, zeros(w), dshared, loss)
 
-    def backward(first, last, micro, x, dy, res, w, shared) -> TickOut:
-        dw, dx = layout.unpack(w, res)(dy)
+    def backward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
+        dw, dx = layout.unpack(w, [r[slot] for r in res])(dy)
         embed_grad = lambda: jax.vjp(lambda sh: stage.embed(sh, micro["inputs"]), shared)[1](dx)[0]
         dshared = lax.cond(first, embed_grad, lambda: jax.tree.map(jnp.zeros_like, shared))
-        out = idle(first, last, micro, x, dy, res, w, shared)
-        return out._replace(send_dy=dx, dw=dw, dshared=dshared)
+        # This is the slot's last use: what is written back to it no longer matters.
+        return TickOut(jnp.zeros_like(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, dw, dshared,
+                       jnp.zeros_like(dx, jnp.float32, shape=()))
 
     return [idle, forward, backward]
 
@@ -282,8 +284,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
             op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
-            out = lax.switch(op, branches, first, last, micro, xs[slot], dys[slot], [r[slot] for r in res],
-                             chunk(c), shared)
+            out = lax.switch(op, branches, first, last, micro, slot, xs[slot], dys[slot], res, chunk(c), shared)
             # Every write is unconditional: a branch returns its slot's new contents (or the old ones).
             res = [r.at[slot].set(o) for r, o in zip(res, out.res)]
             dys = dys.at[slot].set(out.dy)
