@@ -150,19 +150,20 @@ def make_batch(m: int):
 
 
 @functools.cache
-def init_params():
-    return llama.init_params(CFG, jax.random.key(0))
+def init_params(cfg: LlamaConfig = CFG):
+    return llama.init_params(cfg, jax.random.key(0))
 
 
 @functools.cache
-def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False):
+def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False,
+        cfg: LlamaConfig = CFG):
     """(loss, gradients in model order, temporary bytes[, eval loss]) of `trainer.grads` on one layout."""
     v = V if schedule == "interleaved" else 1
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1)
-    tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
+    tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
-    params = jax.device_put(ppl.to_pipeline_layout(init_params(), pp, v), tr.state_sharding.params)
+    params = jax.device_put(ppl.to_pipeline_layout(init_params(cfg), pp, v), tr.state_sharding.params)
     batch = make_batch(m)
     if pp == 1:  # the reference: the same rows as one big micro-batch
         batch = jax.tree.map(lambda a: a.reshape(1, m * MICRO, SEQ), batch)
@@ -199,6 +200,15 @@ def test_pipelined_loss_and_grads_equal_one_device(pp, m, schedule):
 def test_lockstep_one_f_one_b_equals_one_device(pp, m):
     ref_loss, ref_grads, _ = run(m)
     loss, grads, _ = run(m, pp, "1f1b_lockstep")
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+def test_tied_embeddings_collect_both_gradients_across_the_pipeline():
+    """Tied: the table gets the first stage's embedding gradient and the last stage's output-layer one."""
+    tied = dataclasses.replace(CFG, tie_word_embeddings=True)
+    ref_loss, ref_grads, _ = run(4, cfg=tied)
+    loss, grads, _ = run(4, pp=2, schedule="interleaved", tp=2, cfg=tied)
     assert abs(loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 

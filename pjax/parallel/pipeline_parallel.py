@@ -157,6 +157,7 @@ class Stage(NamedTuple):
     embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
     layers: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (chunk weights, x, positions) -> y
     loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (shared, y, labels) -> scaled loss
+    head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
 
 
 def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float) -> Stage:
@@ -179,6 +180,7 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
         layers=lambda w, x, pos: llama.run_layers(w, x, pos, cfg, dtype=dtype, remat=tc.remat,
                                                   scan=scan, attention_fn=attention_fn),
         loss=loss,
+        head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
     )
 
 
@@ -193,7 +195,7 @@ class TickOut(NamedTuple):
     res: list[jax.Array]  # what the slot's residuals are after the tick: a forward's new ones, else as read
     dy: jax.Array  # the slot's cotangent after the tick: the last stage's forward sets it, else as read
     dw: Any  # this chunk's weight gradients (backward)
-    dshared: Any  # embedding / final norm / output layer gradients (first-stage backward, last-stage forward)
+    dhead: Any  # final norm / output layer gradients (the last stage's forward)
     loss: jax.Array
 
 
@@ -204,30 +206,32 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     the tick's slot; `first`/`last` say whether this chunk is model stage 0 / the last one. None
     communicates over pp: the sends are returned and `ppermute`d after the switch.
     """
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
+    head_of = lambda shared: {k: shared[k] for k in stage.head_keys}
+
     def idle(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
-        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
-        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, zeros(w), zeros(shared),
+        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, zeros(w), zeros(head_of(shared)),
                        jnp.zeros_like(x, jnp.float32, shape=()))
 
-    def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dshared and dy
-        return jax.value_and_grad(stage.loss, argnums=(0, 1))(shared, y, labels)
+    def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dhead and dy
+        loss = lambda hp, y: stage.loss({**shared, **hp}, y, labels)
+        return jax.value_and_grad(loss, argnums=(0, 1))(head_of(shared), y)
 
     def no_head(shared, y, labels, dy):  # other stages leave their slot's cotangent as it is
-        return jnp.zeros_like(y, jnp.float32, shape=()), (jax.tree.map(jnp.zeros_like, shared), dy)
+        return jnp.zeros_like(y, jnp.float32, shape=()), (zeros(head_of(shared)), dy)
 
     def forward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
         x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]), lambda: x)  # stage 0 embeds
         y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
-        loss, (dshared, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
-        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
-        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, zeros(w), dshared, loss)
+        loss, (dhead, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
+        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, zeros(w), dhead, loss)
 
     def backward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
         dw, dx = layout.unpack(w, [r[slot] for r in res])(dy)
-        embed_grad = lambda: jax.vjp(lambda sh: stage.embed(sh, micro["inputs"]), shared)[1](dx)[0]
-        dshared = lax.cond(first, embed_grad, lambda: jax.tree.map(jnp.zeros_like, shared))
-        # This is the slot's last use: what is written back to it no longer matters.
-        return TickOut(jnp.zeros_like(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, dw, dshared,
+        # This is the slot's last use: what is written back to it no longer matters. The first
+        # stage's dx (the embedding's cotangent) is kept by the executor, which differentiates
+        # the embedding once for all micro-batches after the scan.
+        return TickOut(zeros(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, dw, zeros(head_of(shared)),
                        jnp.zeros_like(dx, jnp.float32, shape=()))
 
     return [idle, forward, backward]
@@ -275,12 +279,15 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
         inbox = lambda: constrain(slots(x0, n_slots + 1), (None, "tokens", "embed"))  # + one for "nothing came"
         f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
-        carry = (inbox(), inbox(), [slots(a, res_slots) for a in layout.stored], f32_zeros(layers), f32_zeros(shared),
-                 vary(jnp.zeros(())))
+        m = batch["inputs"].shape[0]
+        # The embedding's cotangent per micro-batch (row m: a discard row for every other tick).
+        d_embedded = slots(x0, m + 1)
+        carry = (inbox(), inbox(), [slots(a, res_slots) for a in layout.stored], f32_zeros(layers),
+                 f32_zeros({k: shared[k] for k in stage.head_keys}), vary(jnp.zeros(())), d_embedded)
         branches = _branches(stage, layout)
 
         def tick(carry, row):
-            xs, dys, res, gw, gs, loss = carry
+            xs, dys, res, gw, gs, loss, d_embedded = carry
             op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
@@ -290,13 +297,20 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
             dys = dys.at[slot].set(out.dy)
             keep = lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))  # lockstep: drop an idle device's work
             gw = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), gw, out.dw)
-            gs = jax.tree.map(lambda g, d: g + keep(d), gs, out.dshared)
+            gs = jax.tree.map(lambda g, d: g + keep(d), gs, out.dhead)
+            embeds = first & (op == ps.BACKWARD) & (active > 0)
+            d_embedded = d_embedded.at[jnp.where(embeds, mb, m)].set(out.send_dy)
             # The transfer: activations one device on, cotangents one device back, every tick.
             xs = xs.at[recv_x].set(lax.ppermute(out.send_x, PP, to_next))
             dys = dys.at[recv_dy].set(lax.ppermute(out.send_dy, PP, to_prev))
-            return (xs, dys, res, gw, gs, loss + keep(out.loss)), None
+            return (xs, dys, res, gw, gs, loss + keep(out.loss), d_embedded), None
 
-        (_, _, _, gw, gs, loss), _ = lax.scan(tick, carry, table[:, 0])
+        (_, _, _, gw, gs, loss, d_embedded), _ = lax.scan(tick, carry, table[:, 0])
+        # The embedding's gradient, once for all micro-batches (zero except on the first stage).
+        embed_all = lambda e: jax.vmap(lambda tokens: stage.embed({"embed": e}, tokens))(batch["inputs"])
+        d_embed = jax.vjp(embed_all, shared["embed"])[1](d_embedded[:m])[0]
+        gs = {**gs, "embed": jax.tree.map(lambda g, d: g + d.astype(jnp.float32), gs["embed"], d_embed)
+              if "embed" in gs else jax.tree.map(lambda d: d.astype(jnp.float32), d_embed)}
         # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
         grads = {**lax.psum(unzero(gs), PP), "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), gw)}
         return lax.psum(loss, PP), grads
