@@ -12,26 +12,32 @@ Where things live
   model; the stored stack is then kept in *pipeline order* (`layer_order`): each device's block
   holds its v chunks, and nothing is re-laid-out per step. `to_model_layout` converts back.
 * The embedding, final norm and output layer are replicated over pp (the parameter tree does not
-  change with pp) and used only by the first / last model stage. Their gradients are summed
-  over pp once, after the scan.
+  change with pp) and used only by the first / last model stage. The last stage's forward adds
+  to the final norm and output layer gradients; the first stage keeps each micro-batch's
+  embedding cotangent, and the embedding is differentiated once, after the scan. These
+  gradients are summed over pp once, at the end.
 
-One tick on one device: read the micro-batch's buffers at its slot, `lax.switch` on the table
-entry (idle / forward / backward, with the embedding on the first stage and the loss on the
-last), write the results back, then pass activations one device on and cotangents one device
-back. A forward keeps its VJP residuals (the leaves of `jax.vjp`'s function, minus the weights)
-in a slot buffer until its backward, so a device holds as many micro-batches as the schedule
-keeps in flight: p for 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full'
-keeps only each layer's input).
+One tick on one device: read the micro-batch's activation and cotangent at its slot,
+`lax.switch` on the table entry (idle / forward / backward, with the embedding on the first
+stage and the loss on the last), write the results back, then pass activations one device on
+and cotangents one device back. A forward keeps its VJP residuals (the leaves of `jax.vjp`'s
+function, minus the weights) in a slot buffer until its backward, so a device holds as many
+micro-batches as the schedule keeps in flight: p for 1F1B, 2p - 1 for lockstep 1F1B, m for
+AFAB. The residual buffers go into the switch whole and only the branches that use a slot read
+it (a forward only writes). `train.remat` shrinks the residuals (remat='full' keeps only each
+layer's input).
 
 Pitfalls (see JAX_NOTES.md). A collective inside a switch branch must only involve devices that
 take the same branch: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
 index), but one HLO collective-permute spans every stage, so both transfers run after the switch.
 Ring attention (cp > 1) has its permutes inside the forward and backward, so then every device
 must take the same branch each tick: the table is run in lockstep (`ps.lockstep`), a device with
-no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros and replicated parameters are
-cast to pp-varying first, or the switch/scan types differ and the gradient of a replicated
-weight would psum inside a branch. The loss is seeded with 1/(tokens in the global batch), so
-the gradient is that of the mean over all micro-batches (Picotron's PP path forgets the 1/m).
+no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros and
+replicated parameters are cast to pp-varying first, or the switch/scan types differ and the
+gradient of a replicated weight would psum inside a branch. A branch returns one slot's new
+contents, never a whole buffer: XLA copies buffers that pass through a conditional. The loss
+is seeded with 1/(tokens in the global batch), so the gradient is that of the mean over all
+micro-batches (Picotron's PP path forgets the 1/m).
 """
 from __future__ import annotations
 
@@ -192,7 +198,7 @@ class TickOut(NamedTuple):
 
     send_x: jax.Array  # activation for the next model stage
     send_dy: jax.Array  # cotangent for the previous model stage
-    res: list[jax.Array]  # what the slot's residuals are after the tick: a forward's new ones, else as read
+    res: list[jax.Array]  # the slot's residuals after the tick: a forward's new ones, idle's as read, else zeros
     dy: jax.Array  # the slot's cotangent after the tick: the last stage's forward sets it, else as read
     dw: Any  # this chunk's weight gradients (backward)
     dhead: Any  # final norm / output layer gradients (the last stage's forward)
@@ -202,8 +208,9 @@ class TickOut(NamedTuple):
 def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     """[idle, forward, backward], indexed by the table's op (IDLE, FORWARD, BACKWARD).
 
-    Each takes (first, last, micro-batch, x, dy, residuals, chunk weights, shared params), read at
-    the tick's slot; `first`/`last` say whether this chunk is model stage 0 / the last one. None
+    Each takes (first, last, micro-batch, slot, x, dy, residual buffers, chunk weights, shared
+    params): x and dy read at the tick's slot, the residual buffers whole (a forward never reads
+    them); `first`/`last` say whether this chunk is model stage 0 / the last one. None
     communicates over pp: the sends are returned and `ppermute`d after the switch.
     """
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
