@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh.distributed import force_cpu_devices, init_distributed
+from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
@@ -311,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         init_distributed()
         n = force_cpu_devices(cfg.mesh)
+        spare_cpu_thread(cfg.mesh)
         run(args, cfg, make_mesh(cfg.mesh, _devices(n)))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mesh.distributed import force_cpu_devices, init_distributed
+from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
 from mesh.errors import ConfigError
 from pjax.config import Config
 from pjax.config_io import load_config
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
         force_cpu_devices(cfg.mesh, num_processes)
+        spare_cpu_thread(cfg.mesh)
         train(cfg, progress=not args.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -93,3 +93,20 @@ def test_error_batch_not_divisible_by_dp():
 def test_error_batch_not_divisible_by_micro_batches_times_dp():
     with pytest.raises(ConfigError, match=r"train.grad_accum\*mesh.dp = 4\*2"):
         validate_batch(MeshConfig(dp=2), batch_size=12, grad_accum=4, seq_len=64)
+
+
+def test_spare_cpu_thread_only_for_pipelines_and_never_over_the_user(monkeypatch):
+    import os
+
+    from mesh.distributed import THREAD_POOL_ENV, spare_cpu_thread
+
+    for var in (THREAD_POOL_ENV, "NPROC"):
+        monkeypatch.delenv(var, raising=False)
+    assert spare_cpu_thread(MeshConfig(dp=2, tp=2)) is None and THREAD_POOL_ENV not in os.environ
+    n = spare_cpu_thread(MeshConfig(pp=2))
+    assert n == len(os.sched_getaffinity(0)) + 1 and os.environ[THREAD_POOL_ENV] == str(n)
+    monkeypatch.setenv(THREAD_POOL_ENV, "5")
+    assert spare_cpu_thread(MeshConfig(pp=2)) is None and os.environ[THREAD_POOL_ENV] == "5"
+    monkeypatch.delenv(THREAD_POOL_ENV)
+    monkeypatch.setenv("NPROC", "3")
+    assert spare_cpu_thread(MeshConfig(pp=4)) is None and THREAD_POOL_ENV not in os.environ
