@@ -8,7 +8,10 @@ GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.
 
 
 def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
-    """'dp2-tp2-zero3' -> ({'dp': 2, 'pp': 1, 'cp': 1, 'tp': 2}, ['train.zero=3']); '1' is one device."""
+    """'dp2-tp2-zero3' -> ({'dp': 2, 'pp': 1, 'cp': 1, 'tp': 2}, ['train.zero=3']); '1' is one device.
+
+    A `remat` part (as in 'pp2-remat') runs the layer scan with remat='full'.
+    """
     mesh = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
     extra = []
     for part in ([] if name == "1" else name.split("-")):
@@ -19,6 +22,8 @@ def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
         else:
             if part.startswith("zero") and part[4:].isdigit():
                 extra.append(f"train.zero={part[4:]}")
+            elif part == "remat":  # keep only each layer's input, recompute the rest (needs the layer scan)
+                extra += ["train.remat=full", "train.scan_layers=true"]
             else:
                 raise SystemExit(f"cannot parse layout part {part!r} in {name!r}")
     return mesh, extra

@@ -26,12 +26,16 @@ import time
 
 import jax
 
+from mesh import MeshConfig  # noqa: E402
+from mesh.distributed import spare_cpu_thread  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend is affected; before any device use
+spare_cpu_thread(MeshConfig(pp=2))  # every run here pipelines: one pool thread more, as pjax.train gives
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mesh import MeshConfig, make_mesh  # noqa: E402
+from mesh import make_mesh  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402

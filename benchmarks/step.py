@@ -7,7 +7,8 @@
 Each layout runs in its own process with exactly as many (forced CPU) devices as its mesh, so
 layouts do not share one device pool, and with the allocator setting from `.ci/run`. Output: one
 JSON object per layout on stdout (a JSON array at the end), `--plot PNG` for a bar chart.
-Layout names: `1` (one device) or `-`-joined parts such as `dp2-tp2`, `dp8-zero3`, `pp2`, `cp2`.
+Layout names: `1` (one device) or `-`-joined parts such as `dp2-tp2`, `dp8-zero3`, `pp2`, `cp2`,
+`pp2-remat` (remat='full' under the layer scan).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 from common import GLIBC_TUNABLES, compile_step, device_memory_bytes, parse_layout
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
-PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "cp2": 4827}
+PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
 
 
 def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
@@ -29,7 +30,11 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     mesh_sizes, _ = parse_layout(layout)
     import jax
 
+    from mesh.distributed import spare_cpu_thread
+    from mesh.mesh import MeshConfig
+
     jax.config.update("jax_num_cpu_devices", mesh_sizes["dp"] * mesh_sizes["pp"] * mesh_sizes["cp"] * mesh_sizes["tp"])
+    spare_cpu_thread(MeshConfig(**mesh_sizes))  # as pjax.train does: pipelines get one pool thread more
     import numpy as np
 
     from pjax.metrics import model_flops_per_token, peak_flops
@@ -83,7 +88,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="picotron-cpu")
-    ap.add_argument("--layouts", default="1,dp2,tp2,pp2,cp2")
+    ap.add_argument("--layouts", default="1,dp2,tp2,pp2,pp2-remat,cp2")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--aot", action="store_true", help="compile only (memory and compile time, no timing)")
