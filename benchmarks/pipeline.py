@@ -1,6 +1,6 @@
 """Pipeline benchmark: per schedule and (p, m, v), the step time, bubble, memory and transfer volume.
 
-    python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--cp 2] [--plot DIR] > pipeline.json
+    python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--cp 2] [--remat full] [--plot DIR] > pipeline.json
 
 For every schedule (afab, 1f1b, 1f1b_lockstep, interleaved) and pp in --pp, m = k * pp for k in
 --mult: one JSON record with the step time (median of --steps AdamW steps), the bubble fraction
@@ -72,7 +72,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     record = {"schedule": pipeline.schedule if mesh_cfg.pp > 1 else "none", "p": mesh_cfg.pp, "m": tc.grad_accum,
-              "v": pipeline.virtual_stages, "dp": mesh_cfg.dp, "cp": mesh_cfg.cp, "tp": mesh_cfg.tp,
+              "v": pipeline.virtual_stages, "remat": tc.remat, "dp": mesh_cfg.dp, "cp": mesh_cfg.cp, "tp": mesh_cfg.tp,
               "step_time_ms": 1e3 * statistics.median(times), "compile_s": compile_s,
               "temp_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
               "loss": float(metrics["loss"])}
@@ -105,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--remat", default="none", help="train.remat for every run (full: keep only the layer inputs)")
     ap.add_argument("--plot", default=None, help="a directory for PNGs of the schedule tables")
     args = ap.parse_args(argv)
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
-    base = TrainConfig(seq_len=args.seq_len, dtype="float32", steps=1000, warmup_steps=1)
+    base = TrainConfig(seq_len=args.seq_len, dtype="float32", steps=1000, warmup_steps=1, remat=args.remat)
     if args.plot:
         os.makedirs(args.plot, exist_ok=True)
     results, baselines = [], set()
