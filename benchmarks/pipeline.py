@@ -26,8 +26,8 @@ import time
 
 import jax
 
-from mesh import MeshConfig  # noqa: E402
-from mesh.distributed import spare_cpu_thread  # noqa: E402
+from mesh import MeshConfig
+from mesh.distributed import spare_cpu_thread
 
 jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend is affected; before any device use
 spare_cpu_thread(MeshConfig(pp=2))  # every run here pipelines: one pool thread more, as pjax.train gives

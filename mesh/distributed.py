@@ -1,6 +1,7 @@
-"""Process start-up: multi-host initialisation and forced CPU devices, before JAX's backend starts.
+"""Process start-up, before JAX's backend starts: multi-host initialisation, forced CPU devices
+and the size of XLA:CPU's thread pool.
 
-Both must run before the first call that touches devices (`jax.devices()`, any computation):
+All must run before the first call that touches devices (`jax.devices()`, any computation):
 after that XLA's device count and the process group are fixed.
 """
 from __future__ import annotations
