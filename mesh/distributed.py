@@ -62,9 +62,10 @@ def spare_cpu_thread(mesh_cfg: MeshConfig) -> int | None:
     pool's threads. In a pipeline a stage can wait most of a tick while its neighbour computes,
     and with as many threads as cores the waiting stage holds a core the busy one could use:
     picotron-cpu at pp=2 ran at one core's speed (1.15 s per step, 1 device on 1 core: 1.15 s;
-    with cores + 1 threads ~1.0 s). Other layouts wait only briefly and lose 5-15% to the
+    with cores + 1 threads ~1.0 s). Other layouts wait only briefly and lose 6-17% to the
     oversubscription, so they keep the default. A value the user set is left alone. Returns the
-    thread count set, or None. Must run before JAX's backend starts; accelerators are unaffected.
+    thread count set, or None. Must run before JAX's backend starts. Meant for forced CPU devices;
+    on accelerator hosts XLA may size other host thread pools from it too (one thread more).
     """
     if mesh_cfg.pp <= 1 or THREAD_POOL_ENV in os.environ or "NPROC" in os.environ:
         return None
