@@ -3,9 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# The allocator setting of .ci/run: XLA:CPU frees and re-maps a large temporary buffer every step.
-GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-
 
 def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
     """'dp2-tp2-zero3' -> ({'dp': 2, 'pp': 1, 'cp': 1, 'tp': 2}, ['train.zero=3']); '1' is one device.

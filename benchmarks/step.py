@@ -5,8 +5,8 @@
     python benchmarks/step.py --config smollm-135m --layouts dp8 --aot   # compile only: memory, no timing
 
 Each layout runs in its own process with exactly as many (forced CPU) devices as its mesh, so
-layouts do not share one device pool, and with the allocator setting from `.ci/run`. Output: one
-JSON object per layout on stdout (a JSON array at the end), `--plot PNG` for a bar chart.
+layouts do not share one device pool. Output: one JSON object per layout on stdout (a JSON array
+at the end), `--plot PNG` for a bar chart.
 Layout names: `1` (one device) or `-`-joined parts such as `dp2-tp2`, `dp8-zero3`, `pp2`, `cp2`,
 `pp2-remat` (remat='full' under the layer scan).
 """
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import GLIBC_TUNABLES, compile_step, device_memory_bytes, parse_layout
+from common import compile_step, device_memory_bytes, parse_layout
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
@@ -99,7 +99,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.config, args.one, args.steps, args.warmup, args.aot, args.overrides)))
         return
-    env = {**os.environ, "GLIBC_TUNABLES": GLIBC_TUNABLES, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.pop("XLA_FLAGS", None)
     results = []
     for layout in args.layouts.split(","):
