@@ -55,17 +55,22 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding with HF's rotate-half convention. x: [B, T, heads, Dh]; positions: [B, T]."""
-    dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    # The barrier makes the [B, T, Dh/2] tables one small computation. Without it XLA:CPU fuses
-    # cos and sin into every consumer and evaluates them per head and per use (forward and
-    # backward): 6% of a decoder layer's time at the picotron-cpu shape.
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
-    cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :].astype(x.dtype)
-    sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :].astype(x.dtype)
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's rotation angles, [B, T, Dh/2] in fp32 each.
+
+    Computed once per forward pass and shared by every layer (and by q and k). The barrier keeps
+    them one small computation: without it XLA:CPU fuses cos and sin into every consumer and
+    evaluates them per head and per use, forward and backward (6% of a layer's time at the
+    picotron-cpu shape).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
+
+
+def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotary embedding with HF's rotate-half convention. x: [B, T, heads, Dh]; tables from `rope_tables`."""
+    cos, sin = (jnp.concatenate([t, t], axis=-1)[:, :, None, :].astype(x.dtype) for t in tables)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
@@ -78,7 +83,8 @@ class DecoderLayer(nn.Module):
     attention_fn: Callable[..., jax.Array] = reference_attention
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -102,7 +108,7 @@ class DecoderLayer(nn.Module):
         v = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wv)), b, t)
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
         x = x + constrain(jnp.einsum("nhk,hkd->nd", o, cast(wo)), ("tokens", "embed"))
 
@@ -148,7 +154,9 @@ def _boxed_init(cfg: LlamaConfig, rng: jax.Array) -> Params:
     layer = DecoderLayer(cfg)
     # vmap over per-layer keys stacks each parameter along a new leading dim; the box keeps the
     # per-layer names, so prepend 'layers' to them.
-    stacked = jax.vmap(lambda k: layer.init(k, x, pos)["params"])(jax.random.split(k_layers, cfg.num_hidden_layers))
+    tables = rope_tables(pos, cfg.head_dim, cfg.rope_theta)
+    init_one = lambda k: layer.init(k, x, pos, tables)["params"]
+    stacked = jax.vmap(init_one)(jax.random.split(k_layers, cfg.num_hidden_layers))
     stacked = jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), stacked,
                            is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
     head = Head(cfg).init(k_head, x)["params"]
@@ -187,9 +195,10 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
                attention_fn: Callable[..., jax.Array] = reference_attention) -> jax.Array:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage)."""
     layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn)
+    tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
     def body(h, p):
-        return layer.apply({"params": p}, h, positions), None
+        return layer.apply({"params": p}, h, positions, tables), None
 
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
