@@ -35,9 +35,10 @@ must take the same branch each tick: the table is run in lockstep (`ps.lockstep`
 no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros and
 replicated parameters are cast to pp-varying first, or the switch/scan types differ and the
 gradient of a replicated weight would psum inside a branch. A branch returns one slot's new
-contents, never a whole buffer: XLA copies buffers that pass through a conditional. The loss
-is seeded with 1/(tokens in the global batch), so the gradient is that of the mean over all
-micro-batches (Picotron's PP path forgets the 1/m).
+contents, never a whole activation or residual buffer: XLA copies buffers that pass through a
+conditional. Only the gradient accumulators go through whole (`Acc`), where that is cheaper.
+The loss is seeded with 1/(tokens in the global batch), so the gradient is that of the mean
+over all micro-batches (Picotron's PP path forgets the 1/m).
 """
 from __future__ import annotations
 
@@ -192,6 +193,21 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
 
 # --- One tick: the switch branches ----------------------------------------------------------------
 
+class Acc(NamedTuple):
+    """The gradient accumulators a tick's branch adds to. They go through the switch whole: one
+    add in the branch that has a gradient beats every branch returning zeros to add after it
+    (2-3% of a pp=2 step here). The residual buffers stay outside: passed through whole, XLA
+    copies them every tick (pp=2 without remat 25% slower)."""
+
+    gw: Any  # f32 [v, layers per chunk, ...]: this device's layer gradients
+    ghead: Any  # f32 final norm / output layer gradients (added by the last stage)
+    chunk: jax.Array  # the chunk the tick runs
+    active: jax.Array  # 0 for a lockstep device with no work this tick (its results are dropped)
+
+    def keep(self, d: jax.Array) -> jax.Array:
+        return jnp.where(self.active > 0, d, jnp.zeros_like(d))
+
+
 class TickOut(NamedTuple):
     """What one device produces in one tick (zeros, or the slot's old contents, where its branch
     has nothing to give): every branch returns the same structure, as `lax.switch` requires."""
@@ -200,8 +216,8 @@ class TickOut(NamedTuple):
     send_dy: jax.Array  # cotangent for the previous model stage
     res: list[jax.Array]  # the slot's residuals after the tick: a forward's new ones, idle's as read, else zeros
     dy: jax.Array  # the slot's cotangent after the tick: the last stage's forward sets it, else as read
-    dw: Any  # this chunk's weight gradients (backward)
-    dhead: Any  # final norm / output layer gradients (the last stage's forward)
+    gw: Any  # the layer gradients accumulated so far (a backward adds its chunk's)
+    ghead: Any  # the final norm / output layer gradients so far (the last stage's forward adds)
     loss: jax.Array
 
 
@@ -209,15 +225,15 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     """[idle, forward, backward], indexed by the table's op (IDLE, FORWARD, BACKWARD).
 
     Each takes (first, last, micro-batch, slot, x, dy, residual buffers, chunk weights, shared
-    params): x and dy read at the tick's slot, the residual buffers whole (a forward never reads
-    them); `first`/`last` say whether this chunk is model stage 0 / the last one. None
+    params, Acc): x and dy read at the tick's slot, the residual buffers whole (a forward never
+    reads them); `first`/`last` say whether this chunk is model stage 0 / the last one. None
     communicates over pp: the sends are returned and `ppermute`d after the switch.
     """
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
     head_of = lambda shared: {k: shared[k] for k in stage.head_keys}
 
-    def idle(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
-        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, zeros(w), zeros(head_of(shared)),
+    def idle(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
+        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, acc.gw, acc.ghead,
                        jnp.zeros_like(x, jnp.float32, shape=()))
 
     def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dhead and dy
@@ -227,18 +243,20 @@ def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
     def no_head(shared, y, labels, dy):  # other stages leave their slot's cotangent as it is
         return jnp.zeros_like(y, jnp.float32, shape=()), (zeros(head_of(shared)), dy)
 
-    def forward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
+    def forward(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
         x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]), lambda: x)  # stage 0 embeds
         y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
         loss, (dhead, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
-        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, zeros(w), dhead, loss)
+        ghead = jax.tree.map(lambda g, d: g + acc.keep(d), acc.ghead, dhead)
+        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, acc.gw, ghead, loss)
 
-    def backward(first, last, micro, slot, x, dy, res, w, shared) -> TickOut:
+    def backward(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
         dw, dx = layout.unpack(w, [r[slot] for r in res])(dy)
+        gw = jax.tree.map(lambda g, d: g.at[acc.chunk].add(acc.keep(d).astype(g.dtype)), acc.gw, dw)
         # This is the slot's last use: what is written back to it no longer matters. The first
         # stage's dx (the embedding's cotangent) is kept by the executor, which differentiates
         # the embedding once for all micro-batches after the scan.
-        return TickOut(zeros(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, dw, zeros(head_of(shared)),
+        return TickOut(zeros(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, gw, acc.ghead,
                        jnp.zeros_like(dx, jnp.float32, shape=()))
 
     return [idle, forward, backward]
@@ -298,19 +316,18 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
             op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
-            out = lax.switch(op, branches, first, last, micro, slot, xs[slot], dys[slot], res, chunk(c), shared)
+            acc = Acc(gw, gs, c, active)
+            out = lax.switch(op, branches, first, last, micro, slot, xs[slot], dys[slot], res, chunk(c), shared, acc)
             # Every write is unconditional: a branch returns its slot's new contents (or the old ones).
             res = [r.at[slot].set(o) for r, o in zip(res, out.res)]
             dys = dys.at[slot].set(out.dy)
-            keep = lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))  # lockstep: drop an idle device's work
-            gw = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), gw, out.dw)
-            gs = jax.tree.map(lambda g, d: g + keep(d), gs, out.dhead)
+            gw, gs = out.gw, out.ghead
             embeds = first & (op == ps.BACKWARD) & (active > 0)
             d_embedded = d_embedded.at[jnp.where(embeds, mb, m)].set(out.send_dy)
             # The transfer: activations one device on, cotangents one device back, every tick.
             xs = xs.at[recv_x].set(lax.ppermute(out.send_x, PP, to_next))
             dys = dys.at[recv_dy].set(lax.ppermute(out.send_dy, PP, to_prev))
-            return (xs, dys, res, gw, gs, loss + keep(out.loss), d_embedded), None
+            return (xs, dys, res, gw, gs, loss + acc.keep(out.loss), d_embedded), None
 
         (_, _, _, gw, gs, loss, d_embedded), _ = lax.scan(tick, carry, table[:, 0])
         # The embedding's gradient, once for all micro-batches (zero except on the first stage).
