@@ -51,7 +51,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     m_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 1 else 1)
     analytic = param_bytes / p_split * 2 + 2 * param_bytes / m_split
     result = {
-        "layout": layout, "config": config, "devices": n_dev, "compile_s": round(built["compile_s"], 2),
+        "layout": layout, "config": config, "device": jax.devices()[0].device_kind, "devices": n_dev, "compile_s": round(built["compile_s"], 2),
         "device_memory_mb": round(device_memory_bytes(compiled) / 2**20, 2),
         "temp_memory_mb": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
         "analytic_state_mb": round(analytic / 2**20, 2),

@@ -54,7 +54,16 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
     raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked or cudnn.")
 
 
+def cudnn_supported(q: jax.Array) -> bool:
+    """Whether cuDNN's fused attention takes these queries: 16-bit floats, head dim a multiple of 8 up to 128."""
+    d = q.shape[-1]
+    return q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
+
+
 def _cudnn_attention(q, k, v, q_pos, kv_pos):
     # cuDNN's fused kernel handles GQA and the causal mask itself; it assumes contiguous positions.
+    # The implementation is named: `implementation=None` means XLA's unfused form (scores and
+    # probabilities materialised in memory), not "cuDNN where possible".
     del q_pos, kv_pos
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+    impl = "cudnn" if cudnn_supported(q) else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import reference_attention, select_attention
+from models.attention import cudnn_supported, reference_attention, select_attention
 from models.cpu_attention import blocked_causal_attention
 
 
@@ -46,3 +46,25 @@ def test_auto_picks_blocked_on_cpu_and_rejects_unknown():
     assert select_attention("auto") is blocked_causal_attention
     with pytest.raises(ValueError, match="unknown attention implementation"):
         select_attention("flash")
+
+
+def test_gpu_path_names_cudnn_where_it_applies_and_xla_elsewhere(monkeypatch):
+    """`implementation=None` in `jax.nn.dot_product_attention` is XLA's unfused form (scores in
+    memory), so the GPU path must ask for 'cudnn' by name: 16-bit inputs, head dim <= 128."""
+    asked, real = [], jax.nn.dot_product_attention
+
+    def spy(*args, implementation=None, **kwargs):
+        asked.append(implementation)
+        return real(*args, implementation="xla", **kwargs)  # no cuDNN on this machine
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    fn = select_attention("cudnn")
+    q, k, v, pos, _ = qkv(d=8)
+    np.testing.assert_allclose(fn(q, k, v, pos, pos), reference_attention(q, k, v, pos, pos), atol=1e-5)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = fn(*bf16, pos, pos)
+    np.testing.assert_allclose(out.astype(jnp.float32), reference_attention(*bf16, pos, pos).astype(jnp.float32),
+                               atol=3e-2)
+    assert asked == ["xla", "cudnn"]
+    assert not cudnn_supported(jnp.zeros((1, 1, 1, 160), jnp.bfloat16))  # head dim over cuDNN's 128
+    assert not cudnn_supported(jnp.zeros((1, 1, 1, 60), jnp.bfloat16))   # not a multiple of 8

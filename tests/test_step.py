@@ -25,10 +25,10 @@ TC = TrainConfig(seq_len=16, batch_size=16, grad_accum=2, dtype="float32", steps
 
 @functools.cache
 def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
-            loss_chunk: int = 0, cfg: LlamaConfig = CFG):
+            loss_chunk: int = 0, cfg: LlamaConfig = CFG, dtype: str = "float32"):
     mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
     tc = dataclasses.replace(TC, zero=zero, grad_accum=grad_accum, batch_size=batch_size, remat=remat,
-                             loss_chunk=loss_chunk)
+                             loss_chunk=loss_chunk, dtype=dtype)
     return build_trainer(mesh, cfg, tc)
 
 
@@ -40,8 +40,8 @@ def make_batch(grad_accum: int, batch_size: int, seed: int = 0):
 
 @functools.cache
 def loss_and_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
-                   loss_chunk: int = 0):
-    tr = trainer(dp, tp, zero, grad_accum, batch_size, remat, loss_chunk)
+                   loss_chunk: int = 0, dtype: str = "float32"):
+    tr = trainer(dp, tp, zero, grad_accum, batch_size, remat, loss_chunk, dtype=dtype)
     params = tr.init(jax.random.key(0)).params
     loss, grads = tr.grads(params, jax.device_put(make_batch(grad_accum, batch_size), tr.batch_sharding))
     return float(loss), jax.tree.map(np.asarray, grads)
@@ -97,6 +97,45 @@ def test_loss_chunk_that_does_not_divide_the_tokens_is_a_config_error():
     tr = trainer(1, loss_chunk=48)  # 128 tokens per micro-batch
     with pytest.raises(ConfigError, match=re.escape("train.loss_chunk=48 does not divide the 128 tokens")):
         tr.compile_step()
+
+
+def _dots(jaxpr):
+    """Every dot_general in a jaxpr, nested jaxprs (custom_vjp, pjit, scan) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                yield from _dots(inner)
+
+
+def test_bf16_output_layer_backward_multiplies_in_bf16():
+    """With bf16 compute the output layer's backward matmuls take bf16 d(logits), not the fp32
+    cotangent of the fp32 logits (which runs fp32 GEMMs on GPUs), and match fp32 autodiff."""
+    from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    ks = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(ks[0], (32, 16)).astype(jnp.bfloat16)
+    w = (0.3 * jax.random.normal(ks[1], (16, 64))).astype(jnp.bfloat16)
+    y = jax.random.randint(ks[2], (32,), 0, 64)
+    grad = jax.grad(lambda h, w: vocab_parallel_cross_entropy(h, w, y)[0], argnums=(0, 1))
+    dots = list(_dots(jax.make_jaxpr(grad)(h, w).jaxpr))
+    assert len(dots) == 3, dots  # logits forward, d(hidden), d(kernel)
+    assert all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars), dots
+    ref = jax.grad(lambda h, w: vocab_parallel_cross_entropy(h, w, y)[0], argnums=(0, 1))(
+        h.astype(jnp.float32), w.astype(jnp.float32))
+    for g, r in zip(grad(h, w), ref):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(g.astype(jnp.float32), r, atol=2e-2 * float(jnp.max(jnp.abs(r))))
+
+
+def test_bf16_sharded_step_tracks_the_fp32_one():
+    """bf16 compute on dp2 x tp2 (the GPU default dtype) stays within bf16 rounding of fp32 on one device."""
+    ref_loss, ref_grads = loss_and_grads(dp=1)
+    loss, grads = loss_and_grads(dp=2, tp=2, dtype="bfloat16")
+    assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss)
+    assert_grads_close(grads, ref_grads, rtol=5e-2)
 
 
 def test_parameters_are_sharded_as_the_rules_say():
