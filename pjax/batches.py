@@ -136,17 +136,22 @@ class DataIterator:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         return batch
 
-    def eval_batches(self, n: int) -> Iterator[Batch]:
-        """At most `n` batches of the held-out windows, in stream order (no shuffle)."""
+    def num_eval_batches(self) -> int:
+        """Whole batches in the held-out split; a ConfigError if there is not even one."""
         if self.eval_tokens is None:
             raise ValueError("this DataIterator was built without eval_tokens.")
         available = num_windows(len(self.eval_tokens), self.seq_len) // self.batch_size
         if available == 0:
             raise ConfigError(
                 f"the held-out split has {len(self.eval_tokens)} tokens, less than one batch of train.batch_size="
-                f"{self.batch_size} windows of train.seq_len={self.seq_len}; raise data.eval_fraction or shrink the batch."
+                f"{self.batch_size} windows of train.seq_len={self.seq_len}; raise data.eval_fraction, shrink the "
+                f"batch or set log.eval_every=0."
             )
-        for k in range(min(n, available)):
+        return available
+
+    def eval_batches(self, n: int) -> Iterator[Batch]:
+        """At most `n` batches of the held-out windows, in stream order (no shuffle)."""
+        for k in range(min(n, self.num_eval_batches())):
             ids = np.arange(k * self.batch_size, (k + 1) * self.batch_size).reshape(self.grad_accum, self.micro_batch)
             yield self._assemble(self.eval_tokens, ids)
 

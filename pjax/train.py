@@ -30,7 +30,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
     ap.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
     ap.add_argument("--no_progress", action="store_true", help="log lines instead of a progress bar")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # options may come after the overrides too
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +70,8 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
+    if cfg.log.eval_every:
+        train_iter.num_eval_batches()  # a held-out split too small for one batch fails now, not at the first eval
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     ckpt = open_for_run(cfg, trainer)  # None without checkpoint.dir
     if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG

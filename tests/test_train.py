@@ -49,6 +49,8 @@ def test_cli_bad_config_is_one_line_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "model.num_attention_heads=4 is not divisible by mesh.tp=3" in proc.stderr
+    proc = run_cli("mesh.tp=3", "--config", "debug", "train.steps=3", tmp_path=tmp_path)  # options between overrides
+    assert proc.returncode == 2 and "is not divisible by mesh.tp=3" in proc.stderr, proc.stderr
     proc = run_cli("train.stpes=3", tmp_path=tmp_path)
     assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr
 
@@ -72,6 +74,15 @@ def test_tokenizer_larger_than_vocab_is_a_config_error(tmp_path):
     cfg = load_config("debug", ["model.vocab_size=1024", "mesh.dp=1", "mesh.tp=1", f"data.cache_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="has 4096 tokens but model.vocab_size=1024"):
         train(cfg, progress=False, devices=jax.devices()[:1])
+
+
+def test_held_out_split_too_small_fails_before_training(tmp_path):
+    """Found on a GPU run: the first evaluation raised this after 20 steps, before any checkpoint."""
+    cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", "train.seq_len=512", "train.batch_size=64",
+                                "log.eval_every=10", f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"])
+    with pytest.raises(ConfigError, match="held-out split has .* less than one batch"):
+        train(cfg, progress=False, devices=jax.devices()[:1])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_two_processes_train_like_one(tmp_path):
