@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
 from models.attention import reference_attention
 from models.config import LlamaConfig
+from models.projection import ProjectFn, plain_projection, select_projection
 
 Params = dict[str, Any]
 
@@ -81,6 +82,7 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     dtype: Any = jnp.float32
     attention_fn: Callable[..., jax.Array] = reference_attention
+    project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -103,20 +105,22 @@ class DecoderLayer(nn.Module):
         # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
         # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand.
         y = rms_norm(x, attn_norm, c.rms_norm_eps)
-        q = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wq)), b, t)
-        k = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wk)), b, t)
-        v = unflatten_tokens(jnp.einsum("nd,dhk->nhk", y, cast(wv)), b, t)
+        # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
+        q, k, v = self.project_fn(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)])
+        q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
-        x = x + constrain(jnp.einsum("nhk,hkd->nd", o, cast(wo)), ("tokens", "embed"))
+        (o,) = self.project_fn(o.reshape(o.shape[0], -1), [cast(wo).reshape(-1, wo.shape[-1])])
+        x = x + constrain(o, ("tokens", "embed"))
 
         # SwiGLU MLP: gate/up column-parallel, down row-parallel.
         y = rms_norm(x, mlp_norm, c.rms_norm_eps)
-        gated = jax.nn.silu(y @ cast(w_gate)) * (y @ cast(w_up))
-        gated = constrain(gated, ("tokens", "mlp"))
-        return x + constrain(gated @ cast(w_down), ("tokens", "embed"))
+        gate, up = self.project_fn(y, [cast(w_gate), cast(w_up)])
+        gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
+        (down,) = self.project_fn(gated, [cast(w_down)])
+        return x + constrain(down, ("tokens", "embed"))
 
 
 class Embed(nn.Module):
@@ -194,7 +198,7 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
                dtype=jnp.float32, remat: str = "none", scan: bool = True,
                attention_fn: Callable[..., jax.Array] = reference_attention) -> jax.Array:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage)."""
-    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn)
+    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat))
     tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
     def body(h, p):
