@@ -130,6 +130,18 @@ def test_bf16_output_layer_backward_multiplies_in_bf16():
         np.testing.assert_allclose(g.astype(jnp.float32), r, atol=2e-2 * float(jnp.max(jnp.abs(r))))
 
 
+def test_output_layer_custom_backward_equals_autodiff_in_fp32():
+    """On CPU the fp32 output layer also runs its own backward (kernel gradient from hidden^T)."""
+    from pjax.parallel.tensor_parallel import output_logits
+
+    ks = jax.random.split(jax.random.key(2), 3)
+    h, w, c = jax.random.normal(ks[0], (32, 16)), jax.random.normal(ks[1], (16, 64)), jax.random.normal(ks[2], (32, 64))
+    ours = jax.grad(lambda h, w: jnp.sum(output_logits(h, w) * c), argnums=(0, 1))(h, w)
+    ref = jax.grad(lambda h, w: jnp.sum((h @ w) * c), argnums=(0, 1))(h, w)
+    for g, r in zip(ours, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_sharded_step_tracks_the_fp32_one():
     """bf16 compute on dp2 x tp2 (the GPU default dtype) stays within bf16 rounding of fp32 on one device."""
     ref_loss, ref_grads = loss_and_grads(dp=1)
