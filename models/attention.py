@@ -10,6 +10,8 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from mesh.errors import ConfigError
+
 
 class AttentionFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
@@ -50,6 +52,9 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
 
         return blocked_causal_attention
     if impl == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {jax.default_backend()}; "
+                              f"use auto, blocked or reference.")
         return _cudnn_attention
     raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked or cudnn.")
 

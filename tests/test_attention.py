@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mesh.errors import ConfigError
 from models.attention import cudnn_supported, reference_attention, select_attention
 from models.cpu_attention import blocked_causal_attention
 
@@ -57,7 +58,10 @@ def test_gpu_path_names_cudnn_where_it_applies_and_xla_elsewhere(monkeypatch):
         asked.append(implementation)
         return real(*args, implementation="xla", **kwargs)  # no cuDNN on this machine
 
+    with pytest.raises(ConfigError, match="train.attention=cudnn needs a GPU, and this run's backend is cpu"):
+        select_attention("cudnn")
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     fn = select_attention("cudnn")
     q, k, v, pos, _ = qkv(d=8)
     np.testing.assert_allclose(fn(q, k, v, pos, pos), reference_attention(q, k, v, pos, pos), atol=1e-5)
