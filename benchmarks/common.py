@@ -51,8 +51,3 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     return {"cfg": cfg, "mesh": mesh, "trainer": trainer, "compiled": compiled,
             "compile_s": time.perf_counter() - t0}
 
-
-def device_memory_bytes(compiled: Any) -> int:
-    """Per-device bytes a compiled step needs: arguments + outputs - donated aliases + temporaries."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes

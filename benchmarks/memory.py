@@ -21,7 +21,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from common import compile_step, device_memory_bytes  # noqa: E402
+from common import compile_step  # noqa: E402
+from pjax.step import step_memory_bytes  # noqa: E402
 
 POLICIES = ("none", "dots", "dots_no_batch", "full", "offload")
 
@@ -40,7 +41,7 @@ def main() -> None:
         m = built["compiled"].memory_analysis()
         result = {"config": args.config, "layout": args.layout, "remat": policy,
                   "temp_mb": round(m.temp_size_in_bytes / 2**20, 2),
-                  "device_memory_mb": round(device_memory_bytes(built["compiled"]) / 2**20, 2),
+                  "device_memory_mb": round(step_memory_bytes(built["compiled"]) / 2**20, 2),
                   "host_temp_mb": round(getattr(m, "host_temp_size_in_bytes", 0) / 2**20, 2),
                   "compile_s": round(built["compile_s"], 2)}
         print(json.dumps(result), flush=True)

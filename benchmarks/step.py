@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import compile_step, device_memory_bytes, parse_layout
+from common import compile_step, parse_layout
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
@@ -39,6 +39,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
 
     from pjax.metrics import model_flops_per_token, peak_flops
     from pjax.parallel.context_parallel import zigzag_layout
+    from pjax.step import step_memory_bytes
 
     built = compile_step(config, layout, overrides)
     cfg, mesh, trainer, compiled = built["cfg"], built["mesh"], built["trainer"], built["compiled"]
@@ -52,7 +53,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     analytic = param_bytes / p_split * 2 + 2 * param_bytes / m_split
     result = {
         "layout": layout, "config": config, "device": jax.devices()[0].device_kind, "devices": n_dev, "compile_s": round(built["compile_s"], 2),
-        "device_memory_mb": round(device_memory_bytes(compiled) / 2**20, 2),
+        "device_memory_mb": round(step_memory_bytes(compiled) / 2**20, 2),
         "temp_memory_mb": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
         "analytic_state_mb": round(analytic / 2**20, 2),
     }

@@ -166,6 +166,31 @@ class Trainer:
             return self.step.jitted.lower(state, batch).compile()
 
 
+def step_memory_bytes(compiled: Any) -> int:
+    """Per-device bytes a compiled step needs: arguments + outputs - donated aliases + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def device_memory_limit(device: jax.Device) -> int | None:
+    """Bytes the runtime lets one device allocate (GPU/TPU), or None where it does not say (CPU)."""
+    stats = device.memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
+def check_fits(compiled: Any, mesh: Mesh) -> None:
+    """A one-line ConfigError, before anything runs, when the step needs more memory per device than a device has."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    limit = device_memory_limit(local[0])
+    need = step_memory_bytes(compiled)
+    if limit and need > limit:
+        size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+        raise ConfigError(
+            f"the training step needs {size(need)} per device and a device has {size(limit)}; "
+            f"lower the rows per device (train.batch_size, or raise train.grad_accum), set train.remat=full, "
+            f"or split the state further (train.zero, mesh.tp, mesh.pp).")
+
+
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
 

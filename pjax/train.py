@@ -34,6 +34,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jax.errors import JaxRuntimeError  # importing JAX starts no backend
+
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -43,6 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, progress=not args.no_progress)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except JaxRuntimeError as e:  # the allocator's own failure, past check_fits' estimate
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"error: a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
+              f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state further "
+              f"(train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact.", file=sys.stderr)
         return 2
     return 0
 
@@ -60,7 +69,7 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     from pjax.data import build_data
     from pjax.metrics import MetricsWriter, mfu, model_flops_per_token, peak_flops
     from pjax.parallel.context_parallel import zigzag_layout
-    from pjax.step import build_trainer, init_state
+    from pjax.step import build_trainer, check_fits, init_state
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
@@ -72,6 +81,9 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
     if cfg.log.eval_every:
         train_iter.num_eval_batches()  # a held-out split too small for one batch fails now, not at the first eval
+    # Compiled from shapes before anything is allocated (the step's first call reuses it), so a
+    # step that cannot fit in device memory is a one-line error here, not an allocator failure later.
+    check_fits(trainer.compile_step(), mesh)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     ckpt = open_for_run(cfg, trainer)  # None without checkpoint.dir
     if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG

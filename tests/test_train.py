@@ -85,6 +85,30 @@ def test_held_out_split_too_small_fails_before_training(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkeypatch):
+    """GPUs report a per-device limit (CPUs do not): a step that needs more is refused up front."""
+    import pjax.step
+
+    monkeypatch.setattr(pjax.step, "device_memory_limit", lambda device: 2**20)
+    cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"])
+    with pytest.raises(ConfigError, match=r"needs \d+ MiB per device and a device has 1 MiB; lower the rows"):
+        train(cfg, progress=False, devices=jax.devices()[:1])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_out_of_memory_at_run_time_is_one_line(monkeypatch, capsys):
+    import pjax.train
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.02GiB\nmore")
+
+    monkeypatch.setattr(pjax.train, "train", oom)
+    monkeypatch.setattr(pjax.train, "force_cpu_devices", lambda *a: None)
+    assert pjax.train.main(["mesh.dp=1", "mesh.tp=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran out of memory (RESOURCE_EXHAUSTED: Out of memory" in err, err
+
+
 def test_two_processes_train_like_one(tmp_path):
     """Multi-host path on one machine: 2 processes x 2 CPU devices (gloo) as dp=2 x tp=2, each
     loading only its own rows, give the single-process losses; only process 0 writes metrics."""
