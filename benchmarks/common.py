@@ -51,3 +51,19 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     return {"cfg": cfg, "mesh": mesh, "trainer": trainer, "compiled": compiled,
             "compile_s": time.perf_counter() - t0}
 
+
+def random_batch(trainer: Any, seed: int = 0) -> dict:
+    """One global batch of random tokens on the trainer's mesh, in the layout the data pipeline
+    would hand it over (zigzag columns under context parallelism)."""
+    import jax
+    import numpy as np
+
+    from pjax.parallel.context_parallel import zigzag_layout
+
+    tc, mc = trainer.tc, trainer.cfg
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    tokens = np.random.default_rng(seed).integers(0, mc.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
+    tokens = tokens.reshape(tc.grad_accum, -1, tc.seq_len + 1)
+    cols = np.asarray(zigzag_layout(trainer.mesh.shape["cp"])(np.arange(tc.seq_len)))
+    return jax.device_put({"inputs": tokens[..., :-1][..., cols], "labels": tokens[..., 1:][..., cols],
+                           "positions": np.broadcast_to(cols.astype(np.int32), shape)}, trainer.batch_sharding)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import compile_step, parse_layout
+from common import compile_step, parse_layout, random_batch
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
@@ -38,13 +38,11 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     import numpy as np
 
     from pjax.metrics import model_flops_per_token, peak_flops
-    from pjax.parallel.context_parallel import zigzag_layout
     from pjax.step import step_memory_bytes
 
     built = compile_step(config, layout, overrides)
     cfg, mesh, trainer, compiled = built["cfg"], built["mesh"], built["trainer"], built["compiled"]
     mc, tc = cfg.model, cfg.train
-    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
     n_dev = mesh.devices.size
     param_bytes = 4 * mc.num_params
     # Analytic per-device state: params + grads + 2 Adam moments (fp32), each split as the layout splits them.
@@ -59,13 +57,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     }
     if aot:
         return result
-    tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
-    tokens = tokens.reshape(tc.grad_accum, -1, tc.seq_len + 1)
-    # Columns in the layout the data pipeline would use (zigzag under context parallelism).
-    cols = np.asarray(zigzag_layout(mesh.shape["cp"])(np.arange(tc.seq_len)))
-    pos = np.broadcast_to(cols.astype(np.int32), shape)
-    batch = jax.device_put({"inputs": tokens[..., :-1][..., cols], "labels": tokens[..., 1:][..., cols],
-                            "positions": pos}, trainer.batch_sharding)
+    batch = random_batch(trainer)
     state = trainer.init(jax.random.key(0))
     for _ in range(warmup):
         state, metrics = trainer.step(state, batch)
