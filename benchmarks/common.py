@@ -26,6 +26,19 @@ def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
     return mesh, extra
 
 
+def use_layout_devices(layout: str) -> None:
+    """Before JAX's backend starts: as many forced CPU devices as the layout's mesh, and the spare
+    pool thread `pjax.train` gives pipelines (accelerators are not affected)."""
+    import jax
+
+    from mesh.distributed import spare_cpu_thread
+    from mesh.mesh import MeshConfig
+
+    sizes, _ = parse_layout(layout)
+    jax.config.update("jax_num_cpu_devices", sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"])
+    spare_cpu_thread(MeshConfig(**sizes))
+
+
 def compile_step(config: str, layout: str, overrides: list[str], devices: Any = None) -> dict[str, Any]:
     """Build the trainer for `layout` and compile its step from shapes alone (no data, no params).
 

@@ -22,7 +22,7 @@ import re
 import tempfile
 import time
 
-from common import compile_step, parse_layout, random_batch
+from common import compile_step, random_batch, use_layout_devices
 
 # XLA:CPU's executor and waiting, not work: left out of the CPU sums.
 CPU_NOT_WORK = ("ThunkExecutor", "Rendezvous", "Wait", "conditional", "while", "call", "SlinkyThreadPool")
@@ -63,14 +63,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides, as for pjax.train")
     args = ap.parse_args()
 
+    use_layout_devices(args.layout)
     import jax
 
-    from mesh.distributed import spare_cpu_thread
-    from mesh.mesh import MeshConfig
-
-    sizes, _ = parse_layout(args.layout)
-    jax.config.update("jax_num_cpu_devices", sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"])
-    spare_cpu_thread(MeshConfig(**sizes))
     built = compile_step(args.config, args.layout, args.overrides)
     trainer = built["trainer"]
     batch = random_batch(trainer)

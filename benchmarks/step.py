@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import compile_step, parse_layout, random_batch
+from common import compile_step, random_batch, use_layout_devices
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
@@ -27,14 +27,8 @@ PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp
 
 def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
     """Build the trainer for one layout in this process and measure it."""
-    mesh_sizes, _ = parse_layout(layout)
+    use_layout_devices(layout)
     import jax
-
-    from mesh.distributed import spare_cpu_thread
-    from mesh.mesh import MeshConfig
-
-    jax.config.update("jax_num_cpu_devices", mesh_sizes["dp"] * mesh_sizes["pp"] * mesh_sizes["cp"] * mesh_sizes["tp"])
-    spare_cpu_thread(MeshConfig(**mesh_sizes))  # as pjax.train does: pipelines get one pool thread more
     import numpy as np
 
     from pjax.metrics import model_flops_per_token, peak_flops
