@@ -5,6 +5,8 @@ different `AttentionFn` to the model; nothing else in the model knows how attent
 """
 from __future__ import annotations
 
+import os
+import re
 from typing import Callable, Protocol
 
 import jax
@@ -55,8 +57,18 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
         if jax.default_backend() != "gpu":
             raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {jax.default_backend()}; "
                               f"use auto, blocked or reference.")
+        if deterministic_gpu_ops():
+            raise ConfigError("XLA_FLAGS asks for --xla_gpu_deterministic_ops, and with it XLA (jax 0.11.2) fails "
+                              "on cuDNN's fused attention (an IndexError from inside XLA); set train.attention=reference "
+                              "for a deterministic run (6-7x slower on SmolLM-135M), or drop the flag.")
         return _cudnn_attention
     raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked or cudnn.")
+
+
+def deterministic_gpu_ops() -> bool:
+    """Whether XLA_FLAGS turns on XLA's deterministic GPU ops (`--xla_gpu_deterministic_ops[=true]`)."""
+    flags = re.findall(r"--xla_gpu_deterministic_ops(?:=(\S*))?(?!\w)", os.environ.get("XLA_FLAGS", ""))
+    return bool(flags) and flags[-1].lower() in ("", "true", "1")
 
 
 def cudnn_supported(q: jax.Array) -> bool:

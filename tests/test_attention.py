@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mesh.errors import ConfigError
-from models.attention import cudnn_supported, reference_attention, select_attention
+from models.attention import cudnn_supported, deterministic_gpu_ops, reference_attention, select_attention
 from models.cpu_attention import blocked_causal_attention
 
 
@@ -72,3 +72,21 @@ def test_gpu_path_names_cudnn_where_it_applies_and_xla_elsewhere(monkeypatch):
     assert asked == ["xla", "cudnn"]
     assert not cudnn_supported(jnp.zeros((1, 1, 1, 160), jnp.bfloat16))  # head dim over cuDNN's 128
     assert not cudnn_supported(jnp.zeros((1, 1, 1, 60), jnp.bfloat16))   # not a multiple of 8
+
+
+def test_deterministic_gpu_ops_with_cudnn_is_a_config_error(monkeypatch):
+    """XLA's deterministic mode crashed inside XLA on cuDNN's attention (jax 0.11.2, H100): a
+    one-line error at start-up instead, naming the setting that works (reference attention)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for flags, on in [("", False), ("--xla_gpu_deterministic_ops", True), ("--foo=1 --xla_gpu_deterministic_ops=true", True),
+                      ("--xla_gpu_deterministic_ops=false", False), ("--xla_gpu_deterministic_ops=true "
+                                                                     "--xla_gpu_deterministic_ops=false", False),
+                      ("--xla_gpu_deterministic_ops_other=true", False)]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert deterministic_gpu_ops() is on, flags
+        if on:
+            with pytest.raises(ConfigError, match="set train.attention=reference for a deterministic run"):
+                select_attention("auto")
+            assert select_attention("reference") is reference_attention
+        else:
+            assert select_attention("auto") is not reference_attention
