@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -178,6 +179,15 @@ def device_memory_limit(device: jax.Device) -> int | None:
     return stats.get("bytes_limit") if stats else None
 
 
+def preallocation_hint(platform: str) -> str:
+    """On GPUs, how to let JAX's allocator use more of the card (its limit is a fraction of it, .75 by default)."""
+    if platform != "gpu" or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return ""
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75, JAX's default")
+    return (f" That limit is the share of the GPU's memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}); "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION=.95 raises it.")
+
+
 def check_fits(compiled: Any, mesh: Mesh) -> None:
     """A one-line ConfigError, before anything runs, when the step needs more memory per device than a device has."""
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -188,7 +198,7 @@ def check_fits(compiled: Any, mesh: Mesh) -> None:
         raise ConfigError(
             f"the training step needs {size(need)} per device and a device has {size(limit)}; "
             f"lower the rows per device (train.batch_size, or raise train.grad_accum), set train.remat=full, "
-            f"or split the state further (train.zero, mesh.tp, mesh.pp).")
+            f"or split the state further (train.zero, mesh.tp, mesh.pp).{preallocation_hint(local[0].platform)}")
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:

@@ -49,9 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JaxRuntimeError as e:  # the allocator's own failure, past check_fits' estimate
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        import jax
+
+        from pjax.step import preallocation_hint
+
         print(f"error: a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
               f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state further "
-              f"(train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact.", file=sys.stderr)
+              f"(train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact."
+              f"{preallocation_hint(jax.default_backend())}", file=sys.stderr)
         return 2
     return 0
 

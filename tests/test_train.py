@@ -96,6 +96,22 @@ def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkey
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_memory_error_on_gpu_names_jax_preallocation_fraction(monkeypatch):
+    """Found on an H100: a step needing 59.5 GiB was refused on an 80 GB card, whose JAX limit is
+    75% of it; the error says how to raise that share (nothing to say on CPU)."""
+    from pjax.step import preallocation_hint
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    assert preallocation_hint("cpu") == ""
+    hint = preallocation_hint("gpu")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.75, JAX's default" in hint and "=.95 raises it" in hint and "\n" not in hint
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.5)" in preallocation_hint("gpu")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")  # no preallocated pool: no such limit
+    assert preallocation_hint("gpu") == ""
+
+
 def test_out_of_memory_at_run_time_is_one_line(monkeypatch, capsys):
     import pjax.train
 
