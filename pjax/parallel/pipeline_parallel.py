@@ -37,6 +37,9 @@ replicated parameters are cast to pp-varying first, or the switch/scan types dif
 gradient of a replicated weight would psum inside a branch. A branch returns one slot's new
 contents, never a whole activation or residual buffer: XLA copies buffers that pass through a
 conditional. Only the gradient accumulators go through whole (`Acc`), where that is cheaper.
+XLA compiles every branch and gives its temporaries memory whether or not a tick takes it: a
+fourth branch that no tick ran (a fused last-stage forward + backward, tried and not kept,
+benchmarks/README.md) cost 57 MB per device at pp=2.
 The loss is seeded with 1/(tokens in the global batch), so the gradient is that of the mean
 over all micro-batches (Picotron's PP path forgets the 1/m).
 """
