@@ -243,4 +243,4 @@ def test_model_shape_errors_propagate_from_llama_config():
 
 
 def test_mesh_sizes_are_left_to_mesh_validation():
-    assert load_config(overrides=["mesh.tp=3"]).mesh == MeshConfig(dp=2, pp=1, cp=1, tp=3)
+    assert load_config(overrides=["mesh.tp=3"]).mesh == MeshConfig(dp=-1, pp=1, cp=1, tp=3)

@@ -27,7 +27,7 @@ def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
     proc = run_cli("train.steps=100", "log.every=10", "log.eval_every=100", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "mesh dp=2 pp=1 cp=1 tp=2 over 4 cpu devices" in proc.stdout
+    assert "mesh dp=4 pp=1 cp=1 tp=2 over 8 cpu devices" in proc.stdout
     assert "layers/wq" in proc.stdout and "parameters:" in proc.stdout
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in lines if "loss" in r]
