@@ -17,29 +17,29 @@ Where things live
   embedding cotangent, and the embedding is differentiated once, after the scan. These
   gradients are summed over pp once, at the end.
 
-One tick on one device: read the micro-batch's activation and cotangent at its slot,
-`lax.switch` on the table entry (idle / forward / backward, with the embedding on the first
-stage and the loss on the last), write the results back, then pass activations one device on
-and cotangents one device back. A forward keeps its VJP residuals (the leaves of `jax.vjp`'s
-function, minus the weights) in a slot buffer until its backward, so a device holds as many
-micro-batches as the schedule keeps in flight: p for 1F1B, 2p - 1 for lockstep 1F1B, m for
-AFAB. The residual buffers go into the switch whole and only the branches that use a slot read
-it (a forward only writes). `train.remat` shrinks the residuals (remat='full' keeps only each
-layer's input).
+One tick on one device: run the forward if the table says so (the embedding first on the
+first stage, the loss and the start of the backward on the last), then the backward if it says
+so, then pass activations one device on and cotangents one device back. A forward keeps its
+VJP residuals (the leaves of `jax.vjp`'s function, minus the weights) in a slot buffer until its
+backward, so a device holds as many micro-batches as the schedule keeps in flight: p for 1F1B,
+2p - 1 for lockstep 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full' keeps
+only each layer's input).
 
-Pitfalls (see JAX_NOTES.md). A collective inside a switch branch must only involve devices that
-take the same branch: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
-index), but one HLO collective-permute spans every stage, so both transfers run after the switch.
+"Run if" is a while loop of zero or one trips (`_run_if`), not `lax.cond`/`lax.switch`: XLA
+gives a conditional's result buffers of their own, so every buffer a branch passes through or
+updates (the residual slots, the inboxes, the gradient accumulators) is copied each tick,
+where a while loop updates its carry in place. With a switch per tick, pp=2 took 974 ms per
+step here, with the while loops 763 ms (benchmarks/README.md).
+
+Pitfalls (see JAX_NOTES.md). A collective inside a forward or backward must only involve
+devices that run it: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
+index), but one HLO collective-permute spans every stage, so both transfers run after them.
 Ring attention (cp > 1) has its permutes inside the forward and backward, so then every device
-must take the same branch each tick: the table is run in lockstep (`ps.lockstep`), a device with
-no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros and
-replicated parameters are cast to pp-varying first, or the switch/scan types differ and the
-gradient of a replicated weight would psum inside a branch. A branch returns one slot's new
-contents, never a whole activation or residual buffer: XLA copies buffers that pass through a
-conditional. Only the gradient accumulators go through whole (`Acc`), where that is cheaper.
-XLA compiles every branch and gives its temporaries memory whether or not a tick takes it: a
-fourth branch that no tick ran (a fused last-stage forward + backward, tried and not kept,
-benchmarks/README.md) cost 57 MB per device at pp=2.
+must run the same kind of op each tick: the table is run in lockstep (`ps.lockstep`), a device
+with no work of the tick's kind computing on a discard slot, its results masked. Fresh zeros
+and replicated parameters are cast to pp-varying first, or the loop and scan types differ and
+the gradient of a replicated weight would psum inside the loop. XLA compiles both loop bodies
+and gives their temporaries memory whichever a tick runs.
 The loss is seeded with 1/(tokens in the global batch), so the gradient is that of the mean
 over all micro-batches (Picotron's PP path forgets the 1/m).
 """
@@ -151,7 +151,7 @@ class VjpLayout:
     def pack(self, vjp_fn: Callable) -> list[jax.Array]:
         leaves = jax.tree.leaves(vjp_fn)
         assert len(leaves) == len(self.weight_index), "the stage's VJP changed structure between traces"
-        # A residual can be a pp-invariant constant; the slot buffers (and switch branches) are varying.
+        # A residual can be a pp-invariant constant; the slot buffers (and the loops carrying them) are varying.
         return [_varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
 
     def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
@@ -194,75 +194,20 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
     )
 
 
-# --- One tick: the switch branches ----------------------------------------------------------------
+# --- One tick: a forward and a backward that run or not ---------------------------------------------
 
-class Acc(NamedTuple):
-    """The gradient accumulators a tick's branch adds to. They go through the switch whole: one
-    add in the branch that has a gradient beats every branch returning zeros to add after it
-    (2-3% of a pp=2 step here). The residual buffers stay outside: passed through whole, XLA
-    copies them every tick (pp=2 without remat 25% slower)."""
+def _run_if(pred: jax.Array, fn: Callable[[Any], Any], state: Any) -> Any:
+    """`fn(state)` where `pred` holds, else `state` as it is: a while loop of 0 or 1 trips.
 
-    gw: Any  # f32 [v, layers per chunk, ...]: this device's layer gradients
-    ghead: Any  # f32 final norm / output layer gradients (added by the last stage)
-    chunk: jax.Array  # the chunk the tick runs
-    active: jax.Array  # 0 for a lockstep device with no work this tick (its results are dropped)
-
-    def keep(self, d: jax.Array) -> jax.Array:
-        return jnp.where(self.active > 0, d, jnp.zeros_like(d))
-
-
-class TickOut(NamedTuple):
-    """What one device produces in one tick (zeros, or the slot's old contents, where its branch
-    has nothing to give): every branch returns the same structure, as `lax.switch` requires."""
-
-    send_x: jax.Array  # activation for the next model stage
-    send_dy: jax.Array  # cotangent for the previous model stage
-    res: list[jax.Array]  # the slot's residuals after the tick: a forward's new ones, idle's as read, else zeros
-    dy: jax.Array  # the slot's cotangent after the tick: the last stage's forward sets it, else as read
-    gw: Any  # the layer gradients accumulated so far (a backward adds its chunk's)
-    ghead: Any  # the final norm / output layer gradients so far (the last stage's forward adds)
-    loss: jax.Array
-
-
-def _branches(stage: Stage, layout: VjpLayout) -> list[Callable[..., TickOut]]:
-    """[idle, forward, backward], indexed by the table's op (IDLE, FORWARD, BACKWARD).
-
-    Each takes (first, last, micro-batch, slot, x, dy, residual buffers, chunk weights, shared
-    params, Acc): x and dy read at the tick's slot, the residual buffers whole (a forward never
-    reads them); `first`/`last` say whether this chunk is model stage 0 / the last one. None
-    communicates over pp: the sends are returned and `ppermute`d after the switch.
+    Not `lax.cond`: XLA gives a conditional's result a buffer of its own and copies into it every
+    buffer a branch passes through or updates (the residual slots, the gradient accumulators:
+    tens of MB per tick), where a while loop updates its carry in place.
     """
-    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # zeros_like keeps the pp-varying type
-    head_of = lambda shared: {k: shared[k] for k in stage.head_keys}
+    def body(carry):
+        _, state = carry
+        return jnp.zeros_like(pred), fn(state)
 
-    def idle(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
-        return TickOut(zeros(x), zeros(x), [r[slot] for r in res], dy, acc.gw, acc.ghead,
-                       jnp.zeros_like(x, jnp.float32, shape=()))
-
-    def head(shared, y, labels, dy):  # the last stage starts the backward itself: loss, dhead and dy
-        loss = lambda hp, y: stage.loss({**shared, **hp}, y, labels)
-        return jax.value_and_grad(loss, argnums=(0, 1))(head_of(shared), y)
-
-    def no_head(shared, y, labels, dy):  # other stages leave their slot's cotangent as it is
-        return jnp.zeros_like(y, jnp.float32, shape=()), (zeros(head_of(shared)), dy)
-
-    def forward(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
-        x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]), lambda: x)  # stage 0 embeds
-        y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
-        loss, (dhead, dy) = lax.cond(last, head, no_head, shared, y, micro["labels"], dy)
-        ghead = jax.tree.map(lambda g, d: g + acc.keep(d), acc.ghead, dhead)
-        return TickOut(y, zeros(x), layout.pack(vjp_fn), dy, acc.gw, ghead, loss)
-
-    def backward(first, last, micro, slot, x, dy, res, w, shared, acc) -> TickOut:
-        dw, dx = layout.unpack(w, [r[slot] for r in res])(dy)
-        gw = jax.tree.map(lambda g, d: g.at[acc.chunk].add(acc.keep(d).astype(g.dtype)), acc.gw, dw)
-        # This is the slot's last use: what is written back to it no longer matters. The first
-        # stage's dx (the embedding's cotangent) is kept by the executor, which differentiates
-        # the embedding once for all micro-batches after the scan.
-        return TickOut(zeros(dx), dx, [jnp.zeros_like(r[0]) for r in res], dy, gw, acc.ghead,
-                       jnp.zeros_like(dx, jnp.float32, shape=()))
-
-    return [idle, forward, backward]
+    return lax.while_loop(lambda carry: carry[0], body, (pred, state))[1]
 
 
 # --- The executor: a scan over ticks inside shard_map -----------------------------------------------
@@ -274,7 +219,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
 
     In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
     with nothing to do runs it anyway on the discard slot, its results masked by `active`; that
-    keeps collectives inside the branches (ring attention's) in step across the stages.
+    keeps collectives inside the forward and backward (ring attention's) in step across the stages.
     """
     plan = ps.buffer_plan(sched)
     p, v, n_slots = sched.p, sched.v, plan.slots
@@ -293,9 +238,10 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
         device = lax.axis_index(PP)
         # The embedding and output layer are used by whole ticks: under ZeRO they are gathered over
         # dp once per step here (and their gradients reduce-scattered after), not in every tick.
-        # (Leaving their dp split to XLA inside the branches also trips its SPMD partitioner.)
+        # (Leaving their dp split to XLA inside the ticks also trips its SPMD partitioner.)
         unzero = lambda t: jax.tree.map(lax.with_sharding_constraint, t, stage.shared_specs)
         shared, batch = unzero(vary({k: a for k, a in params.items() if k != "layers"})), vary(batch)
+        head_of = lambda tree: {k: tree[k] for k in stage.head_keys}
         # This device's [v * layers_per_chunk, ...] -> [v, layers_per_chunk, ...], cast once per step
         # outside the VJP so the residuals never hold per-micro-batch copies of the weights.
         layers = jax.tree.map(lambda a: a.reshape(v, -1, *a.shape[1:]).astype(stage.dtype), params["layers"])
@@ -308,29 +254,54 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
         f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         m = batch["inputs"].shape[0]
-        # The embedding's cotangent per micro-batch (row m: a discard row for every other tick).
+        # The embedding's cotangent per micro-batch (row m: a discard row for lockstep's idle devices).
         d_embedded = slots(x0, m + 1)
         carry = (inbox(), inbox(), [slots(a, res_slots) for a in layout.stored], f32_zeros(layers),
-                 f32_zeros({k: shared[k] for k in stage.head_keys}), vary(jnp.zeros(())), d_embedded)
-        branches = _branches(stage, layout)
+                 f32_zeros(head_of(shared)), vary(jnp.zeros(())), d_embedded)
 
         def tick(carry, row):
             xs, dys, res, gw, gs, loss, d_embedded = carry
             op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
-            acc = Acc(gw, gs, c, active)
-            out = lax.switch(op, branches, first, last, micro, slot, xs[slot], dys[slot], res, chunk(c), shared, acc)
-            # Every write is unconditional: a branch returns its slot's new contents (or the old ones).
-            res = [r.at[slot].set(o) for r, o in zip(res, out.res)]
-            dys = dys.at[slot].set(out.dy)
-            gw, gs = out.gw, out.ghead
-            embeds = first & (op == ps.BACKWARD) & (active > 0)
-            d_embedded = d_embedded.at[jnp.where(embeds, mb, m)].set(out.send_dy)
+            w = chunk(c)
+            # Only lockstep has devices running an op without work: their results are dropped.
+            keep = (lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))) if lockstep else (lambda d: d)
+
+            def head(state):  # the last model stage starts the backward itself: loss, dhead and dy
+                dys, gs, loss, y = state
+                loss_fn = lambda hp, y: stage.loss({**shared, **hp}, y, micro["labels"])
+                l, (dhead, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head_of(shared), y)
+                gs = jax.tree.map(lambda g, d: g + keep(d), gs, dhead)
+                return dys.at[slot].set(dy), gs, loss + keep(l), y
+
+            def forward(state):  # keeps the VJP residuals at the slot; stage 0 embeds first
+                res, dys, gs, loss, _ = state
+                x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]),
+                             lambda: constrain(xs[slot], ("tokens", "embed")))  # both branches sharded alike
+                y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
+                res = [r.at[slot].set(o) for r, o in zip(res, layout.pack(vjp_fn))]
+                dys, gs, loss, y = _run_if(last, head, (dys, gs, loss, y))
+                return res, dys, gs, loss, y
+
+            def backward(state):  # adds the chunk's weight gradients; dx goes one stage back
+                gw, d_embedded, _ = state
+                dw, dx = layout.unpack(w, [r[slot] for r in res])(dys[slot])
+                gw = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), gw, dw)
+                # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
+                # for all micro-batches, after the scan.
+                d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dx)
+                return gw, d_embedded, dx
+
+            # A collective inside these loops runs only where every device of its group takes the
+            # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
+            # so both transfers run after them (and ring attention's only in lockstep).
+            res, dys, gs, loss, send_x = _run_if(op == ps.FORWARD, forward, (res, dys, gs, loss, jnp.zeros_like(x0)))
+            gw, d_embedded, send_dy = _run_if(op == ps.BACKWARD, backward, (gw, d_embedded, jnp.zeros_like(x0)))
             # The transfer: activations one device on, cotangents one device back, every tick.
-            xs = xs.at[recv_x].set(lax.ppermute(out.send_x, PP, to_next))
-            dys = dys.at[recv_dy].set(lax.ppermute(out.send_dy, PP, to_prev))
-            return (xs, dys, res, gw, gs, loss + acc.keep(out.loss), d_embedded), None
+            xs = xs.at[recv_x].set(lax.ppermute(send_x, PP, to_next))
+            dys = dys.at[recv_dy].set(lax.ppermute(send_dy, PP, to_prev))
+            return (xs, dys, res, gw, gs, loss, d_embedded), None
 
         (_, _, _, gw, gs, loss, d_embedded), _ = lax.scan(tick, carry, table[:, 0])
         # The embedding's gradient, once for all micro-batches (zero except on the first stage).
