@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from common import compile_step, random_batch, use_layout_devices
+from pjax.malloc import restart_with_huge_pages
 
 # XLA:CPU's executor and waiting, not work: left out of the CPU sums.
 CPU_NOT_WORK = ("ThunkExecutor", "Rendezvous", "Wait", "conditional", "while", "call", "SlinkyThreadPool")
@@ -55,6 +56,7 @@ def kind(name: str) -> str:
 
 
 def main() -> None:
+    restart_with_huge_pages()  # as pjax.train runs (pjax/malloc.py); JAX is not imported yet
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="picotron-cpu")
     ap.add_argument("--layout", default="1")

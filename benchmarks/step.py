@@ -20,6 +20,7 @@ import sys
 import time
 
 from common import compile_step, random_batch, use_layout_devices
+from pjax.malloc import huge_pages_env
 
 # Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
@@ -48,6 +49,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
         "device_memory_mb": round(step_memory_bytes(compiled) / 2**20, 2),
         "temp_memory_mb": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
         "analytic_state_mb": round(analytic / 2**20, 2),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
     if aot:
         return result
@@ -88,6 +90,7 @@ def main() -> None:
         return
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.pop("XLA_FLAGS", None)
+    env.update(huge_pages_env(env))  # as pjax.train runs: XLA:CPU's buffers on huge pages (pjax/malloc.py)
     results = []
     for layout in args.layouts.split(","):
         cmd = [sys.executable, __file__, "--one", layout, "--config", args.config, "--steps", str(args.steps),

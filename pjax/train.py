@@ -7,6 +7,11 @@ when no accelerator is present.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables only at process start
+    from pjax.malloc import restart_with_huge_pages
+
+    restart_with_huge_pages()
+
 import argparse
 import math
 import signal
