@@ -23,18 +23,42 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     Returns the number of processes (1 when running alone). One process per host, each seeing
     its local accelerators; under SLURM JAX finds the coordinator in the environment itself.
     """
-    explicit = coordinator is not None or num_processes is not None
+    explicit = coordinator is not None or num_processes is not None or process_id is not None
     slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
     if not (explicit or slurm):
         return 1
+    if explicit:
+        check_process_flags(coordinator, num_processes, process_id)
     # CPU-only multi-process runs need a collectives backend; gloo ships with jaxlib. This only
     # affects the CPU backend, so it is harmless on GPU hosts.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if explicit:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-        return num_processes or 1
-    jax.distributed.initialize()
+    try:
+        if explicit:
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id)
+            return num_processes
+        jax.distributed.initialize()
+    except Exception as e:  # an unreachable coordinator, a refused connection, a timeout
+        where = f"at {coordinator} as process {process_id} of {num_processes}" if explicit else "under SLURM"
+        raise ConfigError(f"could not join the multi-process run {where} ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:100]}); start every process with the same "
+                          f"--coordinator and --num_processes and its own --process_id.") from None
     return int(os.environ["SLURM_NTASKS"])
+
+
+def check_process_flags(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """One-line errors for multi-process flags that cannot work, before anything tries to connect."""
+    if coordinator is None or num_processes is None or process_id is None:
+        raise ConfigError("--coordinator, --num_processes and --process_id go together; pass all three "
+                          "(e.g. --coordinator 10.0.0.1:1234 --num_processes 2 --process_id 0), or none under SLURM.")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator={coordinator} is not host:port; pass e.g. 10.0.0.1:1234.")
+    if num_processes < 1:
+        raise ConfigError(f"--num_processes={num_processes} is invalid; use an integer >= 1.")
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"--process_id={process_id} is invalid for --num_processes={num_processes}; use 0 to "
+                          f"{num_processes - 1}, a different one per process.")
 
 
 def force_cpu_devices(mesh_cfg: MeshConfig, num_processes: int = 1) -> int:

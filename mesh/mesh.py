@@ -33,13 +33,15 @@ class MeshConfig:
     cp: int = 1
     tp: int = 1
 
-    def resolve(self, num_devices: int) -> "MeshConfig":
-        """Return a copy with `dp` filled in, checking that the sizes fit `num_devices`."""
+    def __post_init__(self) -> None:
         for name in AXES:
             size = getattr(self, name)
-            if size == 0 or size < -1 or (size == -1 and name != DP):
+            if not isinstance(size, int) or size == 0 or size < -1 or (size == -1 and name != DP):
                 allowed = "a positive integer or -1 (fill the remaining devices)" if name == DP else "a positive integer"
-                raise ConfigError(f"mesh.{name}={size} is invalid: use {allowed}.")
+                raise ConfigError(f"mesh.{name}={size!r} is invalid: use {allowed}.")
+
+    def resolve(self, num_devices: int) -> "MeshConfig":
+        """Return a copy with `dp` filled in, checking that the sizes fit `num_devices`."""
         rest = self.pp * self.cp * self.tp
         if self.dp == -1:
             if num_devices % rest:

@@ -10,17 +10,27 @@ from mesh.mesh import MeshConfig
 
 
 def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
-                   hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0) -> None:
-    """Check that heads, kv-heads, MLP and vocabulary split over tp, and layers over pp."""
+                   hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0,
+                   vocab_multiple: int = 1) -> None:
+    """Check that heads, kv-heads, MLP and vocabulary split over tp, and layers over pp.
+
+    The vocabulary is held padded to a multiple of `vocab_multiple` (model.make_vocab_size_divisible_by);
+    it is that padded size which must split over tp."""
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"model.num_attention_heads={num_heads} is not divisible by model.num_key_value_heads="
             f"{num_kv_heads}; grouped-query attention needs whole groups."
         )
     for key, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                       ("intermediate_size", intermediate_size), ("vocab_size", vocab_size)):
+                       ("intermediate_size", intermediate_size)):
         if value % mesh.tp:
             raise ConfigError(f"model.{key}={value} is not divisible by mesh.tp={mesh.tp}; choose a tp that divides it.")
+    padded = -(-vocab_size // vocab_multiple) * vocab_multiple
+    if padded % mesh.tp:
+        held = f"padded to {padded}, a multiple of" if padded != vocab_size else "with"
+        raise ConfigError(f"model.vocab_size={vocab_size} ({held} model.make_vocab_size_divisible_by={vocab_multiple}) "
+                          f"does not split over mesh.tp={mesh.tp}; set model.make_vocab_size_divisible_by to a "
+                          f"multiple of {mesh.tp}, or choose a tp that divides {padded}.")
     if num_layers % mesh.pp:
         raise ConfigError(
             f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp={mesh.pp}; "
@@ -51,3 +61,14 @@ def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_le
             f"train.seq_len={seq_len} is not divisible by 2*mesh.cp = {2 * mesh.cp}; the load-balanced "
             f"(zigzag) context-parallel layout cuts the sequence into 2*cp equal chunks."
         )
+
+
+def fit_mesh(num_devices: int, devices_per_host: int, *, num_kv_heads: int, intermediate_size: int,
+             padded_vocab_size: int) -> MeshConfig:
+    """The layout for a model the user gave no mesh for: tp the largest divisor of the kv-heads that
+    also divides one host's devices (tensor parallelism talks every layer: it wants the fastest
+    links), the MLP and the padded vocabulary; dp every device left. Heads follow the kv-heads."""
+    tp = max(t for t in range(1, min(num_kv_heads, devices_per_host) + 1)
+             if not (num_kv_heads % t or devices_per_host % t or num_devices % t or intermediate_size % t
+                     or padded_vocab_size % t))
+    return MeshConfig(dp=num_devices // tp, tp=tp)

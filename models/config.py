@@ -7,6 +7,19 @@ from typing import Any
 from mesh.errors import ConfigError
 
 
+# config.json keys without which a LLaMA shape is unknown, and HF's defaults for optional ones
+# (HF's rms_norm_eps default differs from pjax's own).
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                "initializer_range": 0.02}
+
+
+# The keys that fix the parameters' shapes or their meaning: a checkpoint and the run reading it
+# must agree on all of them.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """The model's shape. Field names follow HF so a `config.json` maps onto it directly."""
@@ -23,8 +36,27 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
+    # Megatron's key (not an HF one): the embedding and the output layer hold the vocabulary rounded
+    # up to a multiple of this, so that it splits over tp and the output matmul gets aligned shapes.
+    # The padded logits are masked out (`padded_vocab_size`, `models.llama.mask_padded_vocab`).
+    make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use an integer >= 1.")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2):
+            raise ConfigError(f"model.head_dim={self.head_dim!r} is invalid; use an even integer >= 2 (RoPE rotates "
+                              f"pairs), or null for hidden_size / num_attention_heads.")
+        for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use a number > 0.")
+            object.__setattr__(self, key, float(value))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"model.tie_word_embeddings={self.tie_word_embeddings!r} is invalid; use true or false.")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -32,6 +64,9 @@ class LlamaConfig:
                     f"{self.num_attention_heads}; set model.head_dim explicitly or change one of them."
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            if self.head_dim % 2:
+                raise ConfigError(f"model.hidden_size / model.num_attention_heads = {self.head_dim} is odd; RoPE rotates "
+                                  f"pairs of dimensions, so choose sizes whose head_dim is even (or set model.head_dim).")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -40,31 +75,52 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
-        """Build from a HuggingFace `config.json` dict (unknown HF keys are ignored)."""
+        """Build from a HuggingFace `config.json` dict (unknown HF keys are ignored; absent optional
+        keys take HF's LlamaConfig defaults). Errors name the config.json key."""
+        if not isinstance(hf, dict):
+            raise ConfigError("config.json must hold a JSON object of model settings.")
         if hf.get("model_type", "llama") != "llama":
             raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}; only 'llama' checkpoints are supported.")
+        missing = [k for k in _HF_REQUIRED if k not in hf]
+        if missing:
+            raise ConfigError(f"config.json has no {', '.join(missing)}; it is not a complete LLaMA config.")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json has rope_scaling={rope!r}; use an object or null.")
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ConfigError(f"config.json asks for rope_type={rope.get('rope_type')!r}; only default RoPE is supported.")
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("config.json enables attention_bias or mlp_bias; LLaMA in pjax has no biases.")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in hf.items() if k in names}
-        kwargs["rope_theta"] = float(theta)
+        names = {f.name for f in dataclasses.fields(cls)} - {"make_vocab_size_divisible_by"}
+        kwargs = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if k in names}, "rope_theta": theta}
         kwargs.setdefault("num_key_value_heads", hf["num_attention_heads"])
-        return cls(**kwargs)
+        if kwargs["num_key_value_heads"] is None:
+            kwargs["num_key_value_heads"] = hf["num_attention_heads"]
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:  # "model.x=..." -> "config.json: x=...": the file is what to fix
+            raise ConfigError("config.json: " + str(e).replace("model.", "")) from None
 
     def to_hf(self) -> dict[str, Any]:
         """The HuggingFace `config.json` dict for this shape."""
         d = dataclasses.asdict(self)
+        del d["make_vocab_size_divisible_by"]  # pjax's padding: HF sees the real vocabulary
         d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
                  attention_bias=False, mlp_bias=False)
         return d
 
     @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and columns of the output layer: vocab_size rounded up to a
+        multiple of make_vocab_size_divisible_by (GPT-2's 50,257 -> 50,304 at 128)."""
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    @property
     def num_params(self) -> int:
-        """Total parameter count (embedding and output layer counted once each, unless tied)."""
+        """Total parameter count of the model (embedding and output layer counted once each, unless
+        tied; the real vocabulary, as HF counts it, not the padded rows)."""
         d, f, l, v = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         hd, h, kv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * f + 2 * d

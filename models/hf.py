@@ -4,7 +4,7 @@ HF stores one tensor per layer, and every `nn.Linear` weight as (out, in) becaus
 `x @ W.T`; pjax stacks the L layers along a leading axis and stores kernels as (in, out) with
 the head dimensions split out, so that `x @ W` and tensor-parallel sharding by head are direct:
 
-    model.embed_tokens.weight                     [V, D]      -> embed/embedding   [V, D]
+    model.embed_tokens.weight                     [V, D]      -> embed/embedding   [Vp, D]
     model.layers.{i}.input_layernorm.weight       [D]         -> layers/attn_norm  [L, D]
     model.layers.{i}.self_attn.q_proj.weight      [H*Dh, D]   -> layers/wq         [L, D, H, Dh]
     model.layers.{i}.self_attn.k_proj.weight      [K*Dh, D]   -> layers/wk         [L, D, K, Dh]
@@ -14,8 +14,12 @@ the head dimensions split out, so that `x @ W` and tensor-parallel sharding by h
     model.layers.{i}.mlp.gate_proj.weight / up_proj [F, D]    -> layers/w_gate, w_up [L, D, F]
     model.layers.{i}.mlp.down_proj.weight         [F, D]      -> layers/w_down     [L, F, D]
     model.norm.weight                             [D]         -> final_norm/scale  [D]
-    lm_head.weight                                [V, D]      -> lm_head/kernel    [D, V]
+    lm_head.weight                                [V, D]      -> lm_head/kernel    [D, Vp]
                                                                  (absent when tie_word_embeddings)
+
+Vp is the vocabulary padded to a multiple of `make_vocab_size_divisible_by` (`LlamaConfig.
+padded_vocab_size`): loading fills the padded rows with zeros, saving cuts them off, so HF only
+ever sees the real vocabulary.
 
 HF's q/k rows are already in rotate-half RoPE order, which is what `models.llama.rope` uses, so
 no permutation is needed (unlike Meta's original checkpoints).
@@ -64,32 +68,40 @@ class _Tensor:
     hf_name: str
     shape: tuple[int, ...]  # per layer for stacked tensors
     n_in: int = 0
+    unpadded: tuple[int, ...] | None = None  # the pjax shape without the vocabulary padding, if any
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
 
     @property
+    def real(self) -> tuple[int, ...]:
+        """The pjax-oriented shape of what HF stores (the padded vocabulary rows left out)."""
+        return self.unpadded or self.shape
+
+    @property
     def hf_shape(self) -> tuple[int, ...]:
         if not self.n_in:
-            return self.shape
-        return (math.prod(self.shape[self.n_in:]), math.prod(self.shape[:self.n_in]))
+            return self.real
+        return (math.prod(self.real[self.n_in:]), math.prod(self.real[:self.n_in]))
 
     def to_pjax(self, w: np.ndarray) -> np.ndarray:
-        # Transposing and splitting an axis are both views: a memory-mapped tensor stays unread.
-        return w.T.reshape(self.shape) if self.n_in else w
+        """HF layout -> pjax layout of shape `real`. Transposing and splitting an axis are both
+        views: a memory-mapped tensor stays unread."""
+        return w.T.reshape(self.real) if self.n_in else w
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
+        w = w[tuple(slice(0, n) for n in self.real)]  # drop the vocabulary padding
         return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T if self.n_in else w)
 
 
 def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
     """The name/shape table above, for this config."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d, f, v, vp = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.padded_vocab_size
     h, k, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pre = "model.layers.{i}."
     table = [
-        _Tensor(("embed", "embedding"), "model.embed_tokens.weight", (v, d)),
+        _Tensor(("embed", "embedding"), "model.embed_tokens.weight", (vp, d), unpadded=(v, d)),
         _Tensor(("layers", "attn_norm"), pre + "input_layernorm.weight", (d,)),
         _Tensor(("layers", "wq"), pre + "self_attn.q_proj.weight", (d, h, dh), 1),
         _Tensor(("layers", "wk"), pre + "self_attn.k_proj.weight", (d, k, dh), 1),
@@ -102,26 +114,32 @@ def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
         _Tensor(("final_norm", "scale"), "model.norm.weight", (d,)),
     ]
     if not cfg.tie_word_embeddings:  # tied: HF reuses embed_tokens and may omit lm_head.weight
-        table.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (d, v), 1))
+        table.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (d, vp), 1, unpadded=(d, v)))
     return table
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Memory-map a .safetensors file: {name: read-only array view}; nothing is read until used."""
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
     try:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
         n = int.from_bytes(buf[:8].tobytes(), "little")
         header = json.loads(buf[8:8 + n].tobytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not a valid safetensors file ({e}); re-save or re-download it.") from None
-    header.pop("__metadata__", None)
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise ConfigError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}; "
-                              "convert the checkpoint to F32, F16 or BF16.")
-        begin, end = (8 + n + o for o in info["data_offsets"])
-        out[name] = buf[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        header.pop("__metadata__", None)
+        out = {}
+        for name, info in header.items():
+            if info["dtype"] not in _DTYPES:
+                raise ConfigError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}; "
+                                  "convert the checkpoint to F32, F16 or BF16.")
+            begin, end = (8 + n + o for o in info["data_offsets"])
+            if end > len(buf):
+                raise ConfigError(f"{path} is truncated (tensor {name!r} ends past the end of the file); "
+                                  f"copy or download it again.")
+            out[name] = buf[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ConfigError passes through
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{path} is not a valid safetensors file ({type(e).__name__}: {str(e)[:80]}); "
+                          f"re-save or re-download it.") from None
     return out
 
 
@@ -133,8 +151,12 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
     if not os.path.exists(index):
         raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {path}; "
                           "save the checkpoint as safetensors (save_pretrained's default).")
-    with open(index) as fh:
-        shard_names = sorted(set(json.load(fh)["weight_map"].values()))
+    try:
+        with open(index, encoding="utf-8") as fh:
+            shard_names = sorted(set(json.load(fh)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise ConfigError(f"{index} is not a valid safetensors index ({type(e).__name__}: {str(e)[:80]}); "
+                          f"copy the whole checkpoint again.") from None
     tensors: dict[str, np.ndarray] = {}
     for shard in shard_names:  # each shard file is mapped once, whatever it holds
         if not os.path.exists(os.path.join(path, shard)):
@@ -149,6 +171,10 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
     names = [t.hf_name.format(i=i) for i in range(num_layers)] if t.stacked else [t.hf_name]
     parts = []
     for name in names:
+        if name not in tensors and t.path == ("lm_head", "kernel"):
+            raise ConfigError("the checkpoint has no lm_head.weight but its config.json says tie_word_embeddings="
+                              "false; set \"tie_word_embeddings\": true in config.json if the output layer is "
+                              "the embedding.")
         if name not in tensors:
             raise ConfigError(f"the checkpoint has no tensor {name!r}; "
                               "it does not match its config.json (or is incomplete).")
@@ -162,7 +188,7 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
         # Always a fresh copy (never hand JAX a view of the map, which it could alias on CPU).
         out_dtype = dtype or parts[0].dtype
         if not t.stacked:
-            return np.array(parts[0][idx], dtype=out_dtype, order="C")
+            return _read_padded(parts[0], idx, t.shape, out_dtype)
         layers = range(num_layers)[idx[0]]
         out = np.empty((len(layers), *parts[0][idx[1:]].shape), out_dtype)
         for j, i in enumerate(layers):  # read, cast and written once, straight into the stack
@@ -172,19 +198,45 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
     return shape, host
 
 
-def load_hf(path: str, shardings: Params | None = None, dtype=np.float32) -> tuple[LlamaConfig, Params]:
-    """Read a HuggingFace LLaMA checkpoint directory into pjax parameters.
+def _read_padded(w: np.ndarray, idx: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """w[idx] as a fresh C-ordered array, where `idx` indexes `shape` (w's shape, or w padded at the
+    end of its dimensions): the part past w's own extent is zeros (the padded vocabulary)."""
+    idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, shape))
+    out = np.zeros([s.stop - s.start for s in idx], dtype)
+    inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(idx, w.shape))
+    if all(s.stop > s.start for s in inside):
+        out[tuple(slice(0, s.stop - s.start) for s in inside)] = w[inside]
+    return out
 
-    `shardings`: optional tree shaped like the parameters, of `jax.sharding.Sharding`; each
-    device then receives only its slice. `dtype=None` keeps the checkpoint's dtype.
-    """
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """The model shape in a HuggingFace checkpoint directory's config.json (one-line errors)."""
     if not os.path.isdir(path):
         raise ConfigError(f"{path} is not a directory; pass a HuggingFace LLaMA checkpoint directory.")
     cfg_file = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_file):
-        raise ConfigError(f"no config.json in {path}; pass a HuggingFace LLaMA checkpoint directory.")
-    with open(cfg_file) as fh:
-        cfg = LlamaConfig.from_hf(json.load(fh))
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"{path} has no config.json; pass a HuggingFace LLaMA checkpoint directory.")
+    try:
+        with open(cfg_file, encoding="utf-8") as fh:
+            hf = json.load(fh)
+    except (ValueError, OSError) as e:  # malformed JSON, not UTF-8, unreadable
+        raise ConfigError(f"{cfg_file} is not a readable JSON file ({str(e).splitlines()[0]}); re-save the "
+                          f"checkpoint.") from None
+    try:
+        return LlamaConfig.from_hf(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {str(e).removeprefix('config.json: ')}") from None
+
+
+def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
+            make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, Params]:
+    """Read a HuggingFace LLaMA checkpoint directory into pjax parameters.
+
+    `shardings`: optional tree shaped like the parameters, of `jax.sharding.Sharding`; each
+    device then receives only its slice. `dtype=None` keeps the checkpoint's dtype. The
+    vocabulary is padded to a multiple of `make_vocab_size_divisible_by` (zeros).
+    """
+    cfg = dataclasses.replace(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     tensors = _open_checkpoint(path)
     params: Params = {}
     for t in _tensors(cfg):

@@ -6,7 +6,7 @@ layers' parameters are stacked along a leading 'layers' dimension and run with `
 (one compiled layer body instead of L copies; pipeline stages slice this stack).
 
 Parameter tree (shapes for hidden D, heads H, kv-heads K, head_dim Dh, MLP F, vocab V, layers L):
-    embed/embedding     [V, D]          ('vocab', 'embed')
+    embed/embedding     [Vp, D]         ('vocab', 'embed')
     layers/attn_norm    [L, D]          ('layers', 'embed')
     layers/wq           [L, D, H, Dh]   ('layers', 'embed', 'heads', 'head_dim')
     layers/wk, wv       [L, D, K, Dh]   ('layers', 'embed', 'kv_heads', 'head_dim')
@@ -15,7 +15,11 @@ Parameter tree (shapes for hidden D, heads H, kv-heads K, head_dim Dh, MLP F, vo
     layers/w_gate, w_up [L, D, F]       ('layers', 'embed', 'mlp')
     layers/w_down       [L, F, D]       ('layers', 'mlp', 'embed')
     final_norm/scale    [D]             ('embed',)
-    lm_head/kernel      [D, V]          ('embed', 'vocab')   (absent with tied embeddings)
+    lm_head/kernel      [D, Vp]         ('embed', 'vocab')   (absent with tied embeddings)
+
+Vp is the vocabulary padded to a multiple of `make_vocab_size_divisible_by` (as Megatron does), so
+that it splits over tp: the padded rows are never looked up, and their logits are masked to -inf
+(`mask_padded_vocab`), so the model computes exactly what an unpadded one would.
 
 Activations entering and leaving every matmul are 2-D, [B*T, D] ('tokens', 'embed'): on
 XLA:CPU 3-D activations make the weight-gradient contractions over (B, T) materialise large
@@ -131,7 +135,7 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.cfg
-        table = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+        table = _param(self, "embedding", (c.padded_vocab_size, c.hidden_size), ("vocab", "embed"),
                        nn.initializers.normal(c.initializer_range))
         return jnp.take(table, tokens, axis=0)
 
@@ -146,7 +150,7 @@ class Head(nn.Module):
         c = self.cfg
         _param(self, "scale", (c.hidden_size,), ("embed",), nn.initializers.ones)
         if not c.tie_word_embeddings:
-            _param(self, "kernel", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+            _param(self, "kernel", (c.hidden_size, c.padded_vocab_size), ("embed", "vocab"),
                    nn.initializers.normal(c.initializer_range))
 
 
@@ -225,18 +229,32 @@ def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: L
 
 
 def output_kernel(params: Params, cfg: LlamaConfig) -> jax.Array:
-    """The [D, V] output projection (the embedding table's transpose when tied)."""
+    """The [D, Vp] output projection (the embedding table's transpose when tied), padded vocabulary
+    included: mask its logits with `mask_padded_vocab`."""
     if cfg.tie_word_embeddings:
         return params["embed"]["embedding"].T
     return params["lm_head"]["kernel"]
 
 
+def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits [..., Vp] with the padded vocabulary's entries at -inf: they take no probability mass
+    (exp(-inf) = 0), receive no gradient, and argmax never picks them. Free when nothing is padded.
+
+    Works on a vocab-parallel slice too: the iota is over the global vocabulary dimension, which
+    XLA's partitioner offsets per tp shard."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(ids < vocab_size, logits, -jnp.inf)
+
+
 def logits(params: Params, tokens: jax.Array, cfg: LlamaConfig, positions: jax.Array | None = None,
            **kw) -> jax.Array:
-    """Full-vocabulary logits [B, T, V] in fp32 (for evaluation and tests; training uses the fused loss)."""
+    """Full-vocabulary logits [B, T, V] in fp32, the padding cut off (for evaluation and tests;
+    training uses the fused loss)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h = final_hidden(params, tokens, positions, cfg, **kw)
     out = jnp.einsum("nd,dv->nv", h, output_kernel(params, cfg).astype(h.dtype), preferred_element_type=jnp.float32)
-    return unflatten_tokens(out, b, t)
+    return unflatten_tokens(out[:, :cfg.vocab_size], b, t)

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -40,17 +41,17 @@ import orbax.checkpoint as ocp
 from mesh.errors import ConfigError
 from mesh.mesh import PP
 from models import llama
-from models.config import LlamaConfig
+from models.config import SHAPE_KEYS, LlamaConfig
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict, dump_config
 from pjax.parallel.pipeline_parallel import layer_order
 from pjax.step import TrainState, Trainer
 
+T = TypeVar("T")
 FORMAT = 1  # bump when the items or their meaning change
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-# Model keys that fix the parameter shapes or their meaning; a resume must agree on all of them.
-_MODEL_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+# Model keys a resume must agree on: the shapes (the padded vocabulary included) and their meaning.
+_MODEL_KEYS = (*SHAPE_KEYS, "make_vocab_size_divisible_by")
 
 
 class Restored(NamedTuple):
@@ -66,7 +67,7 @@ class Checkpointer:
     """One run's checkpoint directory: save every `every` steps (async), keep the last `keep`, restore."""
 
     def __init__(self, directory: str, *, every: int = 0, keep: int = 3, layer_rows: np.ndarray | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, quiet: bool = False) -> None:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint directory {directory} does not exist; pass the checkpoint.dir of a run.")
@@ -78,6 +79,8 @@ class Checkpointer:
                                                cleanup_tmp_directories=not read_only, create=not read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.last_saved = self._manager.latest_step()
+        self.unreadable: list[int] = []  # steps `readable` passed over
+        self.quiet = quiet  # no warnings (a first look that a second, warning one will repeat)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -103,27 +106,69 @@ class Checkpointer:
                               f"{', '.join(map(str, sorted(steps)))}.")
         return step
 
+    def readable(self, read: Callable[[int], T], step: int | None = None) -> tuple[int, T]:
+        """(step, read(step)) for `step`, or else for the newest step that can be read.
+
+        A step that cannot be read (a corrupt or partial copy: any error but a ConfigError, which is
+        a mismatch with this run) is passed over with a one-line warning, never deleted; a named
+        `step` that cannot be read, or no readable step at all, is a one-line ConfigError."""
+        if step is not None:
+            step = self.resolve_step(step)
+            try:
+                return step, read(step)
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({_first_line(e)}); "
+                                  f"choose another step.") from None
+        newest = self.resolve_step()
+        for candidate in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                return candidate, read(candidate)
+            except ConfigError:
+                raise
+            except Exception as e:
+                self.unreadable.append(candidate)
+                self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({_first_line(e)}); "
+                      f"trying the step before it.")
+        raise ConfigError(f"no checkpoint step in {self.directory} can be read (the newest, {newest}, and every "
+                          f"one before it); the files are left as they are. Restore them from a copy, or start "
+                          f"afresh with a new checkpoint.dir.")
+
     def config(self, step: int | None = None) -> Config:
         """The config a checkpoint was written under (the model shape comes from here)."""
-        step = self.resolve_step(step)
+        return self.readable(self.read_config, step)[1]
+
+    def read_config(self, step: int) -> Config:
+        """The config stored with `step` (no fallback; see `config`)."""
         saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         return config_from_dict(saved["config"], source=f"the config stored in {self.directory}/{step}")
 
-    def restore_params(self, shardings: Any, step: int | None = None) -> Any:
-        """Only the parameters (model layer order), placed by `shardings` (a tree like the params)."""
-        step = self.resolve_step(step)
-        target = _abstract(_param_shapes(self.config(step).model), shardings)
-        saved = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-        return saved["params"]
+    def restore_params(self, shardings: Any, step: int | None = None) -> tuple[int, Config, Any]:
+        """(step, its config, the parameters in model layer order placed by `shardings`, a tree like
+        the params) of `step`, or of the newest readable step."""
+        def read(s: int) -> tuple[Config, Any]:
+            cfg = self.read_config(s)
+            target = _abstract(_param_shapes(cfg.model), shardings(cfg.model) if callable(shardings) else shardings)
+            params = self._manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+            return cfg, params["params"]
+
+        step, (cfg, params) = self.readable(read, step)
+        return step, cfg, params
 
     def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
-        """The whole training state on `trainer`'s mesh and shardings, plus the data position and RNG.
+        """The whole training state on `trainer`'s mesh and shardings, plus the data position and RNG,
+        of `step` or of the newest readable step.
 
         The checkpoint may come from any other layout; `cfg` (this run's config) must describe the
         same model and optimizer state.
         """
-        step = self.resolve_step(step)
-        saved_cfg = self.config(step)
+        step, restored = self.readable(lambda s: self._restore(trainer, cfg, s), step)
+        self.last_saved = step  # the run continues from here: its last good checkpoint
+        return restored
+
+    def _restore(self, trainer: Trainer, cfg: Config, step: int) -> Restored:
+        saved_cfg = self.read_config(step)
         check_compatible(saved_cfg, cfg, f"{self.directory}/{step}")
         target = trainer.abstract_state()
         items = self._manager.restore(step, args=ocp.args.Composite(
@@ -139,6 +184,29 @@ class Checkpointer:
             state = _permute_layers(state, self._rows)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
         return Restored(state, meta["data"], rng, saved_cfg)
+
+    def set_aside_unreadable(self, after: int) -> None:
+        """Rename the unreadable steps newer than `after` (the step a run resumes from) to
+        `<step>.unreadable`, so that the run can save those step numbers again; nothing is deleted."""
+        moved = [s for s in self.unreadable if s > after]
+        if jax.process_index() == 0:
+            for s in moved:
+                target = Path(self.directory, f"{s}.unreadable")
+                while target.exists():
+                    target = target.with_name(target.name + "-again")
+                os.rename(Path(self.directory, str(s)), target)
+                self._warn(f"moved the unreadable checkpoint step {s} to {target}.")
+        if moved:
+            _sync("pjax_set_aside_unreadable")
+            self._manager.reload()
+
+    def _warn(self, text: str) -> None:
+        if not self.quiet and jax.process_index() == 0:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+    def last_good(self) -> str | None:
+        """The path of the newest step this run saved or resumed from (None before any)."""
+        return None if self.last_saved is None else f"{self.directory}/{self.last_saved}"
 
     # -- writing -----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -164,27 +232,6 @@ class Checkpointer:
         """Finish the save in flight, then release Orbax's threads."""
         self._manager.wait_until_finished()
         self._manager.close()
-
-
-def open_for_run(cfg: Config, trainer: Trainer) -> Checkpointer | None:
-    """The training run's Checkpointer (None without checkpoint.dir), with the resolved config
-    written beside the checkpoints as config.yaml."""
-    cc = cfg.checkpoint
-    if cc.dir is None:
-        return None
-    ckpt = Checkpointer(cc.dir, every=cc.every, keep=cc.keep, layer_rows=layer_rows(trainer))
-    latest = ckpt.latest_step()
-    try:  # fail before any work (and release Orbax's threads) when the directory cannot be continued
-        if latest is not None and not cc.resume:  # two runs' checkpoints in one directory would mix
-            raise ConfigError(f"checkpoint.dir={cc.dir} already holds checkpoints (latest step {latest}) and "
-                              f"checkpoint.resume=false; point checkpoint.dir at a new directory or resume.")
-        if latest is not None:
-            check_compatible(ckpt.config(latest), cfg, f"{ckpt.directory}/{latest}")
-    except ConfigError:
-        ckpt.close()
-        raise
-    write_config(cfg, cc.dir)
-    return ckpt
 
 
 def layer_rows(trainer: Trainer) -> np.ndarray | None:
@@ -217,6 +264,17 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:120]
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _param_shapes(cfg: LlamaConfig) -> Any:

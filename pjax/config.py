@@ -19,6 +19,7 @@ REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "cudnn")
 SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved")
+ON_NONFINITE = ("stop", "skip")
 
 
 def _require(ok: bool, key: str, value: Any, valid: str) -> None:
@@ -37,6 +38,9 @@ class TrainConfig:
     step, split into `grad_accum` micro-batches (the pipeline's micro-batches when pp > 1)."""
 
     steps: int = 100
+    # The learning-rate schedule's length (warm-up, then cosine to its end); null: train.steps. Saved
+    # with checkpoints: a resume with another train.steps keeps the saved schedule unless this is set.
+    schedule_steps: int | None = None
     seed: int = 0
     seq_len: int = 128
     batch_size: int = 8
@@ -56,11 +60,16 @@ class TrainConfig:
     attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | cudnn
     loss_chunk: int = 0  # tokens per block of the fused output layer + loss (0: the whole micro-batch)
     init_from: str | None = None  # a HuggingFace checkpoint directory to start from
+    on_nonfinite: str = "stop"  # a step with a non-finite loss or gradient: stop the run, or skip the step
+    max_skipped: int = 5  # on_nonfinite=skip: this many non-finite steps in a row stop the run
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
-        for key in ("steps", "seq_len", "batch_size", "grad_accum"):
+        for key in ("steps", "seq_len", "batch_size", "grad_accum", "max_skipped"):
             _require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "use an integer >= 1")
+        _require(self.schedule_steps is None or self.schedule_steps >= 1, "train.schedule_steps", self.schedule_steps,
+                 "use an integer >= 1, or null for train.steps")
+        _require_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         _require(self.lr > 0, "train.lr", self.lr, "use a learning rate > 0")
         _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use an integer >= 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
@@ -94,6 +103,7 @@ class LogConfig:
     eval_every: int = 50
     eval_batches: int = 4
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU where the device kind is unknown (CPU)
+    spike_sigma: float = 6.0  # report a loss this many standard deviations above the recent mean (0: never)
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "log.every", self.every, "use an integer >= 1")
@@ -101,6 +111,7 @@ class LogConfig:
         _require(self.eval_batches >= 1, "log.eval_batches", self.eval_batches, "use an integer >= 1")
         _require(self.peak_flops is None or self.peak_flops > 0, "log.peak_flops", self.peak_flops,
                  "use a positive FLOP/s figure or null")
+        _require(self.spike_sigma >= 0, "log.spike_sigma", self.spike_sigma, "use a value >= 0 (0 turns it off)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,6 +100,21 @@ def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str =
     return Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()})
 
 
+def named_keys(path: str | None, overrides: Sequence[str] = ()) -> set[str]:
+    """The 'section.key's the user chose: those of the config file they named (not the default
+    config's) and of their overrides. Lets a run tell "tp=2 because you asked" from "tp=2
+    because the default config says so" (`pjax.fit` adapts the latter to the model)."""
+    keys = set()
+    if path is not None:
+        document = yaml.load(resolve_config_path(path).read_text(), Loader=_Loader)  # valid: load_config read it
+        for section, body in (document or {}).items():
+            keys.update(f"{section}.{key}" for key in (body or {}))
+    for item in overrides:
+        section, key, _ = parse_override(item)
+        keys.add(f"{section}.{key}")
+    return keys
+
+
 def parse_override(item: str) -> tuple[str, str, Any]:
     """Split 'train.lr=3e-4' into ('train', 'lr', 0.0003); the value is read as YAML."""
     dotted, sep, text = item.partition("=")

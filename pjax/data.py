@@ -55,7 +55,11 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
         if (path / "tokenizer.json").is_file():
             path = path / "tokenizer.json"
         elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+            try:
+                return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+            except Exception as e:  # tokenizers raises a bare Exception on malformed files
+                raise ConfigError(f"data.tokenizer={spec} holds a vocab.json/merges.txt pair that does not load "
+                                  f"({_first_line(e)}); point it at a valid tokenizer.") from None
         else:
             raise ConfigError(f"data.tokenizer={spec} is a folder without tokenizer.json or vocab.json+merges.txt; "
                               f"point it at a tokenizer file or folder.")
@@ -63,7 +67,8 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
         try:
             return Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({e}); point it at one.") from e
+            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({_first_line(e)}); "
+                              f"point it at one.") from None
     if _looks_like_path(spec):
         raise ConfigError(f"data.tokenizer={spec} does not exist; point it at a tokenizer.json or a tokenizer folder.")
     try:
@@ -71,6 +76,10 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
     except Exception as e:
         raise ConfigError(f"data.tokenizer={spec} is not an existing path and could not be loaded from the HuggingFace "
                           f"hub (unreachable or unknown name); use a local tokenizer path.") from e
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:120]
 
 
 def eos_id(tokenizer: Any) -> int | None:
@@ -103,27 +112,67 @@ def source_files(spec: str) -> list[Path] | None:
     return [path]
 
 
+def _text(path: Path, where: str, text: Any) -> str:
+    """`text` if it is a usable document, else the one-line error for the place it came from."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{where} has \"text\" {_show(text)}, not a string; every document needs its text as a string.")
+    if "\x00" in text:
+        raise ConfigError(f"{where} holds NUL bytes: {path} looks like a binary file, not text; point data.path at "
+                          f"UTF-8 text.")
+    return text
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else f"of type {type(value).__name__}"
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where} is not valid JSON ({e.msg}); fix or remove that line.") from None
+            if not isinstance(record, dict) or "text" not in record:
+                raise ConfigError(f"{where} has no \"text\" field; every JSON line needs one, e.g. "
+                                  f"{{\"text\": \"...\"}}.")
+            yield _text(path, where, record["text"])
+
+
 def _file_documents(path: Path) -> Iterator[str]:
-    if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
-    elif path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if "text" not in record:
-                        raise ConfigError(f"{path}:{line_no} has no \"text\" field; every JSON line needs one.")
-                    yield record["text"]
-    else:
-        try:
-            import pyarrow.parquet as pq  # optional: only parquet sources need it
-        except ImportError as e:
-            raise ConfigError(f"data.path={path} is a parquet file; run `pip install pyarrow` to read it.") from e
+    try:
+        if path.suffix == ".txt":
+            yield _text(path, str(path), path.read_text(encoding="utf-8"))
+        elif path.suffix == ".jsonl":
+            yield from _jsonl_documents(path)
+        else:
+            yield from _parquet_documents(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                          f"convert it to UTF-8 or point data.path at a text file.") from None
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions.") from None
+
+
+def _parquet_documents(path: Path) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq  # optional: only parquet sources need it
+    except ImportError as e:
+        raise ConfigError(f"data.path={path} is a parquet file; run `pip install pyarrow` to read it.") from e
+    try:
         parquet = pq.ParquetFile(path)
-        if "text" not in parquet.schema_arrow.names:
-            raise ConfigError(f"{path} has no \"text\" column; parquet sources need one.")
-        for batch in parquet.iter_batches(columns=["text"]):
-            yield from batch.column(0).to_pylist()
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise ConfigError(f"{path} is not a valid parquet file ({str(e).splitlines()[0][:80]}); re-write it.") from None
+    if "text" not in parquet.schema_arrow.names:
+        raise ConfigError(f"{path} has no \"text\" column; parquet sources need one.")
+    row = 0
+    for batch in parquet.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            yield _text(path, f"{path} row {row}", text)
+            row += 1
 
 
 def _hub_documents(name: str) -> Iterator[str]:

@@ -20,6 +20,7 @@ stage that holds them, and with cp > 1 it gathers keys and values for attention.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -35,18 +36,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
-from mesh.rules import constrain, flatten_tokens, unflatten_tokens
-from mesh.validate import validate_batch, validate_model
+from mesh.rules import constrain, flatten_tokens
+from mesh.validate import validate_batch
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
-from models.hf import load_hf
+from models.hf import load_hf, read_hf_config
 from pjax.checkpoint import Checkpointer
+from pjax.cli import ArgumentParser, run_main
 from pjax.config import Config
-from pjax.config_io import load_config
+from pjax.config_io import load_config, named_keys
 from pjax.data import documents, load_tokenizer, tokenize
+from pjax.fit import describe, fitted_mesh, names_a_mesh
+from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings
-from pjax.step import compute_dtype
+from pjax.step import compute_dtype, validate_layout
 
 Params = dict[str, Any]
 
@@ -57,50 +61,40 @@ Params = dict[str, Any]
 
 
 
-def read_hf_config(path: str) -> LlamaConfig:
-    """The model shape in a HuggingFace checkpoint directory's config.json."""
-    if not Path(path).is_dir():
-        raise ConfigError(f"--hf {path} is not a directory; pass a HuggingFace LLaMA checkpoint directory.")
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"--hf {path} has no config.json; pass a HuggingFace LLaMA checkpoint directory.")
-    try:
-        return LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
-    except ConfigError:
-        raise
-    except (ValueError, KeyError, TypeError) as e:  # malformed JSON, a missing or mistyped key
-        raise ConfigError(f"{cfg_file} is not a valid LLaMA config.json ({e}); re-save the checkpoint.") from None
-
-
 def load_hf_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
     """A HuggingFace checkpoint's config and parameters, each device reading only its slice."""
     cfg = read_hf_config(path)  # the shardings depend on the shape, so it is read before the weights
-    _validate_layout(cfg, mesh, zero)
+    validate_layout(MeshConfig.of(mesh), cfg, zero)
     return load_hf(path, param_shardings(mesh, cfg, zero))
 
 
 def read_checkpoint_config(path: str) -> Config:
-    """The config stored in a pjax checkpoint directory's latest checkpoint."""
+    """The config stored in a pjax checkpoint directory's newest readable step."""
     if (Path(path) / "config.json").is_file():
         raise ConfigError(f"--checkpoint {path} is a HuggingFace checkpoint (config.json), not a pjax one; "
                           f"pass it as --hf {path}.")
-    with Checkpointer(path, read_only=True) as ckpt:
+    with Checkpointer(path, read_only=True, quiet=True) as ckpt:
         return ckpt.config()
 
 
 def load_checkpoint_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
-    """A pjax checkpoint's (latest step's) model config and parameters, each device reading only its slice."""
+    """A pjax checkpoint's model config and parameters (its newest readable step), each device
+    reading only its slice."""
+    def shardings(model: LlamaConfig) -> Params:
+        validate_layout(MeshConfig.of(mesh), model, zero)
+        return param_shardings(mesh, model, zero)
+
     with Checkpointer(path, read_only=True) as ckpt:
-        step = ckpt.resolve_step()
-        cfg = ckpt.config(step).model
-        _validate_layout(cfg, mesh, zero)
-        return cfg, ckpt.restore_params(param_shardings(mesh, cfg, zero), step)
+        _, cfg, params = ckpt.restore_params(shardings)
+        return cfg.model, params
 
 
-def _validate_layout(cfg: LlamaConfig, mesh: Mesh, zero: int) -> None:
-    validate_model(MeshConfig.of(mesh), num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
-                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero)
+def model_config(args: argparse.Namespace) -> tuple[LlamaConfig, str | None]:
+    """The model shape of --hf or --checkpoint, and the tokenizer it comes with (None: none known)."""
+    if args.checkpoint is not None:
+        saved = read_checkpoint_config(args.checkpoint)
+        return saved.model, saved.data.tokenizer
+    return read_hf_config(args.hf), (args.hf if (Path(args.hf) / "tokenizer.json").is_file() else None)
 
 
 def check_vocab(tokenizer: Any, cfg: LlamaConfig) -> None:
@@ -130,23 +124,20 @@ def windows(tokens: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
             "weights": weights.reshape(n, seq_len)}
 
 
-def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    # Every process holds the whole host array, so each device's slice is cut from it (multi-host safe).
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
-
 # ---------------------------------------------------------------------------------------------
 # Loss
 # ---------------------------------------------------------------------------------------------
 
-def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
+def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, weights: jax.Array,
+                         vocab_size: int) -> jax.Array:
     """Weighted sum of next-token cross-entropies, vocab-parallel as in `tensor_parallel`.
 
-    hidden [N, D], kernel [D, V] (vocab split over tp), labels and weights [N]. Only reductions
-    over the vocabulary (max, sum of exps, the masked target pick): no gather across tp shards.
+    hidden [N, D], kernel [D, Vp] (vocab split over tp; padded past `vocab_size`, masked), labels
+    and weights [N]. Only reductions over the vocabulary (max, sum of exps, the masked target
+    pick): no gather across tp shards.
     """
     logits = jnp.einsum("nd,dv->nv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("tokens", "vocab"))
+    logits = llama.mask_padded_vocab(constrain(logits, ("tokens", "vocab")), vocab_size)
     m = jnp.max(logits, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[:, 0]
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
@@ -163,7 +154,7 @@ def _batch_loss(params: Params, batch: dict[str, jax.Array], *, cfg: LlamaConfig
     hidden = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
                                 attention_fn=attention_fn)
     return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(batch["labels"]),
-                                flatten_tokens(batch["weights"]))
+                                flatten_tokens(batch["weights"]), cfg.vocab_size)
 
 
 def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
@@ -183,7 +174,7 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     sums = []
     with jax.set_mesh(mesh):
         for start in range(0, total, rows):
-            batch = {k: _put(v[start:start + rows], sharding) for k, v in data.items()}
+            batch = {k: put_rows(v[start:start + rows], sharding) for k, v in data.items()}
             sums.append(step(params, batch))
             # One batch in flight at a time: with ~200 queued executions XLA:CPU's in-process
             # collectives deadlocked here (rendezvous timeout, abort) on a 2-core host.
@@ -194,57 +185,11 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
 
 
 # ---------------------------------------------------------------------------------------------
-# Greedy generation
-# ---------------------------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "scan", "attention_fn"))
-def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array, *, cfg: LlamaConfig,
-            dtype: Any, scan: bool, attention_fn: Callable) -> jax.Array:
-    """Fill tokens[:, start:stop] greedily. Each step re-runs the whole fixed-length sequence (no KV
-    cache): causal attention makes the not-yet-written tail invisible to the position read."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kernel = llama.output_kernel(params, cfg)
-
-    def body(i, toks):
-        hidden = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan, attention_fn=attention_fn)
-        last = jax.lax.dynamic_index_in_dim(unflatten_tokens(hidden, b, t), i - 1, axis=1, keepdims=False)
-        logits = jnp.einsum("bd,dv->bv", last, kernel.astype(last.dtype), preferred_element_type=jnp.float32)
-        nxt = jnp.argmax(logits, axis=-1).astype(toks.dtype)
-        return jax.lax.dynamic_update_index_in_dim(toks, nxt, i, axis=1)
-
-    return jax.lax.fori_loop(start, stop, body, tokens)
-
-
-def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh, *, max_new_tokens: int,
-             dtype: Any = jnp.float32, scan: bool = True, attention: str = "auto") -> list[int]:
-    """Greedy continuation of `prompt` (token ids): up to max_new_tokens, within max_position_embeddings."""
-    if not prompt:
-        raise ConfigError("--generate got a prompt with no tokens; pass some text to continue.")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max_new_tokens={max_new_tokens} is invalid; use an integer >= 1.")
-    limit = cfg.max_position_embeddings
-    if len(prompt) >= limit:
-        raise ConfigError(f"the prompt has {len(prompt)} tokens, at least the model's max_position_embeddings="
-                          f"{limit}; shorten it.")
-    stop = min(len(prompt) + max_new_tokens, limit)
-    dp, cp = mesh.shape[DP], mesh.shape[CP]
-    # One row per dp replica (the batch rule splits rows over dp) and a length cp divides; row 0 is read.
-    length = -(-stop // cp) * cp
-    tokens = np.zeros((dp, length), np.int32)
-    tokens[:, :len(prompt)] = prompt
-    with jax.set_mesh(mesh):
-        out = _greedy(params, _put(tokens, NamedSharding(mesh, P(DP, CP))), jnp.int32(len(prompt)), jnp.int32(stop),
-                      cfg=cfg, dtype=dtype, scan=scan, attention_fn=select_attention(attention))
-    return np.asarray(jax.device_get(out))[0, len(prompt):stop].tolist()
-
-
-# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", metavar="DIR", help="a HuggingFace LLaMA checkpoint directory")
     source.add_argument("--checkpoint", metavar="DIR", help="a pjax (Orbax) checkpoint directory")
@@ -267,15 +212,13 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
         raise ConfigError(f"--batch_size={args.batch_size} is invalid; use an integer >= 1.")
     if args.text is not None and not Path(args.text).exists():
         raise ConfigError(f"--text {args.text} does not exist; pass a .txt, .jsonl or .parquet file or a folder.")
-    if args.checkpoint is not None:  # a pjax checkpoint: its stored config knows the model and tokenizer
-        saved = read_checkpoint_config(args.checkpoint)
-        model_cfg, default_tokenizer = saved.model, saved.data.tokenizer
+    # A pjax checkpoint's stored config knows the model and the tokenizer; a HF one may ship its tokenizer.
+    model_cfg, default_tokenizer = model_config(args)
+    if args.checkpoint is not None:
         load = functools.partial(load_checkpoint_on_mesh, args.checkpoint, mesh, cfg.train.zero)
     else:
-        model_cfg = read_hf_config(args.hf)
-        default_tokenizer = args.hf if (Path(args.hf) / "tokenizer.json").is_file() else cfg.data.tokenizer
         load = functools.partial(load_hf_on_mesh, args.hf, mesh, cfg.train.zero)
-    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or default_tokenizer or cfg.data.tokenizer)
     check_vocab(tokenizer, model_cfg)
     opts = dict(dtype=compute_dtype(cfg.train.dtype), scan=cfg.train.scan_layers, attention=cfg.train.attention)
     is_main = jax.process_index() == 0
@@ -307,16 +250,22 @@ def _devices(n: int) -> list[jax.Device]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        init_distributed()
+    return run_main(lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    init_distributed()
+    if names_a_mesh(named_keys(args.config, args.overrides)):
         n = force_cpu_devices(cfg.mesh)
         spare_cpu_thread(cfg.mesh)
-        run(args, cfg, make_mesh(cfg.mesh, _devices(n)))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    else:  # the config's mesh was made for its own model: fit one to this model instead
+        n = force_cpu_devices(MeshConfig())
+        model, _ = model_config(args)
+        cfg = dataclasses.replace(cfg, mesh=fitted_mesh(model))
+        if jax.process_index() == 0:
+            print(describe(cfg.mesh, model))
+    run(args, cfg, make_mesh(cfg.mesh, _devices(n)))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,18 @@ def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak: f
     return tokens_per_sec * flops_per_token / num_devices / peak
 
 
+def memory_per_device(devices: list[jax.Device], estimate: tuple[int, int]) -> dict[str, Any]:
+    """Memory in use and its peak, in bytes per device (the most loaded of `devices`): the
+    allocator's own figures (`memory_stats()`: GPUs, TPUs) or, where the backend keeps none (CPU),
+    XLA's compiled estimate (`estimate`: resident state and batch, and the step's peak)."""
+    stats = [d.memory_stats() for d in devices]
+    if all(stats) and all("bytes_in_use" in s for s in stats):
+        return {"memory_in_use_bytes": max(s["bytes_in_use"] for s in stats),
+                "memory_peak_bytes": max(s.get("peak_bytes_in_use", s["bytes_in_use"]) for s in stats),
+                "memory_source": "device"}
+    return {"memory_in_use_bytes": estimate[0], "memory_peak_bytes": estimate[1], "memory_source": "compiled"}
+
+
 class MetricsWriter:
     """Appends one JSON object per record to `<dir>/metrics.jsonl` and mirrors scalars to TensorBoard.
 

@@ -1,6 +1,8 @@
 """AdamW with linear warmup and cosine decay, global-norm clipping, no decay on norm scales."""
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import optax
 
@@ -11,12 +13,26 @@ from pjax.config import TrainConfig
 _NO_DECAY = {"attn_norm", "mlp_norm", "scale"}
 
 
+def schedule_length(tc: TrainConfig) -> int:
+    """The schedule's length in steps: train.schedule_steps, else train.steps."""
+    return tc.schedule_steps or tc.steps
+
+
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `lr * min_lr_ratio` at `steps`."""
-    warmup = min(tc.warmup_steps, max(tc.steps - 1, 0))
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `lr * min_lr_ratio` at the
+    schedule's end (`schedule_length`), flat after it."""
+    steps = schedule_length(tc)
+    warmup = min(tc.warmup_steps, max(steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=tc.lr, warmup_steps=warmup,
-        decay_steps=max(tc.steps, warmup + 1), end_value=tc.lr * tc.min_lr_ratio)
+        decay_steps=max(steps, warmup + 1), end_value=tc.lr * tc.min_lr_ratio)
+
+
+def schedule_count(opt_state: Any) -> jax.Array:
+    """Updates the optimizer has applied, where the schedule stands: a skipped (non-finite) step
+    leaves the optimizer state, and with it this count, unchanged."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    return next(x.count for x in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(x))
 
 
 def _decay_mask(params):

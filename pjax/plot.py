@@ -9,7 +9,6 @@ is skipped.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mesh.errors import ConfigError
+from pjax.cli import ArgumentParser, run_main, writable_dir
 
 Series = tuple[list[int], list[float]]
 
@@ -28,7 +28,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file, in order."""
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass a run directory that holds metrics.jsonl.")
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; pass the metrics.jsonl a pjax run wrote.") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -39,7 +42,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             if number == len(lines):  # the writer may be mid-line while training runs
                 break
             raise ConfigError(f"{path}:{number} is not valid JSON; fix or delete that line.") from None
-        if isinstance(record, dict) and "step" in record:
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
     return records
 
@@ -84,19 +87,20 @@ def plot(records: list[dict[str, Any]], out: Path, title: str = "") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pjax.plot", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m pjax.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "metrics.png"
-    try:
-        plot(read_metrics(run_dir / "metrics.jsonl"), out, title=str(run_dir))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+
+    def body() -> None:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        writable_dir(str(out.parent), "--out")
+        plot(records, out, title=str(run_dir))
+        print(out)
+
+    return run_main(body)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
-from models.config import LlamaConfig
+from models.config import SHAPE_KEYS, LlamaConfig
 from pjax.config import PipelineConfig, TrainConfig
-from pjax.optim import lr_schedule, make_optimizer
+from pjax.divergence import keep_if_finite
+from pjax.optim import lr_schedule, make_optimizer, schedule_count
 from pjax.parallel import context_parallel, data_parallel, pipeline_parallel
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -57,7 +58,7 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
     hidden = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
                                 scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention))
     return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(micro["labels"]),
-                                        tc.loss_chunk)
+                                        tc.loss_chunk, cfg.vocab_size)
 
 
 def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
@@ -111,13 +112,18 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
 def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
                optimizer: optax.GradientTransformation, grad_sharding: Any = None,
                attention_fn: Callable | None = None, grads_fn: Callable | None = None) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr}.
+    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}.
 
     `grads_fn` replaces `loss_and_grads` (with pp > 1: the pipelined one, same arguments and results)."""
     loss, grads = (grads_fn or loss_and_grads)(state.params, batch, cfg, tc, grad_sharding, attention_fn)
+    grad_norm = optax.tree.norm(grads)
+    lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(tc)(state.step)}
+    # The divergence guard (pjax/divergence.py): a non-finite step leaves the state as it was.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -201,15 +207,21 @@ def check_fits(compiled: Any, mesh: Mesh) -> None:
             f"or split the state further (train.zero, mesh.tp, mesh.pp).{preallocation_hint(local[0].platform)}")
 
 
+def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
+    """`mesh.validate.validate_model` for this model: a one-line ConfigError unless it splits over `mesh`."""
+    validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero,
+                   vocab_multiple=cfg.make_vocab_size_divisible_by)
+
+
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
 
     With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
     stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's."""
     mc = MeshConfig.of(mesh)
-    validate_model(mc, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
-                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=tc.zero)
+    validate_layout(mc, cfg, tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     pipeline = pipeline or PipelineConfig()
     if mc.pp > 1:
@@ -257,11 +269,10 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
         return trainer.init(rng)
     from models.hf import load_hf
 
-    hf_cfg, params = load_hf(init_from, trainer.state_sharding.params)
+    hf_cfg, params = load_hf(init_from, trainer.state_sharding.params,
+                             make_vocab_size_divisible_by=trainer.cfg.make_vocab_size_divisible_by)
     ours, theirs = dataclasses.asdict(trainer.cfg), dataclasses.asdict(hf_cfg)
-    shape_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
-    diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in shape_keys if ours[k] != theirs[k]]
+    diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in SHAPE_KEYS if ours[k] != theirs[k]]
     if diff:
         raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
                           f"set those model keys to the checkpoint's values.")

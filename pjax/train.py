@@ -13,8 +13,7 @@ if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables 
     restart_with_huge_pages()
 
 import argparse
-import math
-import signal
+import dataclasses
 import sys
 import time
 from typing import Any, Sequence
@@ -23,12 +22,15 @@ import numpy as np
 
 from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
 from mesh.errors import ConfigError
+from mesh.mesh import MeshConfig
+from pjax.cli import ArgumentParser, run_main, writable_dir
 from pjax.config import Config
-from pjax.config_io import load_config
+from pjax.config_io import load_config, named_keys
+from pjax.progress import ProgressBar, StopFlag
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m pjax.train", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m pjax.train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="a config name in configs/ or a YAML path (default: debug)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.tp=2 train.steps=50")
     ap.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
@@ -39,18 +41,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_main(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
     from jax.errors import JaxRuntimeError  # importing JAX starts no backend
 
-    args = parse_args(argv)
+    from pjax.fit import adopt_hf_model, describe, fitted_mesh, names_a_mesh
+
+    cfg = load_config(args.config, args.overrides)
+    named = named_keys(args.config, args.overrides)
+    if cfg.train.init_from is not None:  # the model is the checkpoint's
+        cfg = adopt_hf_model(cfg, named)
+    fit = cfg.train.init_from is not None and not names_a_mesh(named)  # nor is the default mesh the user's
+    num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
+    force_cpu_devices(MeshConfig() if fit else cfg.mesh, num_processes)
+    spare_cpu_thread(cfg.mesh)
+    if fit:
+        import jax
+
+        cfg = dataclasses.replace(cfg, mesh=fitted_mesh(cfg.model))
+        if jax.process_index() == 0:
+            print(describe(cfg.mesh, cfg.model))
     try:
-        cfg = load_config(args.config, args.overrides)
-        num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
-        force_cpu_devices(cfg.mesh, num_processes)
-        spare_cpu_thread(cfg.mesh)
         train(cfg, progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except JaxRuntimeError as e:  # the allocator's own failure, past check_fits' estimate
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -58,12 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from pjax.step import preallocation_hint
 
-        print(f"error: a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
-              f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state further "
-              f"(train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact."
-              f"{preallocation_hint(jax.default_backend())}", file=sys.stderr)
-        return 2
-    return 0
+        raise ConfigError(f"a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
+                          f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state "
+                          f"further (train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact."
+                          f"{preallocation_hint(jax.default_backend())}") from None
 
 
 def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = None) -> list[dict[str, Any]]:
@@ -71,15 +84,32 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
 
     `devices` defaults to all devices; tests pass a subset to run several layouts in one process.
     """
+    from pjax.resume import open_run
+
+    for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", cfg.data.cache_dir),
+                      ("checkpoint.dir", cfg.checkpoint.dir)):
+        if path is not None:  # before any work: a path that cannot be written loses nothing
+            writable_dir(path, key)
+    ckpt, cfg, note = open_run(cfg)
+    try:
+        return _train(cfg, ckpt, progress, devices, note)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the save in flight: a stopped run exits with its last checkpoint complete
+
+
+def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None,
+           note: str | None) -> list[dict[str, Any]]:
     import jax
 
     from mesh.mesh import CP, make_mesh, mesh_summary
     from models import llama
-    from pjax.checkpoint import open_for_run, write_config
+    from pjax.checkpoint import write_config
     from pjax.data import build_data
-    from pjax.metrics import MetricsWriter, mfu, model_flops_per_token, peak_flops
+    from pjax.divergence import DivergenceGuard
+    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops
     from pjax.parallel.context_parallel import zigzag_layout
-    from pjax.step import build_trainer, check_fits, init_state
+    from pjax.step import build_trainer, check_fits, init_state, step_memory_bytes
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
@@ -93,16 +123,22 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
         train_iter.num_eval_batches()  # a held-out split too small for one batch fails now, not at the first eval
     # Compiled from shapes before anything is allocated (the step's first call reuses it), so a
     # step that cannot fit in device memory is a one-line error here, not an allocator failure later.
-    check_fits(trainer.compile_step(), mesh)
+    compiled = trainer.compile_step()
+    check_fits(compiled, mesh)
+    memory_estimate = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
+    local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    ckpt = open_for_run(cfg, trainer)  # None without checkpoint.dir
     if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG
-        state, data_state, rng, _ = ckpt.restore(trainer, cfg)
-        train_iter.restore(data_state)
+        restored = ckpt.restore(trainer, cfg)
+        state, rng = restored.state, restored.rng
+        train_iter.restore(restored.data)
+        ckpt.set_aside_unreadable(after=int(state.step))  # so that the run can save those steps again
         say(f"resumed from {ckpt.directory} at step {int(state.step)}")
+        if note:
+            say(note)
     else:
         state = init_state(trainer, jax.random.key(tc.seed), init_from=tc.init_from)
-        # The training RNG stream, kept apart from init's: step s draws jax.random.fold_in(rng, s).
+        # A training key, kept apart from init's and saved with checkpoints; no step draws from it yet.
         rng = jax.random.fold_in(jax.random.key(tc.seed), 1)
     start = int(state.step)
     say(mesh_summary(mesh))
@@ -114,39 +150,60 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     tokens_per_step = tc.batch_size * tc.seq_len
     writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl
-    write_config(cfg, cfg.log.dir)  # the run directory records exactly what ran
+    for directory in (cfg.log.dir, cfg.checkpoint.dir):  # the run directories record exactly what ran
+        if directory is not None:
+            write_config(cfg, directory)
+    guard = DivergenceGuard(tc.on_nonfinite, tc.max_skipped, cfg.log.spike_sigma)
     records: list[dict[str, Any]] = []
-    stop = _StopFlag()
-    bar = _progress_bar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
-                        initial=start)
-    t_last, steps_since, in_flight = time.perf_counter(), 0, None
+    stop = StopFlag()
+    bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
+                      initial=start)
+
+    def check(step: int, metrics: dict) -> dict:
+        """Bring one step's metrics to the host and hand them to the divergence guard."""
+        host = jax.device_get(metrics)
+        record, warning = guard.observe(step, float(host["loss"]), float(host["grad_norm"]), bool(host["finite"]),
+                                        ckpt.last_good() if ckpt is not None else None)
+        if record is not None:
+            writer.write(record)
+            records.append(record)
+        if warning is not None:
+            bar.warn(warning)
+        return host
+
+    t_last, steps_since, pending = time.perf_counter(), 0, None
     try:
         for step in range(start + 1, tc.steps + 1):
             state, metrics = trainer.step(state, next(train_iter))
-            # Keep at most two steps in flight: the host prepares the next batch while the devices
-            # run this one, but an unbounded queue of dispatched steps can deadlock XLA:CPU's
-            # in-process collectives on few cores (seen with log.every=100 on 2 cores).
-            if in_flight is not None:
-                in_flight.block_until_ready()
-            in_flight = metrics["loss"]
+            # The previous step is (nearly) done: reading its flags now costs no extra wait, and
+            # keeps at most two steps in flight (an unbounded queue of dispatched steps can
+            # deadlock XLA:CPU's in-process collectives on few cores).
+            if pending is not None:
+                check(*pending)
+            pending = (step, metrics)
             steps_since += 1
-            if step % cfg.log.every == 0 or step == tc.steps:
-                metrics = jax.device_get(metrics)  # the one host sync per logged step
+            last = step == tc.steps
+            log_now = step % cfg.log.every == 0 or last
+            eval_now = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or last)
+            save_now = ckpt is not None and (ckpt.due(step) or last or stop.requested)
+            if not (log_now or eval_now or save_now):
+                continue
+            host, pending = check(step, metrics), None  # this step's own flags before anything reads it
+            if log_now:
                 elapsed = time.perf_counter() - t_last
                 step_time = elapsed / steps_since
                 tps = tokens_per_step / step_time
-                record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                          "lr": float(metrics["lr"]), "tokens_per_sec": tps,
-                          "mfu": mfu(tps, flops_per_token, mesh.devices.size, peak), "step_time_s": step_time}
+                record = {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
+                          "lr": float(host["lr"]), "tokens_per_sec": tps,
+                          "mfu": mfu(tps, flops_per_token, mesh.devices.size, peak), "step_time_s": step_time,
+                          "skipped_steps": guard.skipped, **memory_per_device(local_devices, memory_estimate)}
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 writer.write(record)
                 records.append(record)
                 bar.update(steps_since, record)
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss became {record['loss']} at step {step}; lower train.lr.")
-                t_last, steps_since, in_flight = time.perf_counter(), 0, None
-            if cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == tc.steps):
+                t_last, steps_since = time.perf_counter(), 0
+            if eval_now:
                 t_eval = time.perf_counter()
                 eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
                 record = {"step": step, "eval_loss": eval_loss}
@@ -154,15 +211,13 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
                 records.append(record)
                 bar.note(f"step {step}: held-out loss {eval_loss:.4f}")
                 t_last += time.perf_counter() - t_eval  # keep evaluation out of the training throughput
-            if ckpt is not None and (ckpt.due(step) or step == tc.steps or stop.requested):
+            if save_now:
                 # Async: the arrays are copied to host memory and written while the next steps run.
                 ckpt.save(step, state, data=train_iter.state(), rng=rng, config=cfg)
             if stop.requested:
                 bar.note(f"stopping at step {step} on {stop.requested}")
                 break
     finally:
-        if ckpt is not None:
-            ckpt.close()  # waits for the save in flight: a stopped run exits with its last checkpoint complete
         bar.close()
         writer.close()
         stop.restore()
@@ -187,52 +242,6 @@ def sharding_summary(params: Any, logical_axes: Any) -> str:
         rows.append((name, "x".join(map(str, p.shape)), ",".join(flat_axes[path]), str(tuple(p.sharding.spec))))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT finish the current step and leave the loop cleanly (metrics flushed)."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, _frame) -> None:
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-
-class _progress_bar:
-    """tqdm with loss, tokens/s and MFU in the postfix ('bar'), plain log lines ('lines'), or nothing
-    ('off': processes other than 0)."""
-
-    def __init__(self, total: int, mode: str, initial: int = 0) -> None:
-        self._bar, self._quiet = None, mode == "off"
-        if mode == "bar":
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
-
-    def update(self, n: int, r: dict) -> None:
-        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        fields = {"loss": f"{r['loss']:.4f}", "tok/s": f"{r['tokens_per_sec']:,.0f}", "mfu": mfu}
-        if self._bar is not None:
-            self._bar.set_postfix(fields, refresh=False)
-            self._bar.update(n)
-        elif not self._quiet:
-            print(f"step {r['step']}: " + " ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
-
-    def note(self, text: str) -> None:
-        if not self._quiet:
-            (self._bar.write if self._bar is not None else print)(text)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 if __name__ == "__main__":

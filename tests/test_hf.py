@@ -132,7 +132,7 @@ def test_missing_directory_raises_config_error(tmp_path):
 
 
 def test_missing_config_json_raises_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="no config.json in"):
+    with pytest.raises(ConfigError, match="has no config.json"):
         load_hf(str(tmp_path))
 
 

@@ -177,7 +177,7 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
     def loss(shared, y, labels):
         h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
         return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels),
-                                            tc.loss_chunk)[0] * scale
+                                            tc.loss_chunk, cfg.vocab_size)[0] * scale
 
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
     # Ring attention's shard_map (manual over cp) inside a lax.scan inside this one (manual over

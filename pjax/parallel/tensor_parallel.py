@@ -31,16 +31,19 @@ import jax.numpy as jnp
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP
 from mesh.rules import auto_size, constrain
+from models.llama import mask_padded_vocab
 
 
 def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
-                                 chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+                                 chunk: int = 0, vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and token count.
 
     hidden: [N, D] final hidden states; kernel: [D, V] output layer (vocab split over tp);
     labels: [N] int. Logits and softmax statistics are fp32 whatever the compute dtype.
     chunk: tokens per block of the fused output layer + loss (0: all N at once; see the module doc).
+    vocab_size: the real vocabulary when the kernel's V is padded: the padded logits are masked out.
     """
+    vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
     n = hidden.shape[0]
@@ -49,14 +52,15 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
         if n % chunk:
             raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n} tokens of a device's micro-batch; "
                               f"choose a divisor of {n} (or 0 to turn chunking off).")
-        return _fused(hidden, kernel, labels, chunk), count
-    return _loss_and_dlogits(hidden, kernel, labels, with_grad=False)[0], count
+        return _fused(hidden, kernel, labels, chunk, vocab_size), count
+    return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False)[0], count
 
 
-def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
+def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int,
                       with_grad: bool) -> tuple[jax.Array, jax.Array | None]:
     """Summed loss of [N, D] hidden states and, if `with_grad`, d(loss)/d(logits) [N, V] in fp32."""
     logits = constrain(output_logits(hidden, kernel), ("tokens", "vocab"))
+    logits = mask_padded_vocab(logits, vocab_size)  # -inf: exp gives exactly 0, so nothing else changes
     # logsumexp over a split axis: a max and a sum, each reduced across tp as [N]-sized partials.
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.exp(logits - m)
@@ -107,18 +111,18 @@ def _logits_bwd(res, g):
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int) -> jax.Array:
-    return _fused_fwd(hidden, kernel, labels, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int, vocab_size: int) -> jax.Array:
+    return _fused_fwd(hidden, kernel, labels, chunk, vocab_size)[0]
 
 
-def _fused_fwd(hidden, kernel, labels, chunk):
+def _fused_fwd(hidden, kernel, labels, chunk, vocab_size):
     """The loss and both gradients, block by block: the loss is the end of the graph, so its
     gradients can be formed in the forward pass and only [N, D] + [D, V] kept for the backward."""
     def block(carry, xs):
         loss, d_kernel = carry
         h, y = xs
-        block_loss, d_logits = _loss_and_dlogits(h, kernel, y, with_grad=True)
+        block_loss, d_logits = _loss_and_dlogits(h, kernel, y, vocab_size, with_grad=True)
         d_logits = d_logits.astype(h.dtype)
         d_h = jnp.einsum("nv,dv->nd", d_logits, kernel, preferred_element_type=jnp.float32)
         d_kernel = d_kernel + jnp.einsum("nd,nv->dv", h, d_logits, preferred_element_type=jnp.float32)
@@ -134,7 +138,7 @@ def _fused_fwd(hidden, kernel, labels, chunk):
     return loss, (d_hidden.reshape(n, d), d_kernel.astype(kernel.dtype))
 
 
-def _fused_bwd(chunk, res, g):
+def _fused_bwd(chunk, vocab_size, res, g):
     d_hidden, d_kernel = res
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_kernel).astype(d_kernel.dtype), None
 

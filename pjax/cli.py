@@ -1,0 +1,53 @@
+"""What every entry point (`pjax.train`, `pjax.eval`, `pjax.export`, `pjax.plot`) shares: a user's
+mistake ends as one `error:` line and exit status 2, never a traceback, and every directory a
+run will write to is checked before any work starts, so a wrong path loses nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any, Callable
+
+from mesh.errors import ConfigError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, except that a bad command line is one `error:` line too (argparse prints the usage
+    first)."""
+
+    def error(self, message: str):
+        fail(f"{message}; run `{self.prog} --help` for the options.")
+        sys.exit(2)
+
+
+def run_main(body: Callable[[], Any]) -> int:
+    """Run `body`; a ConfigError (or a file-system error nobody caught earlier) becomes one
+    `error:` line on stderr and exit status 2."""
+    try:
+        body()
+    except ConfigError as e:
+        return fail(str(e))
+    except OSError as e:  # a disk that filled up, a path that vanished mid-run: say which
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return fail(f"{e.strerror or e}{where}; check that path and the space left on its disk.")
+    return 0
+
+
+def fail(message: str) -> int:
+    """Print the one-line error and return exit status 2."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def writable_dir(path: str, key: str) -> None:
+    """Create `path` if needed and check that a file can be written in it; a ConfigError naming
+    `key` otherwise (a path inside a file, a read-only file system, no permission)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pjax-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}={path} is not a writable directory ({e.strerror or e}); point {key} at a "
+                          f"directory you can write to.") from None

@@ -1,0 +1,114 @@
+"""pjax/fit.py and mesh.validate.fit_mesh: a model from a checkpoint runs with no mesh flags, on a
+mesh it divides into (SmolLM2-135M's 3 kv-heads, GPT-2's vocabulary); a mesh the user names is
+used as given."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mesh import MeshConfig
+from mesh.validate import fit_mesh
+from pjax import eval as pjax_eval
+from pjax import train as pjax_train
+from pjax.config_io import named_keys
+from pjax.data import load_tokenizer
+from pjax.fit import names_a_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kv_heads,devices,per_host,vocab,want", [
+    (3, 8, 8, 49152, MeshConfig(dp=8, tp=1)),  # SmolLM2-135M on 8 devices: 3 does not divide 8
+    (3, 6, 6, 49152, MeshConfig(dp=2, tp=3)),
+    (32, 8, 8, 32000, MeshConfig(dp=1, tp=8)),  # LLaMA-2-7B
+    (8, 64, 8, 128256, MeshConfig(dp=8, tp=8)),  # LLaMA-3-8B on 8 hosts: tp stays inside a host
+    (4, 8, 8, 50304, MeshConfig(dp=2, tp=4)),  # GPT-2's vocabulary padded to 50,304
+    (4, 8, 8, 50257, MeshConfig(dp=8, tp=1)),  # unpadded (make_vocab_size_divisible_by=1): odd, tp=1
+    (2, 1, 1, 4096, MeshConfig(dp=1, tp=1)),
+])
+def test_fit_mesh_picks_the_largest_kv_head_divisor_that_fits_a_host(kv_heads, devices, per_host, vocab, want):
+    assert fit_mesh(devices, per_host, num_kv_heads=kv_heads, intermediate_size=1536,
+                    padded_vocab_size=vocab) == want
+
+
+def test_named_keys_are_the_users_not_the_default_configs():
+    assert named_keys(None, ["train.steps=3"]) == {"train.steps"}
+    assert not names_a_mesh(named_keys(None, ["train.steps=3"]))  # debug.yaml's mesh is not the user's
+    assert names_a_mesh(named_keys(None, ["mesh.tp=1"]))
+    assert "mesh.tp" in named_keys("picotron-cpu", [])  # a config file the user named counts
+
+
+@pytest.fixture(scope="module")
+def smollm_like(tmp_path_factory):
+    """A random HF LLaMA with SmolLM2-135M's head layout (9 heads, 3 kv-heads) and GPT-2's vocabulary,
+    a short text, and transformers' mean loss over it in windows of 32."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=50257, hidden_size=72, num_hidden_layers=2, num_attention_heads=9,
+                                      num_key_value_heads=3, intermediate_size=96, initializer_range=0.1)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    root = tmp_path_factory.mktemp("smollm_like")
+    model.save_pretrained(root / "hf")
+    text = root / "text.txt"
+    text.write_text((REPO / "data/prideprejudice.txt").read_text(encoding="utf-8")[:1200], encoding="utf-8")
+    tokens = pjax_eval.read_tokens(str(text), load_tokenizer("data/tokenizer/gpt2"))
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, 32):
+            ids = torch.from_numpy(tokens[start:start + 33].astype(np.int64))[None]
+            total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+    return root / "hf", text, total / (len(tokens) - 1)
+
+
+@pytest.fixture
+def no_forced_devices(monkeypatch):
+    """The CLIs in this process: the 8 forced devices exist already (conftest)."""
+    for module in (pjax_eval, pjax_train):
+        monkeypatch.setattr(module, "force_cpu_devices", lambda *a: 8)
+
+
+def test_eval_of_a_smollm_shaped_hf_model_needs_no_mesh_flags(smollm_like, no_forced_devices, capsys):
+    hf, text, reference = smollm_like
+    argv = ["--hf", str(hf), "--text", str(text), "--tokenizer", "data/tokenizer/gpt2", "train.seq_len=32"]
+    assert pjax_eval.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("mesh chosen for the model: dp=8 tp=1 (tp: the largest divisor of its 3 kv-heads")
+    result = json.loads(out[-1])
+    assert abs(result["loss"] - reference) <= 1e-4, (result, reference)
+
+
+def test_an_impossible_mesh_the_user_names_stays_a_one_line_error(smollm_like, no_forced_devices, capsys):
+    hf, text, _ = smollm_like
+    argv = ["--hf", str(hf), "--text", str(text), "--tokenizer", "data/tokenizer/gpt2", "mesh.tp=2"]
+    assert pjax_eval.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: model.num_attention_heads=9 is not divisible by mesh.tp=2" in err, err
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory) -> Path:
+    """A HF LLaMA of another shape than configs/debug.yaml's, with its 4,096-token vocabulary."""
+    torch.manual_seed(1)
+    hf_cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                      num_key_value_heads=2, intermediate_size=96)
+    path = tmp_path_factory.mktemp("small_hf")
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(path)
+    return path
+
+
+def test_init_from_takes_the_model_from_config_json_and_fits_the_mesh(small_hf, no_forced_devices, tmp_path, capsys):
+    common = ["--no_progress", f"train.init_from={small_hf}", "train.steps=1", "log.eval_every=0",
+              f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"]
+    assert pjax_train.main(common) == 0
+    out = capsys.readouterr().out
+    assert "mesh chosen for the model: dp=4 tp=2" in out and "mesh dp=4 pp=1 cp=1 tp=2 over 8 cpu devices" in out
+    assert "layers/wq         2x48x6x8" in out  # the checkpoint's shape, not debug.yaml's 4 x 256 x 8 x 32
+    # A model key the user set that disagrees with config.json is refused, not overridden.
+    assert pjax_train.main([*common, "model.hidden_size=256"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.hidden_size=256 (config.json: 48)" in err, err
