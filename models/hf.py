@@ -225,7 +225,7 @@ def read_hf_config(path: str) -> LlamaConfig:
     try:
         return LlamaConfig.from_hf(hf)
     except ConfigError as e:
-        raise ConfigError(f"{cfg_file}: {str(e).removeprefix('config.json: ')}") from None
+        raise ConfigError(f"{cfg_file}: " + str(e).removeprefix("config.json: ").removeprefix("config.json ")) from None
 
 
 def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,

@@ -22,6 +22,11 @@ Atomicity. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it
 is written. A process killed mid-save leaves only that temporary directory: `latest_step` never
 sees it and the next manager deletes it.
 
+Damage. A committed step can still be damaged later (a partial copy, a truncated file). Every
+read goes through `Checkpointer.readable`: the newest step that reads, the ones after it passed
+over with a one-line warning each; a run resuming behind them renames them `<step>.unreadable`
+(Orbax would refuse to save those step numbers again). Nothing is ever deleted.
+
 Asynchrony. `save` copies the arrays to host memory and returns; a background thread writes them
 while training continues (the next step may donate the device buffers). The next `save` and
 `close` first wait for the one in flight.
@@ -29,6 +34,7 @@ while training continues (the next step may donate the device buffers). The next
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -43,7 +49,7 @@ from mesh.mesh import PP
 from models import llama
 from models.config import SHAPE_KEYS, LlamaConfig
 from pjax.config import Config
-from pjax.config_io import config_from_dict, config_to_dict, dump_config
+from pjax.config_io import config_from_dict, config_to_dict
 from pjax.parallel.pipeline_parallel import layer_order
 from pjax.step import TrainState, Trainer
 
@@ -119,6 +125,7 @@ class Checkpointer:
             except ConfigError:
                 raise
             except Exception as e:
+                _quiet_abandoned_reads()
                 raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({_first_line(e)}); "
                                   f"choose another step.") from None
         newest = self.resolve_step()
@@ -128,9 +135,10 @@ class Checkpointer:
             except ConfigError:
                 raise
             except Exception as e:
+                _quiet_abandoned_reads()
                 self.unreadable.append(candidate)
                 self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({_first_line(e)}); "
-                      f"trying the step before it.")
+                           f"trying the step before it.")
         raise ConfigError(f"no checkpoint step in {self.directory} can be read (the newest, {newest}, and every "
                           f"one before it); the files are left as they are. Restore them from a copy, or start "
                           f"afresh with a new checkpoint.dir.")
@@ -242,13 +250,6 @@ def layer_rows(trainer: Trainer) -> np.ndarray | None:
     return layer_order(trainer.cfg.num_hidden_layers, trainer.mesh.shape[PP], trainer.pipeline.virtual_stages)
 
 
-def write_config(cfg: Config, directory: str) -> None:
-    """`directory`/config.yaml: the resolved config, which `load_config` reads back (process 0 writes)."""
-    if jax.process_index() == 0:
-        os.makedirs(directory, exist_ok=True)
-        Path(directory, "config.yaml").write_text(dump_config(cfg))
-
-
 def saving_in_progress(directory: str | Path) -> list[Path]:
     """The temporary directories of saves not yet committed (in flight, or killed half-way)."""
     return sorted(p for p in Path(directory).glob(f"*{_TMP_SUFFIX}*") if p.is_dir())
@@ -268,6 +269,25 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
 
 def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:120]
+
+
+def _quiet_abandoned_reads() -> None:
+    """Keep a failed read's leftovers off the terminal. When one array of a step cannot be read,
+    Orbax abandons the step's other reads and closes its asyncio loop; tensorstore then completes
+    them on its own threads, and each completion reports "Event loop is closed" as an unraisable
+    exception (a traceback each), and asyncio logs "Task exception was never retrieved". Only
+    those two are dropped; everything else goes where it went."""
+    if getattr(sys.unraisablehook, "pjax_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.pjax_quiet = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(lambda r: "exception was never retrieved" not in r.getMessage())
 
 
 def _sync(name: str) -> None:

@@ -112,12 +112,12 @@ def source_files(spec: str) -> list[Path] | None:
     return [path]
 
 
-def _text(path: Path, where: str, text: Any) -> str:
+def _text(where: str, text: Any) -> str:
     """`text` if it is a usable document, else the one-line error for the place it came from."""
     if not isinstance(text, str):
         raise ConfigError(f"{where} has \"text\" {_show(text)}, not a string; every document needs its text as a string.")
     if "\x00" in text:
-        raise ConfigError(f"{where} holds NUL bytes: {path} looks like a binary file, not text; point data.path at "
+        raise ConfigError(f"{where} holds NUL bytes, so it looks like a binary file, not text; point data.path at "
                           f"UTF-8 text.")
     return text
 
@@ -139,13 +139,13 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
             if not isinstance(record, dict) or "text" not in record:
                 raise ConfigError(f"{where} has no \"text\" field; every JSON line needs one, e.g. "
                                   f"{{\"text\": \"...\"}}.")
-            yield _text(path, where, record["text"])
+            yield _text(where, record["text"])
 
 
 def _file_documents(path: Path) -> Iterator[str]:
     try:
         if path.suffix == ".txt":
-            yield _text(path, str(path), path.read_text(encoding="utf-8"))
+            yield _text(str(path), path.read_text(encoding="utf-8"))
         elif path.suffix == ".jsonl":
             yield from _jsonl_documents(path)
         else:
@@ -171,7 +171,7 @@ def _parquet_documents(path: Path) -> Iterator[str]:
     row = 0
     for batch in parquet.iter_batches(columns=["text"]):
         for text in batch.column(0).to_pylist():
-            yield _text(path, f"{path} row {row}", text)
+            yield _text(f"{path} row {row}", text)
             row += 1
 
 

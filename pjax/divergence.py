@@ -1,16 +1,16 @@
-"""The divergence guard: a non-finite step never reaches the state, and the run says so.
+"""The divergence guard: a non-finite step is caught one step late at no extra cost, and never saved.
 
-On the device (`keep_if_finite`, inside the jitted step): the step computes
-`finite = isfinite(loss) & isfinite(grad_norm)` and keeps the old parameters and optimizer state
-where it is false. The select fuses into the optimizer's elementwise update, so it costs no extra
-pass, and no parameter, Adam moment or checkpoint can ever hold a NaN because of a bad step. The
-optimizer's own step count does not advance either, so the learning-rate schedule resumes where
-it was (`optim.schedule_count`).
+On the device, inside the jitted step: `finite = isfinite(loss) & isfinite(grad_norm)`, a scalar
+returned with the metrics. Under `train.on_nonfinite=skip` the step also keeps the old parameters
+and optimizer state where `finite` is false (`keep_if_finite`, a select per leaf), so the
+optimizer's own step count does not advance either and the learning-rate schedule resumes where
+it was (`optim.schedule_count`). Under `stop` there is no select (it costs temporaries, see
+benchmarks/README.md): the run ends at that step, before anything saves or reads its state.
 
 On the host (`DivergenceGuard`, in the training loop): each step's loss and `finite` flag are
 read one step late, when the loop waits for the previous step anyway (it keeps at most two in
-flight), so there is no extra synchronisation; checkpoints and log lines read their own step's
-flag first. Then:
+flight), so there is no extra synchronisation; a checkpoint save (and a logged step) reads its
+own step's flag first, so no checkpoint is written after a step not known to be finite. Then:
 
 * `train.on_nonfinite=stop` (the default): the run ends with one line naming the step and the
   last good checkpoint (`Diverged`, exit status 2).

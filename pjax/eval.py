@@ -2,8 +2,8 @@
 
     python -m pjax.eval --hf DIR [--text FILE] [--tokenizer PATH] [--batch_size N] [key=value ...]
     python -m pjax.eval --hf DIR --generate "It is a truth" [--max_new_tokens N]
-    python -m pjax.eval --checkpoint DIR ...  (a pjax checkpoint: its latest step; the model shape
-                                               and default tokenizer come from its stored config)
+    python -m pjax.eval --checkpoint DIR ...  (a pjax checkpoint: its newest readable step; the model
+                                               shape and default tokenizer come from its stored config)
 
 Evaluation covers the whole text, each token after the first predicted exactly once: window i
 is tokens[i*T : i*T+T+1] with T = train.seq_len, as in training (`pjax.batches`), except that
@@ -12,7 +12,11 @@ the last batch) carries weight 0, so every batch has the same shape and one comp
 serves them all. The result is one JSON line: mean nats per predicted token, the token count
 and the perplexity.
 
-The model runs on the configured mesh like training does: parameters sharded by
+With no mesh.* key given, the mesh is fitted to the model (`pjax.fit`: tp the largest divisor of
+its kv-heads that fits a host's devices, dp the rest) and printed; a padded vocabulary's logits are
+masked, so the loss is the unpadded model's. Greedy generation lives in `pjax.generate`.
+
+The model runs on the mesh like training does: parameters sharded by
 `param_shardings`, rows over dp, sequence over cp, heads and vocabulary over tp. There is no
 pipelined or ring-attention forward here: with pp > 1 XLA gathers each layer's weights from the
 stage that holds them, and with cp > 1 it gathers keys and values for attention.
@@ -58,8 +62,6 @@ Params = dict[str, Any]
 # ---------------------------------------------------------------------------------------------
 # Model and text
 # ---------------------------------------------------------------------------------------------
-
-
 
 def load_hf_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
     """A HuggingFace checkpoint's config and parameters, each device reading only its slice."""

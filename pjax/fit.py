@@ -4,9 +4,10 @@
 from a checkpoint, not from the config. The config still has a model and a mesh (the default
 config's tiny LLaMA on tp=2), and neither was the user's choice. So:
 
-* `adopt_hf_model`: with train.init_from, every model key comes from the HF config.json; a model
-  key the user set (in a config file they named, or as an override) that disagrees with it is a
-  one-line error, never silently overridden.
+* `adopt_hf_model`: with train.init_from, every model key comes from the HF config.json (and the
+  tokenizer from its tokenizer.json, when there is one); a model key the user set (in a config
+  file they named, or as an override) that disagrees with it is a one-line error, never silently
+  overridden.
 * `fitted_mesh`: when the user named no mesh.* key, the mesh is chosen for the model
   (`mesh.validate.fit_mesh`: tp the largest divisor of the kv-heads that fits one host's devices,
   dp the rest) and printed. A mesh the user did name is used as given, and one the model does not
@@ -15,6 +16,7 @@ config's tiny LLaMA on tp=2), and neither was the user's choice. So:
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 
@@ -33,7 +35,8 @@ def names_a_mesh(named: set[str]) -> bool:
 
 def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
     """`cfg` with its model keys from train.init_from's config.json (the vocabulary padding stays the
-    run's); a ConfigError if a model key the user set disagrees."""
+    run's), and its tokenizer.json when it ships one and the user named no data.tokenizer; a
+    ConfigError if a model key the user set disagrees."""
     try:
         hf = read_hf_config(cfg.train.init_from)
     except ConfigError as e:
@@ -45,7 +48,11 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
     if clash:
         raise ConfigError(f"train.init_from={cfg.train.init_from} has another shape than you set: {', '.join(clash)}; "
                           f"leave those model keys out (the model comes from config.json) or fix them.")
-    return dataclasses.replace(cfg, model=hf)
+    cfg = dataclasses.replace(cfg, model=hf)
+    shipped = Path(cfg.train.init_from, "tokenizer.json")
+    if "data.tokenizer" not in named and shipped.is_file():  # the model's own tokenizer, not the default one
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(shipped)))
+    return cfg
 
 
 def fitted_mesh(model: LlamaConfig) -> MeshConfig:

@@ -9,11 +9,16 @@ schedule it was saved with, so "train 5 steps, then continue to 10" is one run.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import NamedTuple
+
+import jax
 
 from mesh.errors import ConfigError
 from pjax.checkpoint import Checkpointer, check_compatible
 from pjax.config import Config
+from pjax.config_io import dump_config
 from pjax.parallel.pipeline_parallel import layer_order
 
 
@@ -74,3 +79,10 @@ def continue_schedule(cfg: Config, saved: Config | None) -> tuple[Config, str | 
         note = (f"train.steps={tc.steps}, but the checkpoint's learning-rate schedule spans {length} steps: keeping "
                 f"it{after}. Set train.schedule_steps to choose another.")
     return dataclasses.replace(cfg, train=dataclasses.replace(tc, schedule_steps=length)), note
+
+
+def write_config(cfg: Config, directory: str) -> None:
+    """`directory`/config.yaml: the resolved config, which `load_config` reads back (process 0 writes)."""
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        Path(directory, "config.yaml").write_text(dump_config(cfg))

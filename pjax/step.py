@@ -120,9 +120,11 @@ def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainCo
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # The divergence guard (pjax/divergence.py): a non-finite step leaves the state as it was.
+    # The divergence guard (pjax/divergence.py) reads `finite`; under on_nonfinite=skip a non-finite
+    # step leaves the state as it was (under stop the run ends before anything uses that state).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
+    if tc.on_nonfinite == "skip":
+        params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
     return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -92,22 +92,31 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
             writable_dir(path, key)
     ckpt, cfg, note = open_run(cfg)
     try:
-        return _train(cfg, ckpt, progress, devices, note)
+        return _loop(cfg, ckpt, _prepare(cfg, ckpt, devices, note), progress)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the save in flight: a stopped run exits with its last checkpoint complete
 
 
-def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None,
-           note: str | None) -> list[dict[str, Any]]:
+class _Run(NamedTuple):
+    """What the loop needs, built and checked before the first step."""
+
+    trainer: Any
+    data: Any  # the DataIterator, at the run's position
+    state: Any  # TrainState: fresh, from train.init_from, or resumed
+    rng: Any  # the training key saved with checkpoints
+    memory_estimate: tuple[int, int]  # the compiled step's resident and peak bytes per device
+    local_devices: list[Any]
+
+
+def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | None) -> _Run:
+    """Mesh, sharded step, data and state, each failing with one line before any step runs."""
     import jax
 
     from mesh.mesh import CP, make_mesh, mesh_summary
     from models import llama
-    from pjax.checkpoint import write_config
+    from pjax.resume import write_config
     from pjax.data import build_data
-    from pjax.divergence import DivergenceGuard
-    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops
     from pjax.parallel.context_parallel import zigzag_layout
     from pjax.step import build_trainer, check_fits, init_state, step_memory_bytes
 
@@ -125,8 +134,6 @@ def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None
     # step that cannot fit in device memory is a one-line error here, not an allocator failure later.
     compiled = trainer.compile_step()
     check_fits(compiled, mesh)
-    memory_estimate = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
-    local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG
         restored = ckpt.restore(trainer, cfg)
@@ -140,24 +147,40 @@ def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None
         state = init_state(trainer, jax.random.key(tc.seed), init_from=tc.init_from)
         # A training key, kept apart from init's and saved with checkpoints; no step draws from it yet.
         rng = jax.random.fold_in(jax.random.key(tc.seed), 1)
-    start = int(state.step)
+    for directory in (cfg.log.dir, cfg.checkpoint.dir):  # the run directories record exactly what ran
+        if directory is not None:
+            write_config(cfg, directory)
     say(mesh_summary(mesh))
     say(sharding_summary(state.params, llama.param_logical_axes(mc)))
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
+    memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return _Run(trainer, train_iter, state, rng, memory, local)
 
-    flops_per_token = model_flops_per_token(mc, tc.seq_len)
+
+def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, Any]]:
+    """Steps from the run's position to train.steps: logging, evaluation, saves, the guard, SIGTERM."""
+    import jax
+
+    from pjax.divergence import DivergenceGuard
+    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops
+
+    tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
+    start = int(state.step)
+    flops_per_token = model_flops_per_token(cfg.model, tc.seq_len)
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     tokens_per_step = tc.batch_size * tc.seq_len
     writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl
-    for directory in (cfg.log.dir, cfg.checkpoint.dir):  # the run directories record exactly what ran
-        if directory is not None:
-            write_config(cfg, directory)
     guard = DivergenceGuard(tc.on_nonfinite, tc.max_skipped, cfg.log.spike_sigma)
     records: list[dict[str, Any]] = []
     stop = StopFlag()
     bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
                       initial=start)
+
+    def write(record: dict[str, Any]) -> None:
+        writer.write(record)
+        records.append(record)
 
     def check(step: int, metrics: dict) -> dict:
         """Bring one step's metrics to the host and hand them to the divergence guard."""
@@ -165,8 +188,7 @@ def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None
         record, warning = guard.observe(step, float(host["loss"]), float(host["grad_norm"]), bool(host["finite"]),
                                         ckpt.last_good() if ckpt is not None else None)
         if record is not None:
-            writer.write(record)
-            records.append(record)
+            write(record)
         if warning is not None:
             bar.warn(warning)
         return host
@@ -188,32 +210,29 @@ def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None
             save_now = ckpt is not None and (ckpt.due(step) or last or stop.requested)
             if not (log_now or eval_now or save_now):
                 continue
-            host, pending = check(step, metrics), None  # this step's own flags before anything reads it
+            host, pending = check(step, metrics), None  # this step's own flag before anything uses it
             if log_now:
-                elapsed = time.perf_counter() - t_last
-                step_time = elapsed / steps_since
+                step_time = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / step_time
                 record = {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
                           "lr": float(host["lr"]), "tokens_per_sec": tps,
-                          "mfu": mfu(tps, flops_per_token, mesh.devices.size, peak), "step_time_s": step_time,
-                          "skipped_steps": guard.skipped, **memory_per_device(local_devices, memory_estimate)}
+                          "mfu": mfu(tps, flops_per_token, run.trainer.mesh.devices.size, peak),
+                          "step_time_s": step_time, "skipped_steps": guard.skipped,
+                          **memory_per_device(run.local_devices, run.memory_estimate)}
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
-                writer.write(record)
-                records.append(record)
+                write(record)
                 bar.update(steps_since, record)
                 t_last, steps_since = time.perf_counter(), 0
             if eval_now:
                 t_eval = time.perf_counter()
                 eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
-                record = {"step": step, "eval_loss": eval_loss}
-                writer.write(record)
-                records.append(record)
+                write({"step": step, "eval_loss": eval_loss})
                 bar.note(f"step {step}: held-out loss {eval_loss:.4f}")
                 t_last += time.perf_counter() - t_eval  # keep evaluation out of the training throughput
             if save_now:
                 # Async: the arrays are copied to host memory and written while the next steps run.
-                ckpt.save(step, state, data=train_iter.state(), rng=rng, config=cfg)
+                ckpt.save(step, state, data=train_iter.state(), rng=run.rng, config=cfg)
             if stop.requested:
                 bar.note(f"stopping at step {step} on {stop.requested}")
                 break
@@ -221,7 +240,8 @@ def _train(cfg: Config, ckpt: Any, progress: bool, devices: Sequence[Any] | None
         bar.close()
         writer.close()
         stop.restore()
-    say(f"metrics: {writer.path}")
+    if jax.process_index() == 0:
+        print(f"metrics: {writer.path}")
     return records
 
 

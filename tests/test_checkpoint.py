@@ -76,6 +76,34 @@ def test_resume_at_step_5_repeats_the_uninterrupted_losses_bit_for_bit(uninterru
     assert load_config(str(tmp_path / "run" / "config.yaml")).train.steps == 10
 
 
+def test_a_run_planned_for_10_steps_and_continued_equals_the_10_step_run(uninterrupted, cache, tmp_path):
+    """train.steps=5 with train.schedule_steps=10, then train.steps=10: the schedule was saved with
+    the checkpoint, so the two halves are the 10-step run, bit for bit."""
+    _, losses = uninterrupted
+    first = train(small_cfg(tmp_path, cache, "train.steps=5", "train.schedule_steps=10"), progress=False,
+                  devices=jax.devices()[:1])
+    second = train(small_cfg(tmp_path, cache, "train.steps=10"), progress=False, devices=jax.devices()[:1])
+    assert [r["loss"] for r in first + second] == losses
+
+
+def test_resuming_with_more_steps_keeps_the_saved_schedule_and_says_so(cache, tmp_path, capsys):
+    first = train(small_cfg(tmp_path, cache, "train.steps=3", "train.warmup_steps=1"), progress=False,
+                  devices=jax.devices()[:1])
+    capsys.readouterr()
+    second = train(small_cfg(tmp_path, cache, "train.steps=5", "train.warmup_steps=1"), progress=False,
+                   devices=jax.devices()[:1])
+    assert "train.steps=5, but the checkpoint's learning-rate schedule spans 3 steps: keeping it; steps past 3 run " \
+           "at its final learning rate." in capsys.readouterr().out
+    final = 1e-3 * 0.1  # debug.yaml's lr x min_lr_ratio
+    assert first[-1]["lr"] > final and [r["lr"] for r in second] == pytest.approx([final, final])
+    assert load_config(str(tmp_path / "ckpt" / "config.yaml")).train.schedule_steps == 3
+    # Set explicitly, the user's schedule wins (and is what the next checkpoint records).
+    third = train(small_cfg(tmp_path, cache, "train.steps=6", "train.schedule_steps=6", "train.warmup_steps=1"),
+                  progress=False, devices=jax.devices()[:1])
+    assert [r["step"] for r in third] == [6] and third[0]["lr"] > final * 1.5
+    assert load_config(str(tmp_path / "ckpt" / "config.yaml")).train.schedule_steps == 6
+
+
 def test_checkpoint_holds_no_pickle(uninterrupted):
     files = [p for p in (uninterrupted[0] / "ckpt").rglob("*") if p.is_file()]
     assert files
@@ -295,3 +323,56 @@ def test_eval_on_a_checkpoint_equals_eval_on_its_hf_export(uninterrupted, export
     assert ours["tokens"] == theirs["tokens"] and abs(ours["loss"] - theirs["loss"]) <= 1e-6
     with pytest.raises(ConfigError, match="is a HuggingFace checkpoint"):
         pjax_eval.run(pjax_eval.parse_args(["--checkpoint", str(exported), "--text", str(text)]), cfg, mesh)
+
+
+# -- multi-process checkpoints: 2 processes x 4 devices <-> 1 process x 8 devices ----------------
+# debug.yaml's model on dp=4 x tp=2; the halves are planned as the 4-step run (train.schedule_steps).
+MULTI = ["train.steps=4", "train.schedule_steps=4", "log.every=1", "log.eval_every=0", "checkpoint.every=2"]
+
+
+def two_processes(tmp: Path, cache: Path, name: str, *overrides: str) -> None:
+    """`python -m pjax.train` as 2 processes x 4 CPU devices (gloo) on this machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the trainer forces 4 devices per process
+    procs = [subprocess.Popen([sys.executable, "-m", "pjax.train", "--no_progress", "--coordinator", f"127.0.0.1:{port}",
+                               "--num_processes", "2", "--process_id", str(i), *MULTI, f"log.dir={tmp}/{name}",
+                               f"checkpoint.dir={tmp}/{name}_ckpt", f"data.cache_dir={cache}/p{i}", *overrides],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+
+
+def one_process(tmp: Path, cache: Path, name: str, *overrides: str) -> list[float]:
+    cfg = load_config("debug", [*MULTI, f"log.dir={tmp}/{name}", f"checkpoint.dir={tmp}/{name}_ckpt",
+                                f"data.cache_dir={cache}", *overrides])
+    return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices())]
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "tokens_per_sec" in r}
+
+
+def test_checkpoints_move_between_two_processes_and_one(cache, tmp_path):
+    """Saved by 2 processes x 4 devices and resumed by 1 process x 8, and the other way round: the
+    losses are the uninterrupted 1-process run's (each process writes and reads only its shards)."""
+    reference = one_process(tmp_path, cache, "reference")
+    # 2 processes train steps 1-2 and save; 1 process resumes and trains steps 3-4.
+    two_processes(tmp_path, cache, "a", "train.steps=2")
+    resumed = one_process(tmp_path, cache, "a")
+    steps = logged_losses(tmp_path / "a")
+    # 1 process trains steps 1-2 and saves; 2 processes resume and train steps 3-4.
+    first = one_process(tmp_path, cache, "b", "train.steps=2")
+    two_processes(tmp_path, cache, "b")
+    later = logged_losses(tmp_path / "b")
+    assert len(reference) == 4 and len(resumed) == 2 and sorted(steps) == sorted(later) == [1, 2, 3, 4]
+    # gloo's all-reduce sums in another order than in-process collectives: ~1e-6 apart, not bit for bit.
+    for got in ([steps[1], steps[2], *resumed], [*first, later[3], later[4]]):
+        assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (got, reference)

@@ -1,5 +1,5 @@
 """pjax/divergence.py: a learning rate that diverges on purpose stops the run with one line, or has
-its non-finite steps skipped; either way no parameter, moment or checkpoint ever holds a NaN."""
+its non-finite steps skipped (parameters and moments untouched); either way no checkpoint holds a NaN."""
 from __future__ import annotations
 
 import json

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-import transformers
 
+from hf_helpers import random_hf_llama, short_text, transformers_mean_loss
 from mesh import ConfigError, MeshConfig, make_mesh
 from pjax import eval as pjax_eval
 from pjax.config_io import load_config
@@ -30,14 +30,10 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     """A random HF LLaMA saved to disk, a short text, its tokens, and a dp=2 x tp=2 mesh."""
-    torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=96, initializer_range=0.1)
-    model = transformers.LlamaForCausalLM(hf_cfg).eval()
     root = tmp_path_factory.mktemp("eval")
-    model.save_pretrained(root / "hf")
-    text = root / "text.txt"
-    text.write_text((REPO / "data/prideprejudice.txt").read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    model = random_hf_llama(root / "hf", vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, initializer_range=0.1)
+    text = short_text(root / "text.txt", 3000)
     tokenizer = load_tokenizer(TOKENIZER)
     tokens = pjax_eval.read_tokens(str(text), tokenizer)
     mesh = make_mesh(MeshConfig(dp=2, tp=2), jax.devices()[:4])
@@ -47,12 +43,7 @@ def setup(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def reference_loss(setup) -> float:
     """transformers' mean loss: one forward per window tokens[i*T : i*T+T+1], token losses summed."""
-    tokens, total = setup["tokens"], 0.0
-    with torch.no_grad():
-        for start in range(0, len(tokens) - 1, SEQ):
-            ids = torch.from_numpy(tokens[start:start + SEQ + 1].astype(np.int64))[None]
-            total += setup["model"](ids, labels=ids).loss.item() * (ids.shape[1] - 1)
-    return total / (len(tokens) - 1)
+    return transformers_mean_loss(setup["model"], setup["tokens"], SEQ)
 
 
 def _args(setup, *extra: str):

@@ -4,14 +4,12 @@ used as given."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
-import torch
-import transformers
 
+from hf_helpers import REPO, random_hf_llama, short_text, transformers_mean_loss
 from mesh import MeshConfig
 from mesh.validate import fit_mesh
 from pjax import eval as pjax_eval
@@ -19,9 +17,6 @@ from pjax import train as pjax_train
 from pjax.config_io import named_keys
 from pjax.data import load_tokenizer
 from pjax.fit import names_a_mesh
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.parametrize("kv_heads,devices,per_host,vocab,want", [
     (3, 8, 8, 49152, MeshConfig(dp=8, tp=1)),  # SmolLM2-135M on 8 devices: 3 does not divide 8
@@ -48,21 +43,12 @@ def test_named_keys_are_the_users_not_the_default_configs():
 def smollm_like(tmp_path_factory):
     """A random HF LLaMA with SmolLM2-135M's head layout (9 heads, 3 kv-heads) and GPT-2's vocabulary,
     a short text, and transformers' mean loss over it in windows of 32."""
-    torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(vocab_size=50257, hidden_size=72, num_hidden_layers=2, num_attention_heads=9,
-                                      num_key_value_heads=3, intermediate_size=96, initializer_range=0.1)
-    model = transformers.LlamaForCausalLM(hf_cfg).eval()
     root = tmp_path_factory.mktemp("smollm_like")
-    model.save_pretrained(root / "hf")
-    text = root / "text.txt"
-    text.write_text((REPO / "data/prideprejudice.txt").read_text(encoding="utf-8")[:1200], encoding="utf-8")
+    model = random_hf_llama(root / "hf", vocab_size=50257, hidden_size=72, num_hidden_layers=2, num_attention_heads=9,
+                            num_key_value_heads=3, intermediate_size=96, initializer_range=0.1)
+    text = short_text(root / "text.txt", 1200)
     tokens = pjax_eval.read_tokens(str(text), load_tokenizer("data/tokenizer/gpt2"))
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, len(tokens) - 1, 32):
-            ids = torch.from_numpy(tokens[start:start + 33].astype(np.int64))[None]
-            total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
-    return root / "hf", text, total / (len(tokens) - 1)
+    return root / "hf", text, transformers_mean_loss(model, tokens, 32)
 
 
 @pytest.fixture
@@ -92,12 +78,12 @@ def test_an_impossible_mesh_the_user_names_stays_a_one_line_error(smollm_like, n
 
 @pytest.fixture(scope="module")
 def small_hf(tmp_path_factory) -> Path:
-    """A HF LLaMA of another shape than configs/debug.yaml's, with its 4,096-token vocabulary."""
-    torch.manual_seed(1)
-    hf_cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-                                      num_key_value_heads=2, intermediate_size=96)
+    """A HF LLaMA of another shape than configs/debug.yaml's, shipping its own tokenizer (SmolLM2's
+    49,152 tokens, where debug.yaml has a 4,096-token BPE)."""
     path = tmp_path_factory.mktemp("small_hf")
-    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(path)
+    random_hf_llama(path, seed=1, vocab_size=49152, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                    num_key_value_heads=2, intermediate_size=96)
+    shutil.copy(REPO / "data/tokenizer/smollm2/tokenizer.json", path / "tokenizer.json")
     return path
 
 
@@ -107,7 +93,9 @@ def test_init_from_takes_the_model_from_config_json_and_fits_the_mesh(small_hf, 
     assert pjax_train.main(common) == 0
     out = capsys.readouterr().out
     assert "mesh chosen for the model: dp=4 tp=2" in out and "mesh dp=4 pp=1 cp=1 tp=2 over 8 cpu devices" in out
-    assert "layers/wq         2x48x6x8" in out  # the checkpoint's shape, not debug.yaml's 4 x 256 x 8 x 32
+    assert "layers/wq         2x48x6x8" in out  # the checkpoint's shape, not debug.yaml's 2 x 128 x 4 x 32
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] > 10.5  # ~ln(49,152): the model's own tokenizer, not debug.yaml's (ln 4,096 = 8.3)
     # A model key the user set that disagrees with config.json is refused, not overridden.
     assert pjax_train.main([*common, "model.hidden_size=256"]) == 2
     err = capsys.readouterr().err

@@ -33,15 +33,35 @@ def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
     train_records = [r for r in lines if "loss" in r]
     assert [r["step"] for r in train_records] == list(range(10, 101, 10))
     for r in train_records:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s"} <= r.keys()
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "skipped_steps"} <= r.keys()
         assert r["mfu"] is None  # no configured CPU peak: no made-up MFU
-        assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
+        assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and r["skipped_steps"] == 0
+        # XLA:CPU keeps no allocator statistics: the compiled step's own figures, per device.
+        assert r["memory_source"] == "compiled" and 0 < r["memory_in_use_bytes"] < r["memory_peak_bytes"] < 2**30
+    assert " mem " in proc.stdout and "M/" in proc.stdout  # the progress line shows memory too
     evals = [r for r in lines if "eval_loss" in r]
     assert [r["step"] for r in evals] == [100]
     ln_vocab = math.log(4096)
     assert train_records[-1]["loss"] < ln_vocab - 1.5, train_records[-1]
     assert evals[0]["eval_loss"] < ln_vocab - 1.5, evals
     assert list((tmp_path / "run").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_memory_comes_from_the_allocator_where_the_backend_keeps_statistics():
+    from pjax.metrics import memory_per_device
+
+    class Device:
+        def __init__(self, stats):
+            self._stats = stats
+
+        def memory_stats(self):
+            return self._stats
+
+    gpus = [Device({"bytes_in_use": 5, "peak_bytes_in_use": 9}), Device({"bytes_in_use": 7, "peak_bytes_in_use": 8})]
+    assert memory_per_device(gpus, (1, 2)) == {"memory_in_use_bytes": 7, "memory_peak_bytes": 9,
+                                               "memory_source": "device"}  # the most loaded device
+    assert memory_per_device([Device(None)], (1, 2)) == {"memory_in_use_bytes": 1, "memory_peak_bytes": 2,
+                                                         "memory_source": "compiled"}
 
 
 def test_cli_bad_config_is_one_line_error(tmp_path):

@@ -1,0 +1,235 @@
+"""Every mistake a user can make at the command line ends as one `error:` line and exit status 2:
+no traceback, and no checkpoint step lost. One table, run through the four entry points' `main`."""
+from __future__ import annotations
+
+import glob
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import jax
+import pytest
+import safetensors.numpy
+
+from hf_helpers import REPO, random_hf_llama
+from pjax import eval as pjax_eval
+from pjax import export as pjax_export
+from pjax import plot as pjax_plot
+from pjax import train as pjax_train
+from pjax.config_io import load_config
+
+SMALL = ["mesh.dp=1", "mesh.tp=1", "train.batch_size=8", "train.seq_len=64", "log.every=1", "log.eval_every=0"]
+MAINS = {"train": pjax_train.main, "eval": pjax_eval.main, "export": pjax_export.main, "plot": pjax_plot.main}
+
+
+def damage(step_dir: Path) -> None:
+    """Cut every data file of a step's parameters short, as a partial copy would."""
+    for f in glob.glob(f"{step_dir}/params/**/d/*", recursive=True):
+        with open(f, "r+b") as fh:
+            fh.truncate(10)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Every bad input of the table, made once."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    out = {"root": root}
+
+    def write(name: str, content: str | bytes) -> Path:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        out[name] = path
+        return path
+
+    write("a_file", "not a directory")
+    write("binary.txt", bytes(range(256)) * 4)
+    write("nul.txt", "text\x00with a NUL")
+    write("latin1.txt", "caf\xe9".encode("latin-1"))
+    write("malformed.jsonl", '{"text": "fine"}\n{"text": "no end"\n')
+    write("no_text.jsonl", '{"body": "where is the text"}\n')
+    write("null_text.jsonl", '{"text": null}\n')
+    write("number_text.jsonl", '{"text": 42}\n')
+    write("list_line.jsonl", '["text"]\n')
+    write("corrupt.parquet", b"PAR1 this is not parquet PAR1")
+    write("tokenizer.json", '{"model": {"type": "BPE", "vocab": ')
+    write("gpt2_broken/vocab.json", "{not json")
+    write("gpt2_broken/merges.txt", "#version: 0.2\n")
+    write("metrics_latin1/metrics.jsonl", '{"step": 1, "loss": "caf\xe9"}\n'.encode("latin-1"))
+    (root / "empty_run").mkdir()
+    # HF checkpoints: a valid tiny one (4,096 tokens: the default tokenizer's), then broken copies.
+    good = out["hf_good"] = root / "hf_good"
+    random_hf_llama(good, vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=64)
+    for name in ("hf_no_config", "hf_bad_json", "hf_no_layers_key", "hf_bad_value", "hf_untied_no_head",
+                 "hf_truncated", "hf_no_weights"):
+        shutil.copytree(good, root / name)
+        out[name] = root / name
+    (root / "hf_no_config" / "config.json").unlink()
+    (root / "hf_bad_json" / "config.json").write_text('{"vocab_size": 4096,')
+    config = (good / "config.json").read_text()
+    (root / "hf_no_layers_key" / "config.json").write_text(config.replace('"num_hidden_layers"', '"n_layers"'))
+    (root / "hf_bad_value" / "config.json").write_text(config.replace('"hidden_size": 32', '"hidden_size": "big"'))
+    tensors = safetensors.numpy.load_file(str(good / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    safetensors.numpy.save_file(tensors, str(root / "hf_untied_no_head" / "model.safetensors"), metadata={"format": "pt"})
+    weights = root / "hf_truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    (root / "hf_no_weights" / "model.safetensors").unlink()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A run's checkpoints at steps 1 and 2, and a copy whose every step is damaged."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    cfg = load_config("debug", [*SMALL, "train.steps=2", "checkpoint.every=1", f"data.cache_dir={root}/cache",
+                                f"log.dir={root}/run", f"checkpoint.dir={root}/good"])
+    pjax_train.train(cfg, progress=False, devices=jax.devices()[:1])
+    shutil.copytree(root / "good", root / "damaged")
+    damage(root / "damaged" / "1")
+    damage(root / "damaged" / "2")
+    shutil.copytree(root / "good", root / "partial")  # a partial copy: one item of each step missing
+    for step in ("1", "2"):
+        shutil.rmtree(root / "partial" / step / "opt_state")
+    return {"good": root / "good", "damaged": root / "damaged", "partial": root / "partial", "cache": root / "cache"}
+
+
+def snapshot(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def in_process(monkeypatch) -> None:
+    """The CLIs in this process: the 8 forced CPU devices exist already (conftest), so a run takes
+    the first mesh-size of them, which is what forcing the count would have given it."""
+    for module in (pjax_train, pjax_eval):
+        monkeypatch.setattr(module, "force_cpu_devices", lambda *a: 8)
+    train = pjax_train.train
+    monkeypatch.setattr(pjax_train, "train", lambda cfg, progress=True: train(
+        cfg, progress, devices=jax.devices()[:cfg.mesh.size] if cfg.mesh.dp > 0 else None))
+
+
+# (name, entry point, arguments given the fixtures (f: files, c: checkpoints, t: this test's tmp), in the line)
+Case = tuple[str, str, Callable[[dict, dict, Path], list[str]], str]
+CASES: list[Case] = [
+    ("mesh tp 0", "train", lambda f, c, t: ["mesh.tp=0"], "mesh.tp=0 is invalid"),
+    ("mesh dp 0", "train", lambda f, c, t: ["mesh.dp=0"], "mesh.dp=0 is invalid"),
+    ("mesh pp negative", "train", lambda f, c, t: ["mesh.pp=-2"], "mesh.pp=-2 is invalid"),
+    ("hidden size 0", "train", lambda f, c, t: ["model.hidden_size=0"], "model.hidden_size=0 is invalid"),
+    ("no heads", "train", lambda f, c, t: ["model.num_attention_heads=0"], "model.num_attention_heads=0 is invalid"),
+    ("no layers", "train", lambda f, c, t: ["model.num_hidden_layers=0"], "model.num_hidden_layers=0 is invalid"),
+    ("no vocabulary", "train", lambda f, c, t: ["model.vocab_size=0"], "model.vocab_size=0 is invalid"),
+    ("odd head_dim", "train", lambda f, c, t: ["model.head_dim=7"], "model.head_dim=7 is invalid"),
+    ("kv heads", "train", lambda f, c, t: ["model.num_key_value_heads=3"], "is not divisible by model.num_key_value"),
+    ("binary text", "train", lambda f, c, t: [f"data.path={f['binary.txt']}"], "is not UTF-8 text (byte 128"),
+    ("NUL in text", "train", lambda f, c, t: [f"data.path={f['nul.txt']}"], "looks like a binary file"),
+    ("latin-1 text", "train", lambda f, c, t: [f"data.path={f['latin1.txt']}"], "convert it to UTF-8"),
+    ("malformed JSONL", "train", lambda f, c, t: [f"data.path={f['malformed.jsonl']}"], "malformed.jsonl:2 is not valid JSON"),
+    ("JSONL without text", "train", lambda f, c, t: [f"data.path={f['no_text.jsonl']}"], ':1 has no "text" field'),
+    ("JSONL null text", "train", lambda f, c, t: [f"data.path={f['null_text.jsonl']}"], '"text" null, not a string'),
+    ("JSONL number text", "train", lambda f, c, t: [f"data.path={f['number_text.jsonl']}"], "of type int, not a string"),
+    ("JSONL list line", "train", lambda f, c, t: [f"data.path={f['list_line.jsonl']}"], ':1 has no "text" field'),
+    ("corrupt parquet", "train", lambda f, c, t: [f"data.path={f['corrupt.parquet']}"], "is not a valid parquet file"),
+    ("corrupt tokenizer.json", "train", lambda f, c, t: [f"data.tokenizer={f['tokenizer.json']}"],
+     "is not a valid tokenizer.json"),
+    ("corrupt vocab.json", "train", lambda f, c, t: [f"data.tokenizer={f['root'] / 'gpt2_broken'}"],
+     "holds a vocab.json/merges.txt pair that does not load"),
+    ("log dir in a file", "train", lambda f, c, t: [f"log.dir={f['a_file']}/run"], "log.dir="),
+    ("cache dir in a file", "train", lambda f, c, t: [f"data.cache_dir={f['a_file']}/cache"], "data.cache_dir="),
+    ("checkpoint dir in a file", "train", lambda f, c, t: [f"checkpoint.dir={f['a_file']}/ckpt"],
+     "checkpoint.dir="),
+    ("every step damaged", "train", lambda f, c, t: [f"checkpoint.dir={c['damaged']}", "train.steps=4"],
+     "no checkpoint step in"),
+    ("every step partial", "train", lambda f, c, t: [f"checkpoint.dir={c['partial']}", "train.steps=4"],
+     "no checkpoint step in"),
+    ("init_from without config.json", "train", lambda f, c, t: [f"train.init_from={f['hf_no_config']}"],
+     "has no config.json"),
+    ("init_from with broken JSON", "train", lambda f, c, t: [f"train.init_from={f['hf_bad_json']}"],
+     "is not a readable JSON file"),
+    ("init_from config.json without layers", "train", lambda f, c, t: [f"train.init_from={f['hf_no_layers_key']}"],
+     "has no num_hidden_layers"),
+    ("init_from config.json with a string size", "train", lambda f, c, t: [f"train.init_from={f['hf_bad_value']}"],
+     "hidden_size='big' is invalid"),
+    ("init_from untied without lm_head", "train", lambda f, c, t: [f"train.init_from={f['hf_untied_no_head']}"],
+     "no lm_head.weight but its config.json says tie_word_embeddings=false"),
+    ("init_from truncated weights", "train", lambda f, c, t: [f"train.init_from={f['hf_truncated']}"], "is truncated"),
+    ("init_from without weights", "train", lambda f, c, t: [f"train.init_from={f['hf_no_weights']}"],
+     "no model.safetensors"),
+    ("multi-host without coordinator", "train", lambda f, c, t: ["--num_processes", "2"], "go together"),
+    ("coordinator without port", "train",
+     lambda f, c, t: ["--coordinator", "localhost", "--num_processes", "2", "--process_id", "0"], "is not host:port"),
+    ("process id out of range", "train",
+     lambda f, c, t: ["--coordinator", "127.0.0.1:1234", "--num_processes", "2", "--process_id", "2"],
+     "--process_id=2 is invalid for --num_processes=2"),
+    ("unknown option", "train", lambda f, c, t: ["--bogus"], "unrecognized arguments: --bogus"),
+    ("non-finite loss", "train", lambda f, c, t: ["train.lr=1e20", "train.warmup_steps=0", "train.steps=3"],
+     "not finite; stopped (train.on_nonfinite=stop)"),
+    ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),
+    ("eval: broken config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_bad_json"])], "is not a readable JSON"),
+    ("eval: binary text", "eval", lambda f, c, t: ["--hf", str(f["hf_good"]), "--text", str(f["binary.txt"])],
+     "is not UTF-8 text"),
+    ("eval: every step damaged", "eval", lambda f, c, t: ["--checkpoint", str(c["damaged"])], "no checkpoint step in"),
+    ("eval: batch size 0", "eval", lambda f, c, t: ["--hf", str(f["hf_good"]), "--batch_size", "0"],
+     "--batch_size=0 is invalid"),
+    ("export: out in a file", "export", lambda f, c, t: ["--checkpoint", str(c["good"]), "--out", f"{f['a_file']}/hf"],
+     "--out="),
+    ("export: no such checkpoint", "export", lambda f, c, t: ["--checkpoint", f"{t}/nope", "--out", f"{t}/hf"],
+     "does not exist"),
+    ("export: unsaved step", "export",
+     lambda f, c, t: ["--checkpoint", str(c["good"]), "--step", "99", "--out", f"{t}/hf"], "no checkpoint for step 99"),
+    ("export: every step damaged", "export", lambda f, c, t: ["--checkpoint", str(c["damaged"]), "--out", f"{t}/hf"],
+     "no checkpoint step in"),
+    ("plot: no metrics", "plot", lambda f, c, t: [str(f["root"] / "empty_run")], "metrics.jsonl does not exist"),
+    ("plot: metrics not UTF-8", "plot", lambda f, c, t: [str(f["root"] / "metrics_latin1")], "is not UTF-8 text"),
+    ("plot: no run dir given", "plot", lambda f, c, t: [], "the following arguments are required: run_dir"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line_exit_2_and_no_lost_checkpoint(case, files, checkpoints, tmp_path, monkeypatch,
+                                                                    capfd):
+    name, tool, make_argv, expected = case
+    in_process(monkeypatch)
+    argv = make_argv(files, checkpoints, tmp_path)
+    if tool == "train":
+        argv = ["--no_progress", *SMALL, f"log.dir={tmp_path}/run", f"data.cache_dir={checkpoints['cache']}", *argv]
+    steps = ("good", "damaged", "partial")
+    before = [snapshot(checkpoints[k]) for k in steps]
+    try:
+        status = MAINS[tool](argv)
+    except SystemExit as e:  # argparse's exit: the status it would give the shell
+        status = e.code
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2, err
+    assert "Traceback" not in err, err
+    assert len(errors) == 1 and expected in errors[0], err
+    assert [snapshot(checkpoints[k]) for k in steps] == before  # every checkpoint step still there, unchanged
+
+
+def test_the_table_holds_at_least_30_distinct_mistakes():
+    assert len({name for name, *_ in CASES}) == len(CASES) >= 30
+
+
+def test_a_damaged_newest_step_falls_back_with_a_warning_and_keeps_its_files(checkpoints, tmp_path, monkeypatch,
+                                                                            capfd):
+    shutil.copytree(checkpoints["good"], tmp_path / "ckpt")
+    damage(tmp_path / "ckpt" / "2")
+    damaged = snapshot(tmp_path / "ckpt" / "2")
+    monkeypatch.setattr(pjax_eval, "force_cpu_devices", lambda *a: 8)
+    text = REPO / "data" / "prideprejudice.txt"
+    # Reading (eval): step 1 is used, nothing on disk changes.
+    assert pjax_eval.main(["--checkpoint", str(tmp_path / "ckpt"), "--text", str(text), "--batch_size", "2"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("warning: checkpoint step 2 in") == 1 and "trying the step before it" in err and "Traceback" \
+        not in err, err
+    assert snapshot(tmp_path / "ckpt" / "2") == damaged
+    # Training: resumes from step 1, sets step 2 aside (renamed, not deleted) and saves a new step 2.
+    cfg = load_config("debug", [*SMALL, "train.steps=3", "checkpoint.every=1", f"data.cache_dir={checkpoints['cache']}",
+                                f"log.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"])
+    resumed = pjax_train.train(cfg, progress=False, devices=jax.devices()[:1])
+    assert [r["step"] for r in resumed] == [2, 3]
+    err = capfd.readouterr().err
+    assert "warning: moved the unreadable checkpoint step 2 to" in err and "Traceback" not in err, err
+    assert snapshot(tmp_path / "ckpt" / "2.unreadable") == damaged
+    assert {"1", "2", "3", "2.unreadable"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
