@@ -37,6 +37,7 @@ import functools
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -275,8 +276,9 @@ def _quiet_abandoned_reads() -> None:
     """Keep a failed read's leftovers off the terminal. When one array of a step cannot be read,
     Orbax abandons the step's other reads and closes its asyncio loop; tensorstore then completes
     them on its own threads, and each completion reports "Event loop is closed" as an unraisable
-    exception (a traceback each), and asyncio logs "Task exception was never retrieved". Only
-    those two are dropped; everything else goes where it went."""
+    exception (a traceback each), asyncio logs "Task exception was never retrieved", and Python
+    warns of coroutines never awaited. Only those three are dropped; everything else goes where it
+    went."""
     if getattr(sys.unraisablehook, "pjax_quiet", False):
         return
     previous = sys.unraisablehook
@@ -288,6 +290,7 @@ def _quiet_abandoned_reads() -> None:
     hook.pjax_quiet = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(lambda r: "exception was never retrieved" not in r.getMessage())
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _sync(name: str) -> None:
