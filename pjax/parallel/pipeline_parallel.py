@@ -31,7 +31,7 @@ updates (the residual slots, the inboxes, the gradient accumulators) is copied e
 where a while loop updates its carry in place. With a switch per tick, pp=2 took 974 ms per
 step here, with the while loops 763 ms (benchmarks/README.md).
 
-Pitfalls (see JAX_NOTES.md). A collective inside a forward or backward must only involve
+Pitfalls. A collective inside a forward or backward must only involve
 devices that run it: the tp/dp all-reduces XLA inserts are fine (their groups share a pp
 index), but one HLO collective-permute spans every stage, so both transfers run after them.
 Ring attention (cp > 1) has its permutes inside the forward and backward, so then every device
