@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, first_line
 from mesh.mesh import MeshConfig
 
 DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
@@ -40,8 +40,8 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         jax.distributed.initialize()
     except Exception as e:  # an unreachable coordinator, a refused connection, a timeout
         where = f"at {coordinator} as process {process_id} of {num_processes}" if explicit else "under SLURM"
-        raise ConfigError(f"could not join the multi-process run {where} ({type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0][:100]}); start every process with the same "
+        raise ConfigError(f"could not join the multi-process run {where} ({first_line(e)}); "
+                          f"start every process with the same "
                           f"--coordinator and --num_processes and its own --process_id.") from None
     return int(os.environ["SLURM_NTASKS"])
 

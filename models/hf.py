@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, first_line
 from models.config import LlamaConfig
 
 Params = dict[str, Any]
@@ -138,8 +138,8 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ConfigError passes through
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{path} is not a valid safetensors file ({type(e).__name__}: {str(e)[:80]}); "
-                          f"re-save or re-download it.") from None
+        raise ConfigError(f"{path} is not a valid safetensors file ({first_line(e)}); re-save or re-download "
+                          f"it.") from None
     return out
 
 
@@ -155,8 +155,8 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
         with open(index, encoding="utf-8") as fh:
             shard_names = sorted(set(json.load(fh)["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-        raise ConfigError(f"{index} is not a valid safetensors index ({type(e).__name__}: {str(e)[:80]}); "
-                          f"copy the whole checkpoint again.") from None
+        raise ConfigError(f"{index} is not a valid safetensors index ({first_line(e)}); copy the whole checkpoint "
+                          f"again.") from None
     tensors: dict[str, np.ndarray] = {}
     for shard in shard_names:  # each shard file is mapped once, whatever it holds
         if not os.path.exists(os.path.join(path, shard)):
@@ -220,7 +220,7 @@ def read_hf_config(path: str) -> LlamaConfig:
         with open(cfg_file, encoding="utf-8") as fh:
             hf = json.load(fh)
     except (ValueError, OSError) as e:  # malformed JSON, not UTF-8, unreadable
-        raise ConfigError(f"{cfg_file} is not a readable JSON file ({str(e).splitlines()[0]}); re-save the "
+        raise ConfigError(f"{cfg_file} is not a readable JSON file ({first_line(e)}); re-save the "
                           f"checkpoint.") from None
     try:
         return LlamaConfig.from_hf(hf)

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, first_line
 from mesh.mesh import PP
 from models import llama
 from models.config import SHAPE_KEYS, LlamaConfig
@@ -127,7 +127,7 @@ class Checkpointer:
                 raise
             except Exception as e:
                 _quiet_abandoned_reads()
-                raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({_first_line(e)}); "
+                raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({first_line(e)}); "
                                   f"choose another step.") from None
         newest = self.resolve_step()
         for candidate in sorted(self._manager.all_steps(), reverse=True):
@@ -138,7 +138,7 @@ class Checkpointer:
             except Exception as e:
                 _quiet_abandoned_reads()
                 self.unreadable.append(candidate)
-                self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({_first_line(e)}); "
+                self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({first_line(e)}); "
                            f"trying the step before it.")
         raise ConfigError(f"no checkpoint step in {self.directory} can be read (the newest, {newest}, and every "
                           f"one before it); the files are left as they are. Restore them from a copy, or start "
@@ -266,10 +266,6 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")
-
-
-def _first_line(error: Exception) -> str:
-    return f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0][:120]
 
 
 def _quiet_abandoned_reads() -> None:

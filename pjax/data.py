@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, first_line
 from pjax.batches import DataIterator
 from pjax.config import DataConfig, TrainConfig
 
@@ -59,7 +59,7 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
                 return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
             except Exception as e:  # tokenizers raises a bare Exception on malformed files
                 raise ConfigError(f"data.tokenizer={spec} holds a vocab.json/merges.txt pair that does not load "
-                                  f"({_first_line(e)}); point it at a valid tokenizer.") from None
+                                  f"({first_line(e)}); point it at a valid tokenizer.") from None
         else:
             raise ConfigError(f"data.tokenizer={spec} is a folder without tokenizer.json or vocab.json+merges.txt; "
                               f"point it at a tokenizer file or folder.")
@@ -67,7 +67,7 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
         try:
             return Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({_first_line(e)}); "
+            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({first_line(e)}); "
                               f"point it at one.") from None
     if _looks_like_path(spec):
         raise ConfigError(f"data.tokenizer={spec} does not exist; point it at a tokenizer.json or a tokenizer folder.")
@@ -76,10 +76,6 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
     except Exception as e:
         raise ConfigError(f"data.tokenizer={spec} is not an existing path and could not be loaded from the HuggingFace "
                           f"hub (unreachable or unknown name); use a local tokenizer path.") from e
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:120]
 
 
 def eos_id(tokenizer: Any) -> int | None:
@@ -165,7 +161,7 @@ def _parquet_documents(path: Path) -> Iterator[str]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise ConfigError(f"{path} is not a valid parquet file ({str(e).splitlines()[0][:80]}); re-write it.") from None
+        raise ConfigError(f"{path} is not a valid parquet file ({first_line(e)}); re-write it.") from None
     if "text" not in parquet.schema_arrow.names:
         raise ConfigError(f"{path} has no \"text\" column; parquet sources need one.")
     row = 0
