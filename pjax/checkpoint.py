@@ -153,12 +153,14 @@ class Checkpointer:
         saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         return config_from_dict(saved["config"], source=f"the config stored in {self.directory}/{step}")
 
-    def restore_params(self, shardings: Any, step: int | None = None) -> tuple[int, Config, Any]:
-        """(step, its config, the parameters in model layer order placed by `shardings`, a tree like
-        the params) of `step`, or of the newest readable step."""
+    def restore_params(self, shardings: Callable[[LlamaConfig], Any],
+                       step: int | None = None) -> tuple[int, Config, Any]:
+        """(step, its config, its parameters in model layer order) of `step`, or of the newest
+        readable step; `shardings(model)` places them (a tree like the params: each step's own
+        config gives the shapes)."""
         def read(s: int) -> tuple[Config, Any]:
             cfg = self.read_config(s)
-            target = _abstract(_param_shapes(cfg.model), shardings(cfg.model) if callable(shardings) else shardings)
+            target = _abstract(_param_shapes(cfg.model), shardings(cfg.model))
             params = self._manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
             return cfg, params["params"]
 

@@ -284,9 +284,9 @@ def test_export_loads_in_transformers_with_equal_logits(uninterrupted, exported)
 
     ckpt = Checkpointer(str(uninterrupted[0] / "ckpt"), read_only=True)
     cfg = ckpt.config()
-    _, _, params = ckpt.restore_params(jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-                                                    llama.param_logical_axes(cfg.model),
-                                                    is_leaf=lambda x: isinstance(x, tuple)))
+    on_device_0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    _, _, params = ckpt.restore_params(lambda model: jax.tree.map(lambda _: on_device_0, llama.param_logical_axes(model),
+                                                                  is_leaf=lambda x: isinstance(x, tuple)))
     ckpt.close()
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 24)).astype(np.int32)
     ours = np.asarray(jax.jit(llama.logits, static_argnums=2)(params, tokens, cfg.model))
