@@ -283,3 +283,29 @@ def test_impossible_pipeline_layouts_raise_one_sentence(pp, layers, schedule, v,
     tc = dataclasses.replace(TC, batch_size=grad_accum * MICRO, grad_accum=grad_accum)
     with pytest.raises(ConfigError, match=re.escape(key)):
         build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
+
+
+def test_a_schedule_from_program_orders_is_placed_like_the_built_in_one():
+    one_f_one_b = ps.one_f_one_b(4, 6)
+    orders = [[(int(op), int(mb), int(c)) for op, mb, c in zip(one_f_one_b.op[:, s], one_f_one_b.mb[:, s],
+                                                              one_f_one_b.chunk[:, s]) if op] for s in range(4)]
+    mine = ps.from_orders("mine", 4, 6, 1, orders)
+    assert all(np.array_equal(getattr(mine, k), getattr(one_f_one_b, k)) for k in ("op", "mb", "chunk"))
+
+
+@pytest.mark.parametrize("orders,message", [
+    ([[(ps.FORWARD, 0, 0), (ps.BACKWARD, 0, 0)]], "1 program orders for p=2"),
+    ([[(ps.FORWARD, 0, 0)], [(ps.FORWARD, 0, 0), (ps.BACKWARD, 0, 0)]], r"device 0 .* missing \[\(2, 0, 0\)\]"),
+    ([[(ps.FORWARD, 0, 0), (ps.FORWARD, 0, 0), (ps.BACKWARD, 0, 0)]] * 2, "1 repeated"),
+    ([[(ps.BACKWARD, 0, 0), (ps.FORWARD, 0, 0)]] * 2, "deadlocks"),
+])
+def test_program_orders_that_miss_repeat_or_deadlock_are_refused(orders, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        ps.from_orders("mine", 2, 1, 1, orders)
+
+
+def test_a_schedule_for_another_shape_is_refused_by_the_executor():
+    mesh = make_mesh(MeshConfig(dp=1, pp=2), jax.devices()[:2])
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match="is for p=2 m=3 v=1; this run has p=2 m=2"):
+        ppl.loss_and_grads(init_params(), make_batch(2), CFG, TC, pipeline=PipelineConfig(), dtype=jnp.float32,
+                           schedule=ps.one_f_one_b(2, 3))

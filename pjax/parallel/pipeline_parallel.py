@@ -327,12 +327,21 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
 def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, grad_sharding: Any = None,
                    attention_fn: Callable | None = None, *, pipeline: PipelineConfig,
-                   dtype: Any) -> tuple[jax.Array, Any]:
+                   dtype: Any, schedule: ps.Schedule | None = None) -> tuple[jax.Array, Any]:
     """Mean token loss of the global batch and its gradient; batch arrays are [m, B, T] and the
-    m = train.grad_accum micro-batches are the pipeline's."""
+    m = train.grad_accum micro-batches are the pipeline's.
+
+    `schedule`: a table of your own (`ps.from_orders`) run instead of `pipeline.schedule`'s; its
+    p, m and v must be the mesh's pp, the batch's m and `pipeline.virtual_stages`."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     lockstep = needs_lockstep()
     sched = make_schedule(pipeline, pp, batch["inputs"].shape[0], lockstep)
+    if schedule is not None:
+        if (schedule.p, schedule.m, schedule.v) != (sched.p, sched.m, sched.v):
+            raise ConfigError(f"schedule {schedule.name} is for p={schedule.p} m={schedule.m} v={schedule.v}; this "
+                              f"run has p={sched.p} m={sched.m} v={sched.v} (mesh.pp, train.grad_accum, "
+                              f"pipeline.virtual_stages).")
+        sched = ps.lockstep(schedule) if lockstep else schedule
     loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
                        lockstep)
     if grad_sharding is not None:  # ZeRO: gradients live in slices

@@ -5,7 +5,7 @@ A schedule is built in two steps, both pure Python:
 1. Each device gets its *program order*, the list of work items it runs, one after another:
    AFAB runs every forward then every backward; 1F1B runs `p - s - 1` warm-up forwards on
    device `s`, then alternates one forward and one backward, then drains the backwards.
-2. `_timeline` places every item at the earliest tick its inputs are ready, one item per device
+2. `_timeline` (public as `from_orders`) places every item at the earliest tick its inputs are ready, one item per device
    per tick: the forward of micro-batch `i` on model stage `j` needs the forward of `i` on stage
    `j - 1` at an earlier tick; its backward needs its own forward and the backward of `i` on stage
    `j + 1`. A tick ends with one transfer (activations one device on, cotangents one device back),
@@ -186,6 +186,24 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return _timeline("forward", p, m, v, [order] * p)
 
 
+def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Schedule:
+    """A table from your own program orders: `orders[s]` lists device s's items (FORWARD or
+    BACKWARD, micro-batch, chunk) in the order it runs them; each is placed at the earliest tick
+    its inputs are ready. Every item must appear exactly once on its device, and an order whose
+    items wait on each other forever is reported as a deadlock."""
+    if len(orders) != p:
+        raise ValueError(f"schedule {name}: {len(orders)} program orders for p={p} devices; give one per device.")
+    want = sorted((op, i, c) for op in (FORWARD, BACKWARD) for i in range(m) for c in range(v))
+    for s, order in enumerate(orders):
+        got = sorted(tuple(int(x) for x in item) for item in order)
+        if got != want:
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            twice = len(got) - len(set(got))
+            raise ValueError(f"schedule {name}: device {s} must run each (op, micro-batch, chunk) once: "
+                             f"missing {missing[:4]}, unknown {extra[:4]}, {twice} repeated.")
+    return _timeline(name, p, m, v, [[tuple(int(x) for x in item) for item in order] for order in orders])
+
+
 def lockstep(sched: Schedule) -> Schedule:
     """The same schedule with every tick's busy devices all forwarding or all backwarding.
 
@@ -279,23 +297,7 @@ def buffer_plan(sched: Schedule) -> BufferPlan:
 
 
 def plot_schedule(sched: Schedule, path: str) -> None:
-    """Save the table as a PNG: devices top to bottom, ticks left to right, one box per item."""
-    import matplotlib
+    """Save the table as a PNG (`pjax.pictures.draw_schedule`)."""
+    from pjax.pictures import draw_schedule, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * sched.ticks), 0.5 * sched.p + 1.0))
-    blues, greens = plt.get_cmap("Blues"), plt.get_cmap("Greens")
-    for t, s in zip(*np.nonzero(sched.op)):
-        shade = 0.45 + 0.4 * sched.chunk[t, s] / max(sched.v - 1, 1)
-        color = (blues if sched.op[t, s] == FORWARD else greens)(shade)
-        ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white"))
-        ax.text(t + 0.5, s + 0.5, str(sched.mb[t, s]), ha="center", va="center", fontsize=7, color="white")
-    ax.set(xlim=(0, sched.ticks), ylim=(sched.p, 0), xlabel="tick", ylabel="device",
-           yticks=[s + 0.5 for s in range(sched.p)], yticklabels=[str(s) for s in range(sched.p)])
-    ax.set_title(f"{sched.name}: p={sched.p} m={sched.m} v={sched.v}, bubble {sched.bubble_fraction():.3f} "
-                 f"(blue forward, green backward; darker = later chunk)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(draw_schedule(sched), path)
