@@ -230,7 +230,9 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 write({"step": step, "eval_loss": eval_loss})
                 bar.note(f"step {step}: held-out loss {eval_loss:.4f}")
                 t_last += time.perf_counter() - t_eval  # keep evaluation out of the training throughput
-            if save_now:
+            # `stop.requested` again: a signal that came after save_now was decided (while this step
+            # was logged or evaluated) must still leave its checkpoint behind.
+            if ckpt is not None and (save_now or stop.requested):
                 # Async: the arrays are copied to host memory and written while the next steps run.
                 ckpt.save(step, state, data=train_iter.state(), rng=run.rng, config=cfg)
             if stop.requested:
