@@ -33,6 +33,11 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": TP,
     "vocab": TP,
     "layers": None,
+    # Mixture of Experts: the experts of a layer are split over dp, where the tokens already are
+    # (expert parallelism without a fifth axis, as GShard and DeepSpeed-MoE do); tokens reach their
+    # experts by all_to_all over dp (models/moe.py). Each expert's MLP is split over tp like the
+    # dense one ('mlp').
+    "experts": DP,
 }
 
 # ZeRO-1 (optimizer state) and ZeRO-3/FSDP (parameters too) additionally split every

@@ -1,4 +1,4 @@
-"""HuggingFace LLaMA checkpoints (config.json + safetensors) <-> pjax parameters.
+"""HuggingFace LLaMA and Mixtral checkpoints (config.json + safetensors) <-> pjax parameters.
 
 HF stores one tensor per layer, and every `nn.Linear` weight as (out, in) because torch computes
 `x @ W.T`; pjax stacks the L layers along a leading axis and stores kernels as (in, out) with
@@ -16,6 +16,10 @@ the head dimensions split out, so that `x @ W` and tensor-parallel sharding by h
     model.norm.weight                             [D]         -> final_norm/scale  [D]
     lm_head.weight                                [V, D]      -> lm_head/kernel    [D, Vp]
                                                                  (absent when tie_word_embeddings)
+Mixtral (model_type 'mixtral', E experts) has, in place of the three mlp.* tensors:
+    model.layers.{i}.block_sparse_moe.gate.weight [E, D]      -> layers/router     [L, D, E]
+    ....block_sparse_moe.experts.{j}.w1 / w3      [F, D]      -> layers/w_gate, w_up [L, E, D, F]
+    ....block_sparse_moe.experts.{j}.w2           [D, F]      -> layers/w_down     [L, E, F, D]
 
 Vp is the vocabulary padded to a multiple of `make_vocab_size_divisible_by` (`LlamaConfig.
 padded_vocab_size`): loading fills the padded rows with zeros, saving cuts them off, so HF only
@@ -66,13 +70,22 @@ class _Tensor:
 
     path: tuple[str, str]
     hf_name: str
-    shape: tuple[int, ...]  # per layer for stacked tensors
+    shape: tuple[int, ...]  # per layer (and per expert) for stacked tensors
     n_in: int = 0
     unpadded: tuple[int, ...] | None = None  # the pjax shape without the vocabulary padding, if any
+    experts: int = 0  # MoE expert weights: HF stores one tensor per expert ({j}), pjax stacks them
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
+
+    def names(self, num_layers: int) -> list[list[str]]:
+        """HF names per layer, each a list over experts (one name for a non-expert tensor)."""
+        layers = range(num_layers) if self.stacked else [None]
+        return [[self.hf_name.format(i=i, j=j) for j in range(self.experts or 1)] for i in layers]
+
+    def stack_shape(self, num_layers: int) -> tuple[int, ...]:
+        return (*((num_layers,) if self.stacked else ()), *((self.experts,) if self.experts else ()), *self.shape)
 
     @property
     def real(self) -> tuple[int, ...]:
@@ -113,6 +126,14 @@ def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
         _Tensor(("layers", "w_down"), pre + "mlp.down_proj.weight", (f, d), 1),
         _Tensor(("final_norm", "scale"), "model.norm.weight", (d,)),
     ]
+    if cfg.num_local_experts:  # Mixtral: a router and E expert MLPs (w1 gate, w3 up, w2 down) per layer
+        e, moe = cfg.num_local_experts, pre + "block_sparse_moe."
+        table[7:10] = [
+            _Tensor(("layers", "router"), moe + "gate.weight", (d, e), 1),
+            _Tensor(("layers", "w_gate"), moe + "experts.{j}.w1.weight", (d, f), 1, experts=e),
+            _Tensor(("layers", "w_up"), moe + "experts.{j}.w3.weight", (d, f), 1, experts=e),
+            _Tensor(("layers", "w_down"), moe + "experts.{j}.w2.weight", (f, d), 1, experts=e),
+        ]
     if not cfg.tie_word_embeddings:  # tied: HF reuses embed_tokens and may omit lm_head.weight
         table.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (d, vp), 1, unpadded=(d, v)))
     return table
@@ -166,34 +187,39 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _mapped(t: _Tensor, tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """The HF tensor `name`, checked against the config, as a pjax-layout view."""
+    if name not in tensors and t.path == ("lm_head", "kernel"):
+        raise ConfigError("the checkpoint has no lm_head.weight but its config.json says tie_word_embeddings="
+                          "false; set \"tie_word_embeddings\": true in config.json if the output layer is "
+                          "the embedding.")
+    if name not in tensors:
+        raise ConfigError(f"the checkpoint has no tensor {name!r}; "
+                          "it does not match its config.json (or is incomplete).")
+    if tuple(tensors[name].shape) != t.hf_shape:
+        raise ConfigError(f"tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json implies "
+                          f"{t.hf_shape}; the weights do not match the config.")
+    return t.to_pjax(tensors[name])
+
+
 def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) -> tuple[tuple[int, ...], Any]:
     """The pjax shape of `t` and a function index -> host array holding just that slice of it."""
-    names = [t.hf_name.format(i=i) for i in range(num_layers)] if t.stacked else [t.hf_name]
-    parts = []
-    for name in names:
-        if name not in tensors and t.path == ("lm_head", "kernel"):
-            raise ConfigError("the checkpoint has no lm_head.weight but its config.json says tie_word_embeddings="
-                              "false; set \"tie_word_embeddings\": true in config.json if the output layer is "
-                              "the embedding.")
-        if name not in tensors:
-            raise ConfigError(f"the checkpoint has no tensor {name!r}; "
-                              "it does not match its config.json (or is incomplete).")
-        if tuple(tensors[name].shape) != t.hf_shape:
-            raise ConfigError(f"tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json implies "
-                              f"{t.hf_shape}; the weights do not match the config.")
-        parts.append(t.to_pjax(tensors[name]))
-    shape = (num_layers, *t.shape) if t.stacked else t.shape
+    parts = [[_mapped(t, tensors, name) for name in names] for names in t.names(num_layers)]
+    shape = t.stack_shape(num_layers)
+    lead = int(t.stacked) + int(bool(t.experts))  # stacked dims: layers, experts
 
     def host(idx: tuple[slice, ...]) -> np.ndarray:
         # Always a fresh copy (never hand JAX a view of the map, which it could alias on CPU).
-        out_dtype = dtype or parts[0].dtype
-        if not t.stacked:
-            return _read_padded(parts[0], idx, t.shape, out_dtype)
-        layers = range(num_layers)[idx[0]]
-        out = np.empty((len(layers), *parts[0][idx[1:]].shape), out_dtype)
-        for j, i in enumerate(layers):  # read, cast and written once, straight into the stack
-            out[j] = parts[i][idx[1:]]
-        return out
+        out_dtype = dtype or parts[0][0].dtype
+        if not lead:
+            return _read_padded(parts[0][0], idx, t.shape, out_dtype)
+        layers = range(num_layers)[idx[0]] if t.stacked else [0]
+        experts = range(t.experts)[idx[lead - 1]] if t.experts else [0]
+        out = np.empty((len(layers), len(experts), *parts[0][0][idx[lead:]].shape), out_dtype)
+        for a, i in enumerate(layers):  # read, cast and written once, straight into the stack
+            for b, j in enumerate(experts):
+                out[a, b] = parts[i][j][idx[lead:]]
+        return out.reshape(*(len(layers),) * t.stacked, *(len(experts),) * bool(t.experts), *out.shape[2:])
 
     return shape, host
 
@@ -262,8 +288,10 @@ def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int
     tensors: dict[str, np.ndarray] = {}
     for t in _tensors(cfg):
         w = np.asarray(host[t.path[0]][t.path[1]])
-        for i in range(cfg.num_hidden_layers) if t.stacked else [None]:
-            tensors[t.hf_name.format(i=i)] = t.to_hf(w[i] if t.stacked else w)
+        for i, names in enumerate(t.names(cfg.num_hidden_layers)):
+            for j, name in enumerate(names):
+                part = w[i] if t.stacked else w
+                tensors[name] = t.to_hf(part[j] if t.experts else part)
 
     # A stale file of the other layout would shadow the new one (HF prefers model.safetensors).
     for stale in ("model.safetensors", "model.safetensors.index.json"):

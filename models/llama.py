@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
 from models.attention import reference_attention
 from models.config import LlamaConfig
+from models.moe import MoeConfig, RouterStats, moe_mlp
 from models.projection import ProjectFn, plain_projection, select_projection
 
 Params = dict[str, Any]
@@ -87,10 +88,13 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     attention_fn: Callable[..., jax.Array] = reference_attention
     project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
+    moe: MoeConfig = MoeConfig()  # how MoE layers route (when cfg.num_local_experts > 0)
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`."""
+    def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]
+                 ) -> tuple[jax.Array, RouterStats | None]:
+        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`.
+        Returns the new x and, for an MoE layer, its router statistics (None for a dense one)."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -100,9 +104,11 @@ class DecoderLayer(nn.Module):
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
         mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
-        w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), normal)
-        w_up = _param(self, "w_up", (d, f), ("embed", "mlp"), normal)
-        w_down = _param(self, "w_down", (f, d), ("mlp", "embed"), normal)
+        e = (c.num_local_experts,) if c.num_local_experts else ()  # MoE: a stack of expert MLPs
+        experts = ("experts",) if e else ()
+        w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
+        w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)
+        w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
         cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
         b, t = positions.shape
 
@@ -119,12 +125,20 @@ class DecoderLayer(nn.Module):
         (o,) = self.project_fn(o.reshape(o.shape[0], -1), [cast(wo).reshape(-1, wo.shape[-1])])
         x = x + constrain(o, ("tokens", "embed"))
 
-        # SwiGLU MLP: gate/up column-parallel, down row-parallel.
+        # SwiGLU MLP: gate/up column-parallel, down row-parallel. MoE: routed to experts (models/moe.py).
         y = rms_norm(x, mlp_norm, c.rms_norm_eps)
+        if e:
+            router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
+            if self.is_initializing():  # every parameter is declared; routing needs a real batch
+                return x, None
+            down, stats = moe_mlp(y, {"router": router, "w_gate": w_gate, "w_up": w_up, "w_down": w_down},
+                                  top_k=c.num_experts_per_tok, routing=self.moe.routing,
+                                  capacity_factor=self.moe.capacity_factor)
+            return x + constrain(down, ("tokens", "embed")), stats
         gate, up = self.project_fn(y, [cast(w_gate), cast(w_up)])
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
         (down,) = self.project_fn(gated, [cast(w_down)])
-        return x + constrain(down, ("tokens", "embed"))
+        return x + constrain(down, ("tokens", "embed")), None
 
 
 class Embed(nn.Module):
@@ -200,32 +214,37 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
 
 def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
                dtype=jnp.float32, remat: str = "none", scan: bool = True,
-               attention_fn: Callable[..., jax.Array] = reference_attention) -> jax.Array:
-    """Apply a stack of decoder layers (any number: the whole model or one pipeline stage)."""
-    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat))
+               attention_fn: Callable[..., jax.Array] = reference_attention,
+               moe: MoeConfig = MoeConfig()) -> tuple[jax.Array, RouterStats | None]:
+    """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
+    Returns the output and, for MoE layers, their router statistics summed over the layers."""
+    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe)
     tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
     def body(h, p):
-        return layer.apply({"params": p}, h, positions, tables), None
+        return layer.apply({"params": p}, h, positions, tables)
 
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
-        x, _ = jax.lax.scan(body, x, layer_params)
-        return x
-    n = jax.tree.leaves(layer_params)[0].shape[0]
+        x, stats = jax.lax.scan(body, x, layer_params)  # stats: stacked per layer (None: dense)
+        return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
+    n, stats = jax.tree.leaves(layer_params)[0].shape[0], []
     for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
-        x, _ = body(x, jax.tree.map(lambda p: p[i], layer_params))
-    return x
+        x, s = body(x, jax.tree.map(lambda p: p[i], layer_params))
+        stats.append(s)
+    return x, (jax.tree.map(lambda *s: sum(s), *stats) if cfg.num_local_experts else None)
 
 
-def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: LlamaConfig, **kw) -> jax.Array:
-    """Embedding, all decoder layers and the final norm: [B, T] ids -> [B*T, D] hidden states."""
+def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: LlamaConfig, **kw
+                 ) -> tuple[jax.Array, RouterStats | None]:
+    """Embedding, all decoder layers and the final norm: [B, T] ids -> [B*T, D] hidden states, and
+    the MoE layers' router statistics summed over the layers (None for a dense model)."""
     dtype = kw.get("dtype", jnp.float32)
-    x = run_layers(params["layers"], embed(params, tokens, cfg, dtype), positions, cfg, **kw)
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps)
+    x, stats = run_layers(params["layers"], embed(params, tokens, cfg, dtype), positions, cfg, **kw)
+    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), stats
 
 
 def output_kernel(params: Params, cfg: LlamaConfig) -> jax.Array:
@@ -255,6 +274,6 @@ def logits(params: Params, tokens: jax.Array, cfg: LlamaConfig, positions: jax.A
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    h = final_hidden(params, tokens, positions, cfg, **kw)
+    h, _ = final_hidden(params, tokens, positions, cfg, **kw)
     out = jnp.einsum("nd,dv->nv", h, output_kernel(params, cfg).astype(h.dtype), preferred_element_type=jnp.float32)
     return unflatten_tokens(out[:, :cfg.vocab_size], b, t)

@@ -1,8 +1,8 @@
 """Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys.
 
 The YAML layout mirrors these classes: `model.*` (LlamaConfig), `mesh.*`, `train.*`,
-`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`. The key names are a contract used by tests,
-docs and notebooks.
+`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`, `moe.*` (models/moe.py's MoeConfig). The key
+names are a contract used by tests, docs and notebooks.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from models.config import LlamaConfig
+from models.moe import MoeConfig
 
 # The choices each string option accepts; the first is the default.
 DTYPES = ("auto", "float32", "bfloat16")
@@ -145,3 +146,4 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)

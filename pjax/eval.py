@@ -153,8 +153,8 @@ def _batch_loss(params: Params, batch: dict[str, jax.Array], *, cfg: LlamaConfig
                 attention_fn: Callable) -> jax.Array:
     b, t = batch["inputs"].shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
-                                attention_fn=attention_fn)
+    hidden, _ = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
+                                   attention_fn=attention_fn)
     return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(batch["labels"]),
                                 flatten_tokens(batch["weights"]), cfg.vocab_size)
 

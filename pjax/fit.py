@@ -41,7 +41,10 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
         hf = read_hf_config(cfg.train.init_from)
     except ConfigError as e:
         raise ConfigError(f"train.init_from: {e}") from None
-    hf = dataclasses.replace(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    # The run's own: the vocabulary padding, and the router-loss coefficients the user set (training
+    # hyper-parameters, not the checkpoint's shape).
+    own = {k: getattr(cfg.model, k) for k in ("router_aux_loss_coef", "router_z_loss_coef") if f"model.{k}" in named}
+    hf = dataclasses.replace(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, **own)
     ours, theirs = dataclasses.asdict(cfg.model), dataclasses.asdict(hf)
     clash = [f"model.{k}={ours[k]} (config.json: {theirs[k]})" for k in theirs
              if f"model.{k}" in named and ours[k] != theirs[k]]

@@ -40,7 +40,8 @@ def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array
     kernel = llama.output_kernel(params, cfg)
 
     def body(i, toks):
-        hidden = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan, attention_fn=attention_fn)
+        hidden, _ = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan,
+                                       attention_fn=attention_fn)
         last = jax.lax.dynamic_index_in_dim(unflatten_tokens(hidden, b, t), i - 1, axis=1, keepdims=False)
         logits = jnp.einsum("bd,dv->bv", last, kernel.astype(last.dtype), preferred_element_type=jnp.float32)
         nxt = jnp.argmax(llama.mask_padded_vocab(logits, cfg.vocab_size), axis=-1).astype(toks.dtype)

@@ -29,6 +29,7 @@ from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
 from models.config import SHAPE_KEYS, LlamaConfig
+from models.moe import MoeConfig, aux_losses
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
@@ -51,58 +52,74 @@ def compute_dtype(name: str) -> jnp.dtype:
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig,
-             attention_fn: Callable | None = None) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy and token count of one micro-batch ([B, T] arrays)."""
+def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
+             moe: MoeConfig = MoeConfig()) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+    """Summed loss of one micro-batch ([B, T] arrays), and (its token count, router metrics).
+
+    The loss is the cross-entropy summed over tokens; an MoE model adds its router losses times the
+    token count, so that dividing by the count gives mean cross-entropy + coef * each router loss."""
     dtype = compute_dtype(tc.dtype)
-    hidden = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
-                                scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention))
-    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(micro["labels"]),
-                                        tc.loss_chunk, cfg.vocab_size)
+    hidden, stats = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
+                                       scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention),
+                                       moe=moe)
+    loss, count = vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg),
+                                               flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size)
+    if stats is None:
+        return loss, (count, {})
+    router = aux_losses(stats, cfg.num_hidden_layers)
+    loss += count * (cfg.router_aux_loss_coef * router["aux_loss"] + cfg.router_z_loss_coef * router["z_loss"])
+    return loss, (count, router)
 
 
 def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
-               pin: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, jax.Array, Any]:
-    """Summed loss, token count and summed fp32 gradients over the micro-batches (a `lax.scan`)."""
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+               pin: Callable[[Any], Any] = lambda g: g, moe: MoeConfig = MoeConfig()
+               ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
+    """Summed loss, token count, summed fp32 gradients and the router metrics (MoE; averaged over
+    the micro-batches) of a batch: a `lax.scan` over its micro-batches."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_sum, moe=moe), has_aux=True)
 
     def micro_step(carry, micro):
         loss_acc, count_acc, grads_acc = carry
-        (loss, count), grads = grad_fn(params, micro, cfg, tc, attention_fn)
+        (loss, (count, router)), grads = grad_fn(params, micro, cfg, tc, attention_fn)
         grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
-        return (loss_acc + loss, count_acc + count, grads_acc), None
+        return (loss_acc + loss, count_acc + count, grads_acc), router
 
     # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
     zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
     scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
-    (loss, count, grads), _ = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
-    return loss, count, grads
+    (loss, count, grads), router = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
+    return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)
 
 
-def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
-                   grad_sharding: Any = None, attention_fn: Callable | None = None) -> tuple[jax.Array, Any]:
-    """Mean token loss of the global batch and its gradient, accumulated over micro-batches.
+def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, grad_sharding: Any = None,
+                   attention_fn: Callable | None = None, moe: MoeConfig = MoeConfig(),
+                   with_router_metrics: bool = False) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict]:
+    """Mean token loss of the global batch and its gradient, accumulated over micro-batches (and,
+    `with_router_metrics`, an MoE model's router metrics).
 
     The gradients are reduced over dp once per step (`data_parallel.reduce_once`) when the
     parameters are replicated over dp; under ZeRO-3 they are pinned to their dp slices instead.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn)
-    if data_parallel.can_reduce_once(mesh, tc.zero):
-        return data_parallel.reduce_once(local, params, batch, cfg, tc.zero)
+    local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn, moe=moe)
+    if data_parallel.can_reduce_once(mesh, tc.zero, cfg):
+        loss, grads = data_parallel.reduce_once(lambda p, b: local(p, b)[:3], params, batch, cfg, tc.zero)
+        return (loss, grads, {}) if with_router_metrics else (loss, grads)  # (a dense model: no router)
 
     def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
         return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
 
-    loss, count, grads = local(params, batch, pin=pin)
-    return loss / count, jax.tree.map(lambda g: g / count, grads)
+    loss, count, grads, router = local(params, batch, pin=pin)
+    loss, grads = loss / count, jax.tree.map(lambda g: g / count, grads)
+    return (loss, grads, router) if with_router_metrics else (loss, grads)
 
 
 def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
-              attention_fn: Callable | None = None) -> jax.Array:
-    """Mean token loss of a batch without gradients (held-out evaluation)."""
+              attention_fn: Callable | None = None, moe: MoeConfig = MoeConfig()) -> jax.Array:
+    """Mean token loss of a batch without gradients (held-out evaluation; with an MoE model's
+    router losses, as in training)."""
     def micro_step(carry, micro):
-        loss, count = loss_sum(params, micro, cfg, tc, attention_fn)
+        loss, (count, _) = loss_sum(params, micro, cfg, tc, attention_fn, moe)
         return (carry[0] + loss, carry[1] + count), None
 
     (loss, count), _ = jax.lax.scan(micro_step, (jnp.zeros(()), jnp.zeros(())), batch)
@@ -111,11 +128,18 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
 
 def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
                optimizer: optax.GradientTransformation, grad_sharding: Any = None,
-               attention_fn: Callable | None = None, grads_fn: Callable | None = None) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}.
+               attention_fn: Callable | None = None, grads_fn: Callable | None = None,
+               moe: MoeConfig = MoeConfig()) -> tuple[TrainState, dict]:
+    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}
+    (an MoE model adds its router metrics: aux_loss, z_loss, dropped_fraction, load_min, load_max).
 
     `grads_fn` replaces `loss_and_grads` (with pp > 1: the pipelined one, same arguments and results)."""
-    loss, grads = (grads_fn or loss_and_grads)(state.params, batch, cfg, tc, grad_sharding, attention_fn)
+    if cfg.num_local_experts:  # (pp = 1: MoE runs the plain step)
+        loss, grads, router = loss_and_grads(state.params, batch, cfg, tc, grad_sharding, attention_fn, moe,
+                                             with_router_metrics=True)
+    else:
+        loss, grads = (grads_fn or loss_and_grads)(state.params, batch, cfg, tc, grad_sharding, attention_fn)
+        router = {}
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -125,7 +149,7 @@ def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainCo
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if tc.on_nonfinite == "skip":
         params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **router}
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -217,7 +241,8 @@ def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
                    vocab_multiple=cfg.make_vocab_size_divisible_by)
 
 
-def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None) -> Trainer:
+def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
+                  moe: MoeConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
 
     With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
@@ -225,9 +250,15 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     mc = MeshConfig.of(mesh)
     validate_layout(mc, cfg, tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
-    pipeline = pipeline or PipelineConfig()
+    pipeline, moe = pipeline or PipelineConfig(), moe or MoeConfig()
     if mc.pp > 1:
         pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
+    if cfg.num_local_experts and (mc.pp > 1 or mc.cp > 1):
+        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} (Mixture of Experts) does not run with "
+                          f"mesh.pp > 1 or mesh.cp > 1 yet; use dp and tp (experts are split over dp).")
+    if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
+        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
+                          f"expert parallelism gives each dp device the same number of experts.")
     optimizer = make_optimizer(tc)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
@@ -244,13 +275,13 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
     # cp > 1: ring attention over the sequence split (batches must come in the zigzag layout).
     attention_fn = context_parallel.ring_attention(mesh) if mesh.shape[CP] > 1 else None
-    grads_fn, loss_fn = loss_and_grads, mean_loss
+    grads_fn, loss_fn = functools.partial(loss_and_grads, moe=moe), functools.partial(mean_loss, moe=moe)
     if mc.pp > 1:  # pipeline parallelism: drop-ins with the same arguments and results
         kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype))
         grads_fn = functools.partial(pipeline_parallel.loss_and_grads, **kw)
         loss_fn = functools.partial(pipeline_parallel.mean_loss, **kw)
     step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding,
-                             attention_fn=attention_fn, grads_fn=grads_fn)
+                             attention_fn=attention_fn, grads_fn=grads_fn, moe=moe)
     grads = functools.partial(grads_fn, cfg=cfg, tc=tc, grad_sharding=g_sharding, attention_fn=attention_fn)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,

@@ -122,7 +122,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc, cfg.pipeline)
+    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe)
     # Context parallelism's load-balanced layout (the identity when cp = 1); positions follow it.
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
     if tokenizer.get_vocab_size() > mc.vocab_size:
@@ -164,6 +164,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     import jax
 
     from pjax.divergence import DivergenceGuard
+    from models.moe import ROUTER_METRICS
     from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops
 
     tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
@@ -218,7 +219,8 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                           "lr": float(host["lr"]), "tokens_per_sec": tps,
                           "mfu": mfu(tps, flops_per_token, run.trainer.mesh.devices.size, peak),
                           "step_time_s": step_time, "skipped_steps": guard.skipped,
-                          **memory_per_device(run.local_devices, run.memory_estimate)}
+                          **memory_per_device(run.local_devices, run.memory_estimate),
+                          **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}  # MoE models
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 write(record)
@@ -261,7 +263,8 @@ def sharding_summary(params: Any, logical_axes: Any) -> str:
     flat_axes = dict(jax.tree_util.tree_leaves_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple)))
     for path, p in jax.tree_util.tree_leaves_with_path(params):
         name = "/".join(str(k.key) for k in path)
-        rows.append((name, "x".join(map(str, p.shape)), ",".join(flat_axes[path]), str(tuple(p.sharding.spec))))
+        names = ",".join(n or "-" for n in flat_axes[path])  # '-': a dimension with no logical name (the router's experts)
+        rows.append((name, "x".join(map(str, p.shape)), names, str(tuple(p.sharding.spec))))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

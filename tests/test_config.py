@@ -12,7 +12,7 @@ from mesh.validate import validate_batch, validate_model
 from pjax.config import Config
 from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config
 
-REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b"]
+REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b", "mixtral-8x7b"]
 REPO = Path(__file__).resolve().parent.parent
 
 # Keys that the README, notebooks and the other modules rely on.
@@ -35,7 +35,7 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_every_shipped_config_is_listed():
-    assert {"debug", "picotron-cpu", *REAL_SHAPES} <= set(available_configs())
+    assert {"debug", "picotron-cpu", "mixtral-tiny", *REAL_SHAPES} <= set(available_configs())
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
@@ -48,7 +48,7 @@ def test_shipped_config_loads_and_sets_every_section(name):
     assert cfg.model.vocab_size >= 4096
 
 
-@pytest.mark.parametrize("name,devices", [("debug", 4), ("picotron-cpu", 1)]
+@pytest.mark.parametrize("name,devices", [("debug", 4), ("picotron-cpu", 1), ("mixtral-tiny", 4)]
                          + [(n, d) for n in REAL_SHAPES for d in (16, 64)])
 def test_shipped_config_fits_its_intended_device_counts(name, devices):
     cfg = load_config(name)
@@ -59,6 +59,7 @@ def test_shipped_config_fits_its_intended_device_counts(name, devices):
                    intermediate_size=m.intermediate_size, vocab_size=m.vocab_size, zero=cfg.train.zero)
     validate_batch(mesh, batch_size=cfg.train.batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len)
     assert cfg.train.seq_len <= m.max_position_embeddings
+    assert m.num_local_experts % mesh.dp == 0  # MoE: the experts split evenly over dp (0 % dp: dense)
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
@@ -75,6 +76,7 @@ def test_real_shape_parameter_counts_match_the_released_models():
     assert billions["smollm-1.7b"] == pytest.approx(1.711, abs=1e-3)
     assert billions["llama2-7b"] == pytest.approx(6.738, abs=1e-3)
     assert billions["llama3-8b"] == pytest.approx(8.030, abs=1e-3)
+    assert billions["mixtral-8x7b"] == pytest.approx(46.70, abs=1e-2)
 
 
 def test_data_paths_in_shipped_configs_exist_or_are_built_on_first_use():
@@ -152,7 +154,7 @@ def test_contract_keys_exist(section, keys):
 
 def test_unknown_section_lists_valid_sections(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config section 'trian'.*did you mean 'train'.*valid sections: "
-                                          r"checkpoint, data, log, mesh, model, pipeline, train"):
+                                          r"checkpoint, data, log, mesh, model, moe, pipeline, train"):
         load_config(write(tmp_path, "trian:\n  steps: 3\n"))
 
 

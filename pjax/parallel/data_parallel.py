@@ -39,19 +39,25 @@ from models.config import LlamaConfig
 _is_names = lambda x: isinstance(x, tuple)  # leaves of the logical-axes tree are name tuples
 
 
+def _shardings(mesh: Mesh, cfg: LlamaConfig, zero_sharded: bool) -> Any:
+    """Every parameter's NamedSharding under the rules table. MoE expert weights are split over dp
+    by their 'experts' dimension already (expert parallelism), so ZeRO leaves them as they are."""
+    pipelined = mesh.shape[PP] > 1
+    rules, expert_rules = param_rules(zero_sharded, pipelined), param_rules(False, pipelined)
+    return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, expert_rules if "experts" in names
+                                                                          else rules)),
+                        llama.param_logical_axes(cfg), is_leaf=_is_names)
+
+
 def param_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int) -> Any:
     """NamedShardings for the parameters: split over dp only under ZeRO-3 (FSDP); with pp > 1 the
     stacked layers are split over pp (each pipeline stage holds its own)."""
-    rules = param_rules(zero_sharded=zero >= 3, pipelined=mesh.shape[PP] > 1)
-    return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
-                        llama.param_logical_axes(cfg), is_leaf=_is_names)
+    return _shardings(mesh, cfg, zero_sharded=zero >= 3)
 
 
 def grad_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int) -> Any:
     """Where gradients live: like the optimizer state, so ZeRO-1/3 reduce-scatter them."""
-    rules = param_rules(zero_sharded=zero >= 1, pipelined=mesh.shape[PP] > 1)
-    return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
-                        llama.param_logical_axes(cfg), is_leaf=_is_names)
+    return _shardings(mesh, cfg, zero_sharded=zero >= 1)
 
 
 def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: optax.GradientTransformation,
@@ -68,16 +74,19 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
                                  transform_non_params=lambda _: replicated)
 
 
-def can_reduce_once(mesh: Any, zero: int) -> bool:
+def can_reduce_once(mesh: Any, zero: int, cfg: LlamaConfig | None = None) -> bool:
     """Whether this step accumulates per dp replica and reduces once.
 
     Needs replicated parameters (zero < 3) and no pipeline (which reduces its own gradients).
     Not with cp > 1 either: ring attention's shard_map over cp nested in this one over dp is
     rejected by the Shardy partitioner ("manual axis cp after free axis dp"), so context-parallel
-    layouts keep XLA's per-micro-batch reduction for now.
+    layouts keep XLA's per-micro-batch reduction for now. Nor for MoE models yet: their layers
+    exchange tokens over dp themselves, and their load-balancing loss needs the statistics of the
+    whole batch, which this per-replica accumulation would have to sum first.
     """
     shape = {} if mesh.empty else dict(mesh.shape)
-    return shape.get(DP, 1) > 1 and zero < 3 and shape.get(PP, 1) == 1 and shape.get(CP, 1) == 1
+    moe = cfg is not None and cfg.num_local_experts > 0  # MoE layers are their own shard_map over dp (EP)
+    return shape.get(DP, 1) > 1 and zero < 3 and shape.get(PP, 1) == 1 and shape.get(CP, 1) == 1 and not moe
 
 
 def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any]:

@@ -188,7 +188,7 @@ def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable
         shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
         embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
         layers=lambda w, x, pos: llama.run_layers(w, x, pos, cfg, dtype=dtype, remat=tc.remat,
-                                                  scan=scan, attention_fn=attention_fn),
+                                                  scan=scan, attention_fn=attention_fn)[0],
         loss=loss,
         head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
     )

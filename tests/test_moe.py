@@ -1,0 +1,252 @@
+"""The MoE layer (models/moe.py): dropless and capacity routing equal the dense reference, capacity
+drops exactly the assignments its rule says, expert parallelism over dp equals one device, and the
+router and its load-balancing loss are Mixtral's (transformers' MixtralSparseMoeBlock)."""
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mesh import ConfigError, MeshConfig, make_mesh
+from mesh.mesh import DP
+from models import moe
+from models.config import LlamaConfig
+from pjax.config import TrainConfig
+from pjax.hlo import collective_stats
+from pjax.step import add_positions, build_trainer
+
+N, D, F = 32, 16, 24  # tokens, hidden, expert MLP width
+
+
+def layer(num_experts: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    p = {"router": rng.normal(size=(D, num_experts)).astype(np.float32),
+         "w_gate": (0.3 * rng.normal(size=(num_experts, D, F))).astype(np.float32),
+         "w_up": (0.3 * rng.normal(size=(num_experts, D, F))).astype(np.float32),
+         "w_down": (0.3 * rng.normal(size=(num_experts, F, D))).astype(np.float32)}
+    return x, p
+
+
+@functools.cache
+def value_and_grads(num_experts: int, top_k: int, routing: str, capacity_factor: float, dp: int = 1, tp: int = 1):
+    """Output, stats and d/d(x, params) of a non-trivial scalar of the output, on a dp x tp mesh."""
+    x, p = layer(num_experts)
+
+    def f(x, p):
+        y, stats = moe.moe_mlp(x, p, top_k=top_k, routing=routing, capacity_factor=capacity_factor)
+        return jnp.sum(y * jnp.sin(y)), (y, stats)
+
+    fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
+    with jax.set_mesh(mesh):
+        (_, (y, stats)), grads = fn(x, p)
+        hlo = fn.lower(x, p).compile().as_text()
+    return np.asarray(y), jax.tree.map(np.asarray, stats), jax.tree.map(np.asarray, grads), hlo
+
+
+def assert_close(got, want, rtol=1e-6):
+    """Each leaf to rtol of its own scale, or of 1e-2 of the largest leaf's when it is (nearly) zero:
+    top-1 routing's router gets no gradient from the output (its one weight is renormalised to 1)."""
+    floor = 1e-2 * max(np.max(np.abs(w)) for w in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        err = np.max(np.abs(g - w)) / max(np.max(np.abs(w)), floor)
+        assert err <= rtol, f"relative error {err:.2e} > {rtol}"
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (4, 1)], ids=["top2_of_8", "top1_of_4"])
+def test_dropless_and_ample_capacity_equal_the_dense_reference(num_experts, top_k):
+    y, stats, grads, _ = value_and_grads(num_experts, top_k, "dense", 1.0)
+    for routing, factor in [("dropless", 1.0), ("capacity", num_experts / top_k)]:  # factor E/k: C = N
+        got_y, got_stats, got_grads, _ = value_and_grads(num_experts, top_k, routing, factor)
+        assert_close(got_y, y)
+        assert_close(got_grads, grads, rtol=1e-5)
+        assert float(got_stats.dropped) == 0
+        np.testing.assert_array_equal(got_stats.assigned, stats.assigned)
+
+
+def test_capacity_drops_exactly_the_assignments_past_each_experts_capacity():
+    """Rule: queue all first choices in token order, then all second choices; each expert keeps its
+    first C. The kept assignments' weighted expert outputs are the dense reference's terms."""
+    num_experts, top_k, factor = 8, 2, 0.25
+    x, p = layer(num_experts)
+    cap = moe.capacity(N, top_k, num_experts, factor)
+    assert cap == 2  # ceil(0.25 * 32 * 2 / 8)
+    weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), top_k)
+    weights, experts = np.asarray(weights), np.asarray(experts)
+    kept, taken = np.zeros_like(weights, bool), np.zeros(num_experts, int)
+    for j in range(top_k):
+        for n in range(N):
+            e = experts[n, j]
+            kept[n, j] = taken[e] < cap
+            taken[e] += 1
+    y, stats, _, _ = value_and_grads(num_experts, top_k, "capacity", factor)
+    assert float(stats.dropped) == (~kept).sum() > 0
+    dense = jax.jit(moe.dense_experts)
+    want = np.asarray(dense(jnp.asarray(x), jnp.asarray(weights * kept), jnp.asarray(experts),
+                            {k: jnp.asarray(v) for k, v in p.items()}))
+    assert_close(y, want)
+    every_choice_dropped = ~kept.any(axis=1)
+    assert every_choice_dropped.any() and np.all(y[every_choice_dropped] == 0)  # the residual carries them
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (4, 1), (8, 1), (2, 2)], ids=["dp2", "dp4", "dp8", "dp2_tp2"])
+@pytest.mark.parametrize("routing", ["dropless", "capacity"])
+def test_expert_parallel_over_dp_equals_one_device(routing, dp, tp):
+    factor = 4.0  # capacity E/k: nothing dropped, so every layout computes the same
+    y, stats, grads, _ = value_and_grads(8, 2, "dense", factor)
+    got_y, got_stats, got_grads, hlo = value_and_grads(8, 2, routing, factor, dp, tp)
+    assert_close(got_y, y)
+    assert_close(got_grads, grads, rtol=1e-5)
+    np.testing.assert_array_equal(got_stats.assigned, stats.assigned)
+    assert float(got_stats.tokens) == N
+    # Two all-to-alls forward (dispatch, combine) and their two transposes backward, each moving
+    # the [E, C, D] buffer of a device's tokens: C = N/dp tokens (the capacity that never drops).
+    moved = collective_stats(hlo)["all-to-all"]
+    assert moved == {"count": 4, "bytes": 4 * 8 * (N // dp) * D * 4}, moved
+
+
+def test_capacity_under_expert_parallelism_is_each_devices_own_queue():
+    """GShard's groups: with experts over dp, each device's tokens queue for C = ceil(factor * n * k / E)
+    places of their own, so dp=4 drops what one device drops on each quarter of the tokens."""
+    x, p = layer(8)
+    run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=2, routing="capacity", capacity_factor=1.0))
+    quarters = [run(x[i * N // 4:(i + 1) * N // 4], p) for i in range(4)]
+    with jax.set_mesh(make_mesh(MeshConfig(dp=4), jax.devices()[:4])):
+        y, stats = run(x, p)
+    np.testing.assert_array_equal(np.asarray(y), np.concatenate([np.asarray(q[0]) for q in quarters]))
+    assert float(stats.dropped) == sum(float(q[1].dropped) for q in quarters) > 0
+
+
+def test_expert_parallel_inside_a_dp_shard_map_takes_its_share_of_replicated_experts():
+    """What data_parallel.reduce_once runs: dp already manual, the parameters whole on every device."""
+    x, p = layer(8)
+    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
+
+    def per_device(x, p):
+        y, stats = moe.moe_mlp(x, p, top_k=2, routing="dropless")
+        return y, stats.assigned
+
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(DP), P()), out_specs=(P(DP), P())))
+    with jax.set_mesh(mesh):
+        y, assigned = run(x, p)
+    want_y, want_stats, _, _ = value_and_grads(8, 2, "dense", 1.0)
+    assert_close(np.asarray(y), want_y)
+    np.testing.assert_array_equal(np.asarray(assigned), want_stats.assigned)
+
+
+def test_experts_that_do_not_split_over_dp_and_unknown_routings_are_config_errors():
+    x, p = layer(6)
+    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match=re.escape("num_local_experts=6 is not divisible by mesh.dp=4")):
+        moe.moe_mlp(jnp.asarray(x), p, top_k=2)
+    with pytest.raises(ConfigError, match="moe.routing='sparse' is invalid"):
+        moe.moe_mlp(jnp.asarray(x), p, top_k=2, routing="sparse")
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (4, 1)], ids=["top2_of_8", "top1_of_4"])
+def test_router_experts_and_aux_loss_match_transformers_mixtral(num_experts, top_k):
+    torch = pytest.importorskip("torch")
+    from transformers import MixtralConfig
+    from transformers.models.mixtral import modeling_mixtral as hf
+
+    config = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=num_experts,
+                           num_experts_per_tok=top_k, router_jitter_noise=0.0)
+    block = hf.MixtralSparseMoeBlock(config).eval()
+    xs = [layer(num_experts, seed)[0] for seed in (0, 1)]  # two "layers" for the aux loss
+    _, p = layer(num_experts)
+    with torch.no_grad():  # HF layouts: router [E, D], gate_up [E, 2F, D] (gate first), down [E, D, F]
+        block.gate.weight.copy_(torch.tensor(p["router"].T))
+        block.experts.gate_up_proj.copy_(torch.tensor(np.concatenate([p["w_gate"], p["w_up"]], axis=2).transpose(0, 2, 1)))
+        block.experts.down_proj.copy_(torch.tensor(p["w_down"].transpose(0, 2, 1)))
+        want = block(torch.tensor(xs[0])[None])[0].numpy()
+        router_logits = tuple(block.gate(torch.tensor(x))[0] for x in xs)
+        want_aux = float(hf.load_balancing_loss_func(router_logits, num_experts, top_k))
+    y, _ = jax.jit(functools.partial(moe.moe_mlp, top_k=top_k))(jnp.asarray(xs[0]), p)
+    assert np.max(np.abs(np.asarray(y) - want)) <= 1e-5 * np.max(np.abs(want))
+    stats = [moe.route(jnp.asarray(x), jnp.asarray(p["router"]), top_k)[2] for x in xs]
+    summed = jax.tree.map(lambda a, b: a + b, *stats)
+    assert float(moe.aux_losses(summed, layers=2)["aux_loss"]) == pytest.approx(want_aux, rel=1e-6)
+
+
+# -- the MoE model in the training step ------------------------------------------------------------
+MOE_CFG = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05, num_local_experts=8,
+                      num_experts_per_tok=2, router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+MOE_TC = TrainConfig(seq_len=16, batch_size=16, grad_accum=2, dtype="float32", steps=10, warmup_steps=2)
+
+
+def text_batch():
+    tokens = np.random.default_rng(0).integers(0, MOE_CFG.vocab_size, (16, 17)).astype(np.int32).reshape(2, 8, 17)
+    return add_positions({"inputs": jnp.asarray(tokens[..., :-1]), "labels": jnp.asarray(tokens[..., 1:])})
+
+
+@functools.cache
+def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless"):
+    mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
+    return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero),
+                         moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
+
+
+@functools.cache
+def step_loss_and_grads(*layout):
+    trainer = moe_trainer(*layout)
+    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params,
+                                jax.device_put(text_batch(), trainer.batch_sharding))
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@functools.cache
+def step_metrics(*layout):
+    trainer = moe_trainer(*layout)
+    _, metrics = trainer.step(trainer.init(jax.random.key(0)), jax.device_put(text_batch(), trainer.batch_sharding))
+    return jax.tree.map(float, metrics)
+
+
+@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity")],
+                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity"])
+def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layout):
+    ref_loss, ref_grads = step_loss_and_grads(1)
+    loss, grads = step_loss_and_grads(*layout)
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_close(grads, ref_grads, rtol=1e-5)
+
+
+def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():
+    (loss, _), metrics = step_loss_and_grads(1), step_metrics(1)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
+    for key in moe.ROUTER_METRICS:  # statistics of the whole batch, wherever its tokens were routed
+        assert step_metrics(2)[key] == pytest.approx(metrics[key], rel=1e-5), key
+    assert metrics["aux_loss"] > 0 and metrics["z_loss"] > 0 and metrics["dropped_fraction"] == 0
+    assert metrics["load_min"] <= 1.0 <= metrics["load_max"]
+    plain = dataclasses.replace(MOE_CFG, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    trainer = build_trainer(make_mesh(MeshConfig(dp=1), jax.devices()[:1]), plain, MOE_TC)
+    cross_entropy = float(trainer.loss(trainer.init(jax.random.key(0)).params, text_batch()))
+    assert loss == pytest.approx(cross_entropy + 0.1 * metrics["aux_loss"] + 0.01 * metrics["z_loss"], rel=1e-6)
+
+
+def test_moe_checkpoint_restores_onto_another_expert_layout(tmp_path):
+    """Saved with 4 experts per device (dp=2), restored with 2 per device under tp=2 (dp=4 x tp=2):
+    every leaf equal and on its new sharding, and the next step's loss the same."""
+    from pjax.checkpoint import Checkpointer
+    from pjax.config import Config
+
+    config = Config(model=MOE_CFG, train=MOE_TC)
+    saver = moe_trainer(2)
+    state, _ = saver.step(saver.init(jax.random.key(0)), jax.device_put(text_batch(), saver.batch_sharding))
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, state, data={"position": 1}, rng=jax.random.key(1), config=config)
+    saved = jax.tree.map(lambda a: np.array(a, copy=True), state)
+    _, want = saver.step(state, jax.device_put(text_batch(), saver.batch_sharding))
+    loader = moe_trainer(4, 2)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        restored = ckpt.restore(loader, config).state
+    assert restored.params["layers"]["w_gate"].addressable_shards[0].data.shape[1] == 2  # 8 experts / dp=4
+    for got, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    _, metrics = loader.step(restored, jax.device_put(text_batch(), loader.batch_sharding))
+    assert float(metrics["loss"]) == pytest.approx(float(want["loss"]), abs=1e-6)
