@@ -25,8 +25,8 @@ Each device routes its own tokens into an [E, C, D] buffer, and one `all_to_all`
 row block j (the experts device j owns) to device j, which receives [E/dp, dp*C, D]: every
 device's tokens for its own experts. It runs them, and a second `all_to_all` sends the results
 back to where the tokens live. Two all-to-alls per layer and pass, each moving E*C*D values per
-device; dropless under EP uses the capacity that can never overflow, C = tokens per device (a
-token picks an expert at most once), exact and E/k times the buffer a capacity run needs.
+device; dropless (and dense) under EP use the capacity that can never overflow, C = tokens per
+device (a token picks an expert at most once): exact, at E/k times the buffer of capacity factor 1.
 
 Router statistics are returned as sums over the layer's tokens (per device, summed over dp under
 EP), so they add across devices, micro-batches and layers: `aux_losses` turns them into the
@@ -97,9 +97,9 @@ def aux_losses(stats: RouterStats, layers: int = 1) -> dict[str, jax.Array]:
     `layers` MoE layers (each routing the same tokens).
 
     aux_loss = E * sum_e f_e * P_e, f_e the fraction of assignments-per-token going to expert e and
-    P_e its mean router probability, both averaged over every layer's tokens (HF's Mixtral form:
-    k, the experts per token, when routing is uniform). load_min/max: the least and most loaded expert's share of
-    assignments relative to a uniform share (1.0 = balanced)."""
+    P_e its mean router probability, both averaged over every layer's tokens (HF's Mixtral form: k,
+    the experts per token, when routing is uniform). load_min/max: the least and most loaded
+    expert's share of assignments relative to a uniform share (1.0 = balanced)."""
     tokens = stats.tokens / layers  # per layer
     num_experts = stats.assigned.shape[-1]
     f = stats.assigned / (layers * tokens)
