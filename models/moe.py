@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import DP
+from mesh.mesh import CP, DP
 from mesh.rules import logical_to_spec
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -176,8 +176,9 @@ def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: di
 
 
 def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, capacity_factor: float,
-               axis: str | None) -> tuple[jax.Array, RouterStats]:
-    """One device's MoE layer on its tokens (under EP, `p`'s experts are this device's)."""
+               axis: str | None, token_axes: tuple[str, ...] = ()) -> tuple[jax.Array, RouterStats]:
+    """One device's MoE layer on its tokens (under EP over `axis`, `p`'s experts are this device's;
+    the statistics are summed over `token_axes`, the axes the tokens are split over)."""
     weights, experts, stats = route(x, p["router"], top_k)
     w = {name: p[name].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")}
     num_experts = p["router"].shape[-1]
@@ -189,8 +190,8 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, 
         cap = x.shape[0] if routing != "capacity" else capacity(x.shape[0], top_k, num_experts, capacity_factor)
         y, dropped = capacity_experts(x, weights, experts, w, cap, axis)
         stats = stats._replace(dropped=dropped)
-    if axis is not None:  # the statistics of the whole batch, on every device
-        stats = RouterStats(*lax.psum(tuple(stats), axis))
+    if token_axes:  # the statistics of the whole batch, on every device
+        stats = RouterStats(*lax.psum(tuple(stats), token_axes))
     return y, stats
 
 
@@ -215,11 +216,15 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
         if p["w_gate"].shape[0] == num_experts:  # whole (replicated) experts: take this device's share
             start = lax.axis_index(DP) * (num_experts // dp)
             p = {**p, **{k: lax.dynamic_slice_in_dim(p[k], start, num_experts // dp) for k in ("w_gate", "w_up", "w_down")}}
-        return _local_moe(x, p, top_k, routing, capacity_factor, DP)
+        return _local_moe(x, p, top_k, routing, capacity_factor, DP, (DP,))
+    # Manual over every axis the tokens are split over (dp, and cp with context parallelism: each
+    # cp rank then exchanges its own tokens with the dp group that holds its experts, which are
+    # replicated over cp), so that no token dimension is left for the partitioner inside.
+    token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
     experts = logical_to_spec(("experts",))  # the rules table: experts over dp
-    tokens = P(DP)  # this device's rows (cp, if any, stays automatic inside)
     specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
-    run = jax.shard_map(lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP), axis_names={DP},
-                        in_specs=(tokens, specs), out_specs=(tokens, RouterStats(*[P()] * 5)))
+    run = jax.shard_map(lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes),
+                        axis_names=set(token_axes), in_specs=(P(token_axes), specs),
+                        out_specs=(P(token_axes), RouterStats(*[P()] * 5)))
     return run(x, p)
 

@@ -253,9 +253,9 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     pipeline, moe = pipeline or PipelineConfig(), moe or MoeConfig()
     if mc.pp > 1:
         pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-    if cfg.num_local_experts and (mc.pp > 1 or mc.cp > 1):
+    if cfg.num_local_experts and mc.pp > 1:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} (Mixture of Experts) does not run with "
-                          f"mesh.pp > 1 or mesh.cp > 1 yet; use dp and tp (experts are split over dp).")
+                          f"mesh.pp > 1 yet; use dp, cp and tp (experts are split over dp).")
     if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
                           f"expert parallelism gives each dp device the same number of experts.")

@@ -17,6 +17,7 @@ from models import moe
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
 from pjax.hlo import collective_stats
+from pjax.parallel.context_parallel import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
 N, D, F = 32, 16, 24  # tokens, hidden, expert MLP width
@@ -186,8 +187,8 @@ def text_batch():
 
 
 @functools.cache
-def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless"):
-    mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
+def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1):
+    mesh = make_mesh(MeshConfig(dp=dp, cp=cp, tp=tp), jax.devices()[: dp * cp * tp])
     return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero),
                          moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
@@ -195,8 +196,9 @@ def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless"):
 @functools.cache
 def step_loss_and_grads(*layout):
     trainer = moe_trainer(*layout)
-    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params,
-                                jax.device_put(text_batch(), trainer.batch_sharding))
+    cols = np.asarray(zigzag_layout(trainer.mesh.shape["cp"])(np.arange(MOE_TC.seq_len)))  # ring attention's order
+    batch = jax.tree.map(lambda a: np.asarray(a)[..., cols], text_batch())
+    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params, jax.device_put(batch, trainer.batch_sharding))
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -207,8 +209,8 @@ def step_metrics(*layout):
     return jax.tree.map(float, metrics)
 
 
-@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity")],
-                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity"])
+@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity"), (2, 2, 0, "dropless", 2)],
+                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity", "dp2_cp2_tp2"])
 def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layout):
     ref_loss, ref_grads = step_loss_and_grads(1)
     loss, grads = step_loss_and_grads(*layout)
