@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP
@@ -200,8 +200,8 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     """The sparse MLP on tokens x [N, D]: (y [N, D], router stats summed over all N tokens).
 
     p: 'router' [D, E], 'w_gate'/'w_up' [E, D, F], 'w_down' [E, F, D]. With dp > 1 in the current
-    mesh the experts are split over dp and the tokens travel by all_to_all (expert parallelism):
-    as a `shard_map` over dp, or directly when dp is already manual (inside a dp shard_map)."""
+    mesh the experts are split over dp and the tokens travel by all_to_all (expert parallelism),
+    in a `shard_map` over the axes the tokens are split over."""
     if routing not in ROUTINGS:
         raise ConfigError(f"moe.routing={routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
     mesh = jax.sharding.get_abstract_mesh()
@@ -212,11 +212,6 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     if num_experts % dp:
         raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={dp}; expert "
                           f"parallelism gives each dp device the same number of experts.")
-    if mesh.axis_types[mesh.axis_names.index(DP)] == AxisType.Manual:  # already per dp device
-        if p["w_gate"].shape[0] == num_experts:  # whole (replicated) experts: take this device's share
-            start = lax.axis_index(DP) * (num_experts // dp)
-            p = {**p, **{k: lax.dynamic_slice_in_dim(p[k], start, num_experts // dp) for k in ("w_gate", "w_up", "w_down")}}
-        return _local_moe(x, p, top_k, routing, capacity_factor, DP, (DP,))
     # Manual over every axis the tokens are split over (dp, and cp with context parallelism: each
     # cp rank then exchanges its own tokens with the dp group that holds its experts, which are
     # replicated over cp), so that no token dimension is left for the partitioner inside.

@@ -9,10 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from mesh import ConfigError, MeshConfig, make_mesh
-from mesh.mesh import DP
 from models import moe
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
@@ -121,23 +119,6 @@ def test_capacity_under_expert_parallelism_is_each_devices_own_queue():
         y, stats = run(x, p)
     np.testing.assert_array_equal(np.asarray(y), np.concatenate([np.asarray(q[0]) for q in quarters]))
     assert float(stats.dropped) == sum(float(q[1].dropped) for q in quarters) > 0
-
-
-def test_expert_parallel_inside_a_dp_shard_map_takes_its_share_of_replicated_experts():
-    """What data_parallel.reduce_once runs: dp already manual, the parameters whole on every device."""
-    x, p = layer(8)
-    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
-
-    def per_device(x, p):
-        y, stats = moe.moe_mlp(x, p, top_k=2, routing="dropless")
-        return y, stats.assigned
-
-    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(DP), P()), out_specs=(P(DP), P())))
-    with jax.set_mesh(mesh):
-        y, assigned = run(x, p)
-    want_y, want_stats, _, _ = value_and_grads(8, 2, "dense", 1.0)
-    assert_close(np.asarray(y), want_y)
-    np.testing.assert_array_equal(np.asarray(assigned), want_stats.assigned)
 
 
 def test_experts_that_do_not_split_over_dp_and_unknown_routings_are_config_errors():
