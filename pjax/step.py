@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
 from models.config import SHAPE_KEYS, LlamaConfig
-from models.moe import MoeConfig, aux_losses
+from models.moe import MoeConfig, router_loss
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
@@ -66,9 +65,8 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig, atten
                                                flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size)
     if stats is None:
         return loss, (count, {})
-    router = aux_losses(stats, cfg.num_hidden_layers)
-    loss += count * (cfg.router_aux_loss_coef * router["aux_loss"] + cfg.router_z_loss_coef * router["z_loss"])
-    return loss, (count, router)
+    extra, router = router_loss(stats, count, cfg)
+    return loss + extra, (count, router)
 
 
 def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
@@ -133,13 +131,10 @@ def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainCo
     """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}
     (an MoE model adds its router metrics: aux_loss, z_loss, dropped_fraction, load_min, load_max).
 
-    `grads_fn` replaces `loss_and_grads` (with pp > 1: the pipelined one, same arguments and results)."""
-    if cfg.num_local_experts:  # (pp = 1: MoE runs the plain step)
-        loss, grads, router = loss_and_grads(state.params, batch, cfg, tc, grad_sharding, attention_fn, moe,
-                                             with_router_metrics=True)
-    else:
-        loss, grads = (grads_fn or loss_and_grads)(state.params, batch, cfg, tc, grad_sharding, attention_fn)
-        router = {}
+    `grads_fn` replaces `loss_and_grads` with `moe` (with pp > 1: the pipelined one, same arguments
+    and results)."""
+    grads_fn = grads_fn or functools.partial(loss_and_grads, moe=moe)
+    loss, grads, router = grads_fn(state.params, batch, cfg, tc, grad_sharding, attention_fn, with_router_metrics=True)
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -199,40 +194,6 @@ class Trainer:
             return self.step.jitted.lower(state, batch).compile()
 
 
-def step_memory_bytes(compiled: Any) -> int:
-    """Per-device bytes a compiled step needs: arguments + outputs - donated aliases + temporaries."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
-def device_memory_limit(device: jax.Device) -> int | None:
-    """Bytes the runtime lets one device allocate (GPU/TPU), or None where it does not say (CPU)."""
-    stats = device.memory_stats()
-    return stats.get("bytes_limit") if stats else None
-
-
-def preallocation_hint(platform: str) -> str:
-    """On GPUs, how to let JAX's allocator use more of the card (its limit is a fraction of it, .75 by default)."""
-    if platform != "gpu" or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
-        return ""
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75, JAX's default")
-    return (f" That limit is the share of the GPU's memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}); "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION=.95 raises it.")
-
-
-def check_fits(compiled: Any, mesh: Mesh) -> None:
-    """A one-line ConfigError, before anything runs, when the step needs more memory per device than a device has."""
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    limit = device_memory_limit(local[0])
-    need = step_memory_bytes(compiled)
-    if limit and need > limit:
-        size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-        raise ConfigError(
-            f"the training step needs {size(need)} per device and a device has {size(limit)}; "
-            f"lower the rows per device (train.batch_size, or raise train.grad_accum), set train.remat=full, "
-            f"or split the state further (train.zero, mesh.tp, mesh.pp).{preallocation_hint(local[0].platform)}")
-
-
 def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
     """`mesh.validate.validate_model` for this model: a one-line ConfigError unless it splits over `mesh`."""
     validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
@@ -253,9 +214,6 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     pipeline, moe = pipeline or PipelineConfig(), moe or MoeConfig()
     if mc.pp > 1:
         pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-    if cfg.num_local_experts and mc.pp > 1:
-        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} (Mixture of Experts) does not run with "
-                          f"mesh.pp > 1 yet; use dp, cp and tp (experts are split over dp).")
     if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
                           f"expert parallelism gives each dp device the same number of experts.")
@@ -277,7 +235,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     attention_fn = context_parallel.ring_attention(mesh) if mesh.shape[CP] > 1 else None
     grads_fn, loss_fn = functools.partial(loss_and_grads, moe=moe), functools.partial(mean_loss, moe=moe)
     if mc.pp > 1:  # pipeline parallelism: drop-ins with the same arguments and results
-        kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype))
+        kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype), moe=moe)
         grads_fn = functools.partial(pipeline_parallel.loss_and_grads, **kw)
         loss_fn = functools.partial(pipeline_parallel.mean_loss, **kw)
     step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding,

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> None:
             raise
         import jax
 
-        from pjax.step import preallocation_hint
+        from pjax.memory import preallocation_hint
 
         raise ConfigError(f"a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
                           f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state "
@@ -118,7 +118,8 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.resume import write_config
     from pjax.data import build_data
     from pjax.parallel.context_parallel import zigzag_layout
-    from pjax.step import build_trainer, check_fits, init_state, step_memory_bytes
+    from pjax.memory import check_fits, step_memory_bytes
+    from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
