@@ -8,12 +8,14 @@ Three measurements, each a JSON line:
   traffic   per layout and routing, AOT from shapes: all-to-all count and bytes per device per step
             read from the compiled HLO (`pjax/hlo.py`), next to the analytic volume: each routed
             (token, expert) pair's hidden vector sent to its expert and back, forward and backward,
-            per MoE layer and micro-batch (4 * tokens per device * k * D * 4 bytes). The buffer an
+            per MoE layer and micro-batch (4 * tokens per device * k * D * 4 bytes; a pipeline stage
+            holds L/pp of the layers). The buffer an
             all-to-all moves is [E, C, D] whatever the routing did, so the ratio is E*C / (n*k):
             about the capacity factor for capacity routing, E/k for dropless (C = n, no drops).
   drops     the fraction of assignments dropped at each capacity factor, at initialisation on a
             batch of the shipped text (the router is untrained, so its load is uneven).
-  time      median step time of each routing over --steps steps on one layout (random tokens).
+  time      median step time of each routing over --steps steps on each --time_layouts layout
+            (random tokens).
 """
 from __future__ import annotations
 
@@ -44,11 +46,12 @@ def build(config: str, layout: str, routing: str, factor: float, overrides: list
     return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, MoeConfig(routing, factor))
 
 
-def analytic_bytes(cfg, dp: int) -> int:
-    """Each routed token's hidden vector to its expert and back, forward and backward (fp32)."""
+def analytic_bytes(cfg, dp: int, pp: int = 1) -> int:
+    """Each routed token's hidden vector to its expert and back, forward and backward (fp32), for
+    the MoE layers of one device (a pipeline stage holds L/pp of them)."""
     mc, tc = cfg.model, cfg.train
     tokens = tc.batch_size // tc.grad_accum // dp * tc.seq_len  # per device per micro-batch
-    return 4 * tc.grad_accum * mc.num_hidden_layers * tokens * mc.num_experts_per_tok * mc.hidden_size * 4
+    return 4 * tc.grad_accum * mc.num_hidden_layers // pp * tokens * mc.num_experts_per_tok * mc.hidden_size * 4
 
 
 def traffic(config: str, layout: str, routing: str, factor: float, overrides: list[str]) -> dict:
@@ -58,7 +61,7 @@ def traffic(config: str, layout: str, routing: str, factor: float, overrides: li
     t0 = time.perf_counter()
     compiled = trainer.compile_step()
     stats = collective_stats(compiled.as_text())["all-to-all"]
-    floor = analytic_bytes(cfg, trainer.mesh.shape["dp"])
+    floor = analytic_bytes(cfg, trainer.mesh.shape["dp"], trainer.mesh.shape["pp"])
     return {"kind": "traffic", "layout": layout, "routing": routing, "capacity_factor": factor,
             "all_to_all_count": stats["count"], "all_to_all_bytes": stats["bytes"], "analytic_bytes": floor,
             "ratio": round(stats["bytes"] / floor, 2), "compile_s": round(time.perf_counter() - t0, 1)}
@@ -113,8 +116,9 @@ def plot(results: list[dict], out_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="mixtral-tiny")
-    ap.add_argument("--layouts", default="dp2,dp4,dp8,dp4-tp2", help="layouts for the traffic measurement")
-    ap.add_argument("--time_layout", default="dp4-tp2", help="the layout timed, and the one whose drops are counted")
+    ap.add_argument("--layouts", default="dp2,dp4,dp8,dp4-tp2,dp2-pp2,dp2-pp2-tp2", help="layouts for the traffic measurement")
+    ap.add_argument("--time_layout", default="dp4-tp2", help="the layout whose drops are counted")
+    ap.add_argument("--time_layouts", default="dp4-tp2,dp2-pp2-tp2", help="the layouts timed")
     ap.add_argument("--factors", default="0.5,1.0,1.25,1.5,2.0")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--plot", default=None, help="a folder for moe_drops.png")
@@ -123,8 +127,9 @@ def main() -> None:
     jobs = [lambda layout=layout, routing=routing: traffic(args.config, layout, routing, 1.25, args.overrides)
             for layout in args.layouts.split(",") for routing in ("dropless", "capacity")]
     jobs += [lambda f=float(f): drops(args.config, args.time_layout, f, args.overrides) for f in args.factors.split(",")]
-    jobs += [lambda routing=routing: step_time(args.config, args.time_layout, routing, 1.25, args.steps, args.overrides)
-             for routing in ("dropless", "capacity")]
+    jobs += [lambda layout=layout, routing=routing: step_time(args.config, layout, routing, 1.25, args.steps,
+                                                              args.overrides)
+             for layout in args.time_layouts.split(",") for routing in ("dropless", "capacity")]
     results = []
     for job in jobs:
         try:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP
+from mesh.mesh import CP, DP, PP
 from mesh.rules import logical_to_spec
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -108,6 +108,15 @@ def aux_losses(stats: RouterStats, layers: int = 1) -> dict[str, jax.Array]:
     return {"aux_loss": num_experts * jnp.sum(f * p), "z_loss": stats.z / (layers * tokens),
             "dropped_fraction": stats.dropped / jnp.sum(stats.assigned),
             "load_min": jnp.min(share), "load_max": jnp.max(share)}
+
+
+def router_loss(stats: RouterStats, count: jax.Array, cfg: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """What an MoE model adds to a micro-batch's summed cross-entropy over `count` tokens:
+    count * (router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss), so that dividing by
+    the count gives the mean cross-entropy plus each coefficient times its router loss; and the
+    router metrics (`aux_losses` of `stats`, summed over the model's cfg.num_hidden_layers)."""
+    metrics = aux_losses(stats, cfg.num_hidden_layers)
+    return count * (cfg.router_aux_loss_coef * metrics["aux_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]), metrics
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -218,8 +227,40 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
     experts = logical_to_spec(("experts",))  # the rules table: experts over dp
     specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
-    run = jax.shard_map(lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes),
-                        axis_names=set(token_axes), in_specs=(P(token_axes), specs),
-                        out_specs=(P(token_axes), RouterStats(*[P()] * 5)))
-    return run(x, p)
+    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes)
+    sharded = _differentiated_inside if PP in mesh.manual_axes else _sharded
+    return sharded(local, token_axes, specs)(x, p)
 
+
+def _sharded(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
+    """`local` on every device's tokens: a shard_map manual over the token axes."""
+    return jax.shard_map(local, axis_names=set(token_axes), in_specs=(P(token_axes), specs),
+                         out_specs=(P(token_axes), RouterStats(*[P()] * 5)))
+
+
+def _differentiated_inside(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
+    """`_sharded(local)` whose gradient is taken inside a shard_map too (the forward run again there).
+
+    Inside a pipeline stage (a shard_map manual over pp) JAX's own differentiation of this nested
+    shard_map gives its saved residuals a spec over pp as well as dp (jax 0.10: the residual specs
+    take every axis a value varies over, the outer manual ones included), and the program fails
+    verification. Differentiating `local` per device, inside a shard_map of its own, keeps the
+    residuals inside: each device saves (x, p) and reruns its forward in the backward. (Inside a
+    lax.scan over layers the same residuals are hoisted out of the scan, so pipeline stages with
+    expert parallelism run their layers unrolled: `pjax/parallel/pipeline_stage.py`.)"""
+    forward = _sharded(local, token_axes, specs)
+
+    def differentiable(x, p):  # the counts in the statistics (tokens, assigned, dropped) have no gradient
+        y, stats = local(x, p)
+        return y, (stats.prob, stats.z)
+
+    def per_device(x, p, ct):
+        ct_y, ct_stats = ct
+        return jax.vjp(differentiable, x, p)[1]((ct_y, (ct_stats.prob, ct_stats.z)))
+
+    backward = jax.shard_map(per_device, axis_names=set(token_axes),
+                             in_specs=(P(token_axes), specs, (P(token_axes), RouterStats(*[P()] * 5))),
+                             out_specs=(P(token_axes), specs))
+    run = jax.custom_vjp(forward)
+    run.defvjp(lambda x, p: (forward(x, p), (x, p)), lambda saved, ct: backward(*saved, ct))
+    return run

@@ -168,8 +168,8 @@ def text_batch():
 
 
 @functools.cache
-def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1):
-    mesh = make_mesh(MeshConfig(dp=dp, cp=cp, tp=tp), jax.devices()[: dp * cp * tp])
+def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1):
+    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero),
                          moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
@@ -177,16 +177,20 @@ def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", 
 @functools.cache
 def step_loss_and_grads(*layout):
     trainer = moe_trainer(*layout)
-    cols = np.asarray(zigzag_layout(trainer.mesh.shape["cp"])(np.arange(MOE_TC.seq_len)))  # ring attention's order
-    batch = jax.tree.map(lambda a: np.asarray(a)[..., cols], text_batch())
-    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params, jax.device_put(batch, trainer.batch_sharding))
+    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params, batch_for(trainer))
     return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def batch_for(trainer):
+    """The test batch on the trainer's mesh, in ring attention's zigzag order when cp > 1."""
+    cols = np.asarray(zigzag_layout(trainer.mesh.shape["cp"])(np.arange(MOE_TC.seq_len)))
+    return jax.device_put(jax.tree.map(lambda a: np.asarray(a)[..., cols], text_batch()), trainer.batch_sharding)
 
 
 @functools.cache
 def step_metrics(*layout):
     trainer = moe_trainer(*layout)
-    _, metrics = trainer.step(trainer.init(jax.random.key(0)), jax.device_put(text_batch(), trainer.batch_sharding))
+    _, metrics = trainer.step(trainer.init(jax.random.key(0)), batch_for(trainer))
     return jax.tree.map(float, metrics)
 
 
@@ -197,6 +201,23 @@ def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layou
     loss, grads = step_loss_and_grads(*layout)
     assert abs(loss - ref_loss) <= 1e-6
     assert_close(grads, ref_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 0, "dropless", 1, 2), (2, 1, 0, "dropless", 1, 2), (2, 2, 0, "dropless", 1, 2),
+                                    (2, 1, 1, "capacity", 1, 2), (2, 1, 0, "dropless", 2, 2)],
+                         ids=["pp2", "dp2_pp2", "dp2_pp2_tp2", "dp2_pp2_zero1_capacity", "dp2_cp2_pp2"])
+def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(layout):
+    """The router statistics travel with the activations between stages, so every stage's router
+    gets the load-balancing loss's gradient of the whole model (pjax/parallel/pipeline_stage.py)."""
+    ref_loss, ref_grads = step_loss_and_grads(1)
+    loss, grads = step_loss_and_grads(*layout)
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_close(grads, ref_grads, rtol=1e-5)
+    for key in moe.ROUTER_METRICS:
+        assert step_metrics(*layout)[key] == pytest.approx(step_metrics(1)[key], rel=1e-5), key
+    trainer, one = moe_trainer(*layout), moe_trainer(1)
+    eval_loss = lambda tr: float(tr.loss(tr.init(jax.random.key(0)).params, batch_for(tr)))
+    assert eval_loss(trainer) == pytest.approx(eval_loss(one), abs=1e-6)
 
 
 def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():

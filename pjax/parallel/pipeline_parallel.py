@@ -19,7 +19,9 @@ Where things live
 
 One tick on one device: run the forward if the table says so (the embedding first on the
 first stage, the loss and the start of the backward on the last), then the backward if it says
-so, then pass activations one device on and cotangents one device back. A forward keeps its
+so, then pass activations one device on and cotangents one device back (an activation is the
+hidden states and, for a Mixture-of-Experts model, the router statistics so far:
+`pipeline_stage.py` says why they travel). A forward keeps its
 VJP residuals (the leaves of `jax.vjp`'s function, minus the weights) in a slot buffer until its
 backward, so a device holds as many micro-batches as the schedule keeps in flight: p for 1F1B,
 2p - 1 for lockstep 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full' keeps
@@ -45,7 +47,6 @@ over all micro-batches (Picotron's PP path forgets the 1/m).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -56,13 +57,12 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, PP, MeshConfig
-from mesh.rules import constrain, flatten_tokens, logical_to_spec
-from models import llama
-from models.attention import select_attention
+from mesh.rules import constrain
 from models.config import LlamaConfig
+from models.moe import ROUTER_METRICS, MoeConfig
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, make_stage
 
 Batch = dict[str, jax.Array]
 
@@ -117,83 +117,6 @@ def to_model_layout(params: Any, pp: int, v: int) -> Any:
     return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
 
 
-def _varying(x: jax.Array) -> jax.Array:
-    """`x` typed as varying over pp, whether it was invariant or varying already."""
-    try:
-        return lax.pcast(x, PP, to="varying")
-    except ValueError:  # pcast refuses varying -> varying
-        return x
-
-
-# --- Keeping VJP residuals in slot buffers ------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class VjpLayout:
-    """How to store a stage's `jax.vjp` function and rebuild it: its pytree structure, and for
-    each leaf either the index of the weight it is (not stored: the backward has the weights)
-    or None (a residual: stored per micro-batch)."""
-
-    treedef: Any
-    weight_index: tuple[int | None, ...]
-    stored: tuple[jax.ShapeDtypeStruct, ...]
-
-    @classmethod
-    def trace(cls, fn: Callable, w: Any, x: jax.Array) -> "VjpLayout":
-        # Traced inside the shard_map body with pp-varying inputs: a treedef traced outside
-        # carries invariant types and fails on the varying cotangent later.
-        _, vjp_fn = jax.vjp(fn, w, x)
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        w_leaves = jax.tree.leaves(w)
-        index = tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None) for leaf in leaves)
-        stored = tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l, k in zip(leaves, index) if k is None)
-        return cls(treedef, index, stored)
-
-    def pack(self, vjp_fn: Callable) -> list[jax.Array]:
-        leaves = jax.tree.leaves(vjp_fn)
-        assert len(leaves) == len(self.weight_index), "the stage's VJP changed structure between traces"
-        # A residual can be a pp-invariant constant; the slot buffers (and the loops carrying them) are varying.
-        return [_varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
-
-    def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
-        w_leaves, rest = jax.tree.leaves(w), iter(stored)
-        return jax.tree.unflatten(self.treedef, [next(rest) if k is None else w_leaves[k] for k in self.weight_index])
-
-
-# --- The model, cut into the pieces a stage runs ------------------------------------------------
-
-class Stage(NamedTuple):
-    dtype: Any  # the compute dtype: activations, cotangents and the weights a stage runs with
-    shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see `body`)
-    embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
-    layers: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (chunk weights, x, positions) -> y
-    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (shared, y, labels) -> scaled loss
-    head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
-
-
-def _stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float) -> Stage:
-    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean."""
-    attention_fn = attention_fn or select_attention(tc.attention)
-
-    def loss(shared, y, labels):
-        h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
-        return vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels),
-                                            tc.loss_chunk, cfg.vocab_size)[0] * scale
-
-    names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
-    # Ring attention's shard_map (manual over cp) inside a lax.scan inside this one (manual over
-    # pp) fails Shardy's verifier ("manual axis cp after free axis pp"); unrolled, it lowers.
-    scan = tc.scan_layers and jax.sharding.get_abstract_mesh().shape[CP] == 1
-    return Stage(
-        dtype=dtype,
-        shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
-        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
-        layers=lambda w, x, pos: llama.run_layers(w, x, pos, cfg, dtype=dtype, remat=tc.remat,
-                                                  scan=scan, attention_fn=attention_fn)[0],
-        loss=loss,
-        head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
-    )
-
-
 # --- One tick: a forward and a backward that run or not ---------------------------------------------
 
 def _run_if(pred: jax.Array, fn: Callable[[Any], Any], state: Any) -> Any:
@@ -211,6 +134,31 @@ def _run_if(pred: jax.Array, fn: Callable[[Any], Any], state: Any) -> Any:
 
 
 # --- The executor: a scan over ticks inside shard_map -----------------------------------------------
+
+class Buffers(NamedTuple):
+    """What the scan over ticks carries on one device (shapes per device; S = schedule slots)."""
+
+    inbox: Activation         # arriving activations by slot: ([S + 1, B*T, D], stats [S + 1, ...]); S = "nothing came"
+    cotangents: Activation    # arriving cotangents by slot, the same shapes
+    residuals: list           # each forward's VJP residuals by slot ([S (+ 1 in lockstep), ...] each)
+    grad_layers: Any          # fp32 [v, layers per chunk, ...]: this device's layer gradients
+    grad_head: Any            # fp32: final norm and output layer gradients (the last stage's)
+    loss: jax.Array           # []: the losses computed here
+    router: dict              # MoE: the router metrics of the micro-batches whose loss ran here, summed
+    d_embedded: jax.Array     # [m + 1, B*T, D]: the embedding's cotangent per micro-batch (+ a discard row)
+
+
+def _at(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _put(tree: Any, i: jax.Array, value: Any) -> Any:
+    return jax.tree.map(lambda a, x: a.at[i].set(x), tree, value)
+
+
+def _send(tree: Any, perm: list[tuple[int, int]]) -> Any:
+    return jax.tree.map(lambda a: lax.ppermute(a, PP, perm), tree)
+
 
 def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple[Callable, np.ndarray]:
     """The shard_map body running `sched`, and the table it reads: int32 [ticks, p, 7] of
@@ -233,7 +181,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
     to_prev = [(s, (s - 1) % p) for s in range(p) if ring or s > 0]
 
-    def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any]:
+    def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any, dict]:
         vary = lambda t: jax.tree.map(lambda a: lax.pcast(a, PP, to="varying"), t)
         device = lax.axis_index(PP)
         # The embedding and output layer are used by whole ticks: under ZeRO they are gathered over
@@ -246,89 +194,97 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
         # outside the VJP so the residuals never hold per-micro-batch copies of the weights.
         layers = jax.tree.map(lambda a: a.reshape(v, -1, *a.shape[1:]).astype(stage.dtype), params["layers"])
         chunk = lambda c: jax.tree.map(lambda a: a[c], layers)
-        b, t = batch["inputs"].shape[1:]
-        x0 = vary(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))
-        layout = VjpLayout.trace(lambda w, x: stage.layers(w, x, batch["positions"][0]), chunk(0), x0)
-        slots = lambda a, n: vary(jnp.zeros((n, *a.shape), a.dtype))
-        inbox = lambda: constrain(slots(x0, n_slots + 1), (None, "tokens", "embed"))  # + one for "nothing came"
+        m, b, t = batch["inputs"].shape
+        x0 = vary(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
+        nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
+        layout = VjpLayout.trace(lambda w, act: stage.layers(w, act, batch["positions"][0]), chunk(0), nothing)
+        slots = lambda tree, n: jax.tree.map(lambda a: vary(jnp.zeros((n, *a.shape), a.dtype)), tree)
+        inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, "tokens", "embed")), slots(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
-        m = batch["inputs"].shape[0]
-        # The embedding's cotangent per micro-batch (row m: a discard row for lockstep's idle devices).
-        d_embedded = slots(x0, m + 1)
-        carry = (inbox(), inbox(), [slots(a, res_slots) for a in layout.stored], f32_zeros(layers),
-                 f32_zeros(head_of(shared)), vary(jnp.zeros(())), d_embedded)
+        router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
+        start = Buffers(inbox=inbox(), cotangents=inbox(), residuals=[slots(a, res_slots) for a in layout.stored],
+                        grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)), loss=vary(jnp.zeros(())),
+                        router=f32_zeros(router0), d_embedded=slots(x0, m + 1))
 
-        def tick(carry, row):
-            xs, dys, res, gw, gs, loss, d_embedded = carry
+        def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
             op, mb, c, slot, recv_x, recv_dy, active = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
             w = chunk(c)
             # Only lockstep has devices running an op without work: their results are dropped.
             keep = (lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))) if lockstep else (lambda d: d)
+            add = lambda acc, d: jax.tree.map(lambda a, x: a + keep(x), acc, d)
 
-            def head(state):  # the last model stage starts the backward itself: loss, dhead and dy
-                dys, gs, loss, y = state
-                loss_fn = lambda hp, y: stage.loss({**shared, **hp}, y, micro["labels"])
-                l, (dhead, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head_of(shared), y)
-                gs = jax.tree.map(lambda g, d: g + keep(d), gs, dhead)
-                return dys.at[slot].set(dy), gs, loss + keep(l), y
+            def head(state):  # the last model stage starts the backward itself: loss, dhead and dact
+                cotangents, grad_head, loss, router, act = state
+                loss_fn = lambda hp, act: stage.loss({**shared, **hp}, act, micro["labels"])
+                (l, metrics), (dhead, dact) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+                    head_of(shared), act)
+                return _put(cotangents, slot, dact), add(grad_head, dhead), loss + keep(l), add(router, metrics), act
 
             def forward(state):  # keeps the VJP residuals at the slot; stage 0 embeds first
-                res, dys, gs, loss, _ = state
-                x = lax.cond(first, lambda: stage.embed(shared, micro["inputs"]),
-                             lambda: constrain(xs[slot], ("tokens", "embed")))  # both branches sharded alike
-                y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, micro["positions"]), w, x)
-                res = [r.at[slot].set(o) for r, o in zip(res, layout.pack(vjp_fn))]
-                dys, gs, loss, y = _run_if(last, head, (dys, gs, loss, y))
-                return res, dys, gs, loss, y
+                residuals, cotangents, grad_head, loss, router, _ = state
+                # Both branches sharded alike; the router statistics start at zero on the first stage.
+                act = lax.cond(first, lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()),
+                               lambda: (constrain(buf.inbox[0][slot], ("tokens", "embed")), _at(buf.inbox[1], slot)))
+                out, vjp_fn = jax.vjp(lambda w, act: stage.layers(w, act, micro["positions"]), w, act)
+                residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
+                return (residuals, *_run_if(last, head, (cotangents, grad_head, loss, router, out)))
 
-            def backward(state):  # adds the chunk's weight gradients; dx goes one stage back
-                gw, d_embedded, _ = state
-                dw, dx = layout.unpack(w, [r[slot] for r in res])(dys[slot])
-                gw = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), gw, dw)
+            def backward(state):  # adds the chunk's weight gradients; the activation's cotangent goes one stage back
+                grad_layers, d_embedded, _ = state
+                dw, dact = layout.unpack(w, [r[slot] for r in buf.residuals])(_at(buf.cotangents, slot))
+                grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
-                d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dx)
-                return gw, d_embedded, dx
+                d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dact[0])
+                return grad_layers, d_embedded, dact
 
             # A collective inside these loops runs only where every device of its group takes the
             # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
             # so both transfers run after them (and ring attention's only in lockstep).
-            res, dys, gs, loss, send_x = _run_if(op == ps.FORWARD, forward, (res, dys, gs, loss, jnp.zeros_like(x0)))
-            gw, d_embedded, send_dy = _run_if(op == ps.BACKWARD, backward, (gw, d_embedded, jnp.zeros_like(x0)))
+            residuals, cotangents, grad_head, loss, router, send_act = _run_if(
+                op == ps.FORWARD, forward, (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
+            grad_layers, d_embedded, send_cot = _run_if(
+                op == ps.BACKWARD, backward, (buf.grad_layers, buf.d_embedded, nothing))
             # The transfer: activations one device on, cotangents one device back, every tick.
-            xs = xs.at[recv_x].set(lax.ppermute(send_x, PP, to_next))
-            dys = dys.at[recv_dy].set(lax.ppermute(send_dy, PP, to_prev))
-            return (xs, dys, res, gw, gs, loss, d_embedded), None
+            return Buffers(inbox=_put(buf.inbox, recv_x, _send(send_act, to_next)),
+                           cotangents=_put(cotangents, recv_dy, _send(send_cot, to_prev)),
+                           residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
+                           router=router, d_embedded=d_embedded), None
 
-        (_, _, _, gw, gs, loss, d_embedded), _ = lax.scan(tick, carry, table[:, 0])
+        end, _ = lax.scan(tick, start, table[:, 0])
         # The embedding's gradient, once for all micro-batches (zero except on the first stage).
         embed_all = lambda e: jax.vmap(lambda tokens: stage.embed({"embed": e}, tokens))(batch["inputs"])
-        d_embed = jax.vjp(embed_all, shared["embed"])[1](d_embedded[:m])[0]
+        d_embed = jax.vjp(embed_all, shared["embed"])[1](end.d_embedded[:m])[0]
+        gs = end.grad_head
         gs = {**gs, "embed": jax.tree.map(lambda g, d: g + d.astype(jnp.float32), gs["embed"], d_embed)
               if "embed" in gs else jax.tree.map(lambda d: d.astype(jnp.float32), d_embed)}
         # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
-        grads = {**lax.psum(unzero(gs), PP), "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), gw)}
-        return lax.psum(loss, PP), grads
+        grads = {**lax.psum(unzero(gs), PP),
+                 "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), end.grad_layers)}
+        router = jax.tree.map(lambda r: r / m, lax.psum(end.router, PP))  # the mean over micro-batches
+        return lax.psum(end.loss, PP), grads, router
 
     return body, table
 
 
-def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool) -> tuple[jax.Array, Any]:
+def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool) -> tuple[jax.Array, Any, dict]:
     body, table = _executor(sched, stage, lockstep)
     specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
-    run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs), axis_names={PP})
+    run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs, P()), axis_names={PP})
     return run(params, batch, jnp.asarray(table))
 
 
 # --- Drop-ins for pjax.step's loss_and_grads and mean_loss when pp > 1 ------------------------------
 
 def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, grad_sharding: Any = None,
-                   attention_fn: Callable | None = None, *, pipeline: PipelineConfig,
-                   dtype: Any, schedule: ps.Schedule | None = None) -> tuple[jax.Array, Any]:
-    """Mean token loss of the global batch and its gradient; batch arrays are [m, B, T] and the
+                   attention_fn: Callable | None = None, *, pipeline: PipelineConfig, dtype: Any,
+                   schedule: ps.Schedule | None = None, moe: MoeConfig = MoeConfig(),
+                   with_router_metrics: bool = False) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict]:
+    """Mean token loss of the global batch and its gradient (and, `with_router_metrics`, an MoE
+    model's router metrics, averaged over the micro-batches); batch arrays are [m, B, T] and the
     m = train.grad_accum micro-batches are the pipeline's.
 
     `schedule`: a table of your own (`ps.from_orders`) run instead of `pipeline.schedule`'s; its
@@ -342,17 +298,18 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
                               f"run has p={sched.p} m={sched.m} v={sched.v} (mesh.pp, train.grad_accum, "
                               f"pipeline.virtual_stages).")
         sched = ps.lockstep(schedule) if lockstep else schedule
-    loss, grads = _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
-                       lockstep)
+    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe)
+    loss, grads, router = _run(sched, stage, params, batch, lockstep)
     if grad_sharding is not None:  # ZeRO: gradients live in slices
         grads = lax.with_sharding_constraint(grads, grad_sharding)
-    return loss, grads
+    return (loss, grads, router) if with_router_metrics else (loss, grads)
 
 
 def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
-              *, pipeline: PipelineConfig, dtype: Any) -> jax.Array:
-    """Mean token loss without gradients (evaluation), through a forwards-only table."""
+              *, pipeline: PipelineConfig, dtype: Any, moe: MoeConfig = MoeConfig()) -> jax.Array:
+    """Mean token loss without gradients (evaluation; with an MoE model's router losses, as in
+    training), through a forwards-only table."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)  # one kind of op: lockstep
-    return _run(sched, _stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size), params, batch,
-                needs_lockstep())[0]
+    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe)
+    return _run(sched, stage, params, batch, needs_lockstep())[0]

@@ -1,0 +1,127 @@
+"""What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots.
+
+The executor (`pipeline_parallel.py`) moves one *activation* from stage to stage: the hidden
+states x [B*T, D], and for a Mixture-of-Experts model the router statistics of the layers run so
+far (`models.moe.RouterStats`: [E] sums, a few hundred bytes). The statistics travel because
+the load-balancing loss couples every MoE layer of the model: the last stage needs all of them
+to compute it, and its gradient (d loss / d each expert's probability sum) is needed by every
+stage's router. So the forward carries the sums on with the activation, and the backward
+carries their cotangent back with the activation's: each stage adds its own layers' sums
+(`layers(w, (x, stats)) = (y, stats + its sums)`), whose VJP passes the statistics' cotangent
+through unchanged and into its routers. A dense model's statistics are `()`: the same code
+moves nothing more.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mesh.mesh import CP, DP, PP
+from mesh.rules import flatten_tokens, logical_to_spec
+from models import llama
+from models.attention import select_attention
+from models.config import LlamaConfig
+from models.moe import MoeConfig, RouterStats, router_loss
+from pjax.config import TrainConfig
+from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: RouterStats, or () when dense)
+
+
+def varying(x: jax.Array) -> jax.Array:
+    """`x` typed as varying over pp, whether it was invariant or varying already."""
+    try:
+        return lax.pcast(x, PP, to="varying")
+    except ValueError:  # pcast refuses varying -> varying
+        return x
+
+
+class Stage(NamedTuple):
+    dtype: Any  # the compute dtype: activations, cotangents and the weights a stage runs with
+    shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see the executor)
+    embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
+    no_stats: Callable[[], Any]  # the router statistics before the first layer (zeros; () when dense)
+    layers: Callable[[Any, Activation, jax.Array], Activation]  # (chunk weights, activation, positions)
+    loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
+    head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
+
+
+def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
+               moe: MoeConfig = MoeConfig()) -> Stage:
+    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean."""
+    attention_fn = attention_fn or select_attention(tc.attention)
+    experts = cfg.num_local_experts
+    # A shard_map inside a lax.scan inside this one (manual over pp) does not lower: ring
+    # attention's (manual over cp) fails Shardy's verifier ("manual axis cp after free axis pp"),
+    # and differentiating the MoE layer's (manual over dp, with expert parallelism) hoists its
+    # constants out of the scan with a spec over pp as well (models/moe.py). Unrolled, both lower.
+    mesh = jax.sharding.get_abstract_mesh()
+    scan = tc.scan_layers and mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1)
+
+    def no_stats():
+        if not experts:
+            return ()
+        return RouterStats(*(varying(jnp.zeros(shape, jnp.float32)) for shape in [(), (experts,), (experts,), (), ()]))
+
+    def layers(w, act, positions):
+        x, stats = act
+        y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, scan=scan,
+                                  attention_fn=attention_fn, moe=moe)
+        return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
+
+    def loss(shared, act, labels):
+        y, stats = act
+        h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
+        total, count = vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels),
+                                                    tc.loss_chunk, cfg.vocab_size)
+        if not experts:
+            return total * scale, {}
+        extra, metrics = router_loss(stats, count, cfg)
+        return (total + extra) * scale, metrics
+
+    names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
+    return Stage(
+        dtype=dtype,
+        shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
+        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
+        no_stats=no_stats,
+        layers=layers,
+        loss=loss,
+        head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpLayout:
+    """How to store a stage's `jax.vjp` function and rebuild it: its pytree structure, and for
+    each leaf either the index of the weight it is (not stored: the backward has the weights)
+    or None (a residual: stored per micro-batch)."""
+
+    treedef: Any
+    weight_index: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def trace(cls, fn: Callable, w: Any, act: Any) -> "VjpLayout":
+        # Traced inside the shard_map body with pp-varying inputs: a treedef traced outside
+        # carries invariant types and fails on the varying cotangent later.
+        _, vjp_fn = jax.vjp(fn, w, act)
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        w_leaves = jax.tree.leaves(w)
+        index = tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None) for leaf in leaves)
+        stored = tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l, k in zip(leaves, index) if k is None)
+        return cls(treedef, index, stored)
+
+    def pack(self, vjp_fn: Callable) -> list[jax.Array]:
+        leaves = jax.tree.leaves(vjp_fn)
+        assert len(leaves) == len(self.weight_index), "the stage's VJP changed structure between traces"
+        # A residual can be a pp-invariant constant; the slot buffers (and the loops carrying them) are varying.
+        return [varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
+
+    def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
+        w_leaves, rest = jax.tree.leaves(w), iter(stored)
+        return jax.tree.unflatten(self.treedef, [next(rest) if k is None else w_leaves[k] for k in self.weight_index])
