@@ -30,8 +30,7 @@ only each layer's input).
 "Run if" is a while loop of zero or one trips (`_run_if`), not `lax.cond`/`lax.switch`: XLA
 gives a conditional's result buffers of their own, so every buffer a branch passes through or
 updates (the residual slots, the inboxes, the gradient accumulators) is copied each tick,
-where a while loop updates its carry in place. With a switch per tick, pp=2 took 974 ms per
-step here, with the while loops 763 ms (benchmarks/README.md).
+where a while loop updates its carry in place (benchmarks/README.md has the step times of both).
 
 Pitfalls. A collective inside a forward or backward must only involve
 devices that run it: the tp/dp all-reduces XLA inserts are fine (their groups share a pp

@@ -1,0 +1,126 @@
+"""The layouts a model and batch divide into on N devices, and the training state each holds per device.
+
+This is the search space of a layout planner: every (dp, pp, cp, tp) whose product is N, with
+tp inside one host (its all-reduces run twice per layer and want the fast links), crossed with
+ZeRO stages, remat policies and pipeline schedules, and kept only when pjax's own validators
+accept it, so a layout listed here is one `pjax.train` runs.
+
+The state per device is exact, not estimated: each parameter's shard shape under the layout's
+shardings, taken on an `AbstractMesh` (no devices needed, any N), for the fp32 parameters, the
+fp32 gradient and AdamW's two moments (split over dp from ZeRO-1 on, like the gradient).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+
+from mesh.errors import ConfigError
+from mesh.mesh import AXES, MeshConfig
+from mesh.validate import validate_batch
+from models import llama
+from pjax.config import Config, PipelineConfig
+from pjax.parallel import data_parallel, pipeline_parallel
+from pjax.step import validate_layout
+
+ZEROS = (0, 1, 3)
+REMATS = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a config: the mesh, the ZeRO stage, remat, and (pp > 1) the pipeline schedule."""
+
+    dp: int
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero: int = 0
+    remat: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def mesh(self) -> MeshConfig:
+        return MeshConfig(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+
+    @property
+    def name(self) -> str:
+        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2' (only what differs from the plain layout)."""
+        parts = [f"{axis}{size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp)) if size > 1]
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["remat"] if self.remat != "none" else []
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts += [f"{self.schedule}{self.virtual_stages if self.virtual_stages > 1 else ''}"]
+        return "-".join(parts) or "1"
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that give `pjax.train` this layout."""
+        keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp))]
+        keys += [f"train.zero={self.zero}", f"train.remat={self.remat}"]
+        if self.pp > 1:
+            keys += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
+        return keys
+
+
+def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int, int, int]]:
+    """Every (dp, pp, cp, tp) with dp * pp * cp * tp = devices and tp <= devices_per_host."""
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    for tp in (d for d in divisors if d <= devices_per_host):
+        for cp in (d for d in divisors if (devices // tp) % d == 0):
+            for pp in (d for d in divisors if (devices // (tp * cp)) % d == 0):
+                yield devices // (tp * cp * pp), pp, cp, tp
+
+
+def check(config: Config, layout: Layout) -> None:
+    """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
+    cfg, tc = config.model, config.train
+    validate_layout(layout.mesh, cfg, layout.zero)
+    validate_batch(layout.mesh, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
+    if layout.pp > 1:
+        pipeline = PipelineConfig(schedule=layout.schedule, virtual_stages=layout.virtual_stages)
+        pipeline_parallel.validate_pipeline(layout.mesh, pipeline, cfg.num_hidden_layers, tc.grad_accum)
+    if cfg.num_local_experts % layout.dp:
+        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={layout.dp}.")
+
+
+def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
+            remats: tuple[str, ...] = REMATS) -> list[Layout]:
+    """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, and the
+    interleaved schedule with 2 chunks per device where the layers and micro-batches allow it)."""
+    found = []
+    for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
+        schedules = [("1f1b", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+        for zero in zeros:
+            for remat in remats:
+                for schedule, v in schedules:
+                    layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v)
+                    try:
+                        check(config, layout)
+                    except ConfigError:
+                        continue
+                    found.append(layout)
+    return found
+
+
+def abstract_mesh(layout: Layout) -> AbstractMesh:
+    """The layout's mesh as names and sizes only: shardings and shard shapes without devices."""
+    sizes = (layout.dp, layout.pp, layout.cp, layout.tp)
+    return AbstractMesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
+    """Bytes per device of the fp32 parameters, their gradient and the
+    AdamW moments: {'params', 'grads', 'opt_state', 'total'}."""
+    mesh, cfg = abstract_mesh(layout), config.model
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+    per_device = lambda shardings: sum(
+        math.prod(sharding.shard_shape(s.shape)) * jnp.dtype(jnp.float32).itemsize
+        for s, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+    params = per_device(data_parallel.param_shardings(mesh, cfg, layout.zero))
+    grads = per_device(data_parallel.grad_shardings(mesh, cfg, layout.zero))
+    return {"params": params, "grads": grads, "opt_state": 2 * grads, "total": params + 3 * grads}

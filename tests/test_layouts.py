@@ -1,0 +1,50 @@
+"""The layout search space (pjax/layouts.py): every listed layout is one pjax accepts, its overrides
+give that layout back, and the analytic state per device is what XLA's compiled step holds."""
+import jax
+import numpy as np
+import pytest
+
+from mesh import MeshConfig, make_mesh
+from pjax.config_io import load_config
+from pjax.layouts import Layout, layouts, mesh_shapes, state_bytes
+from pjax.step import build_trainer
+
+
+def test_mesh_shapes_cover_every_factorisation_with_tp_inside_a_host():
+    shapes = list(mesh_shapes(16, devices_per_host=8))
+    assert len(shapes) == len(set(shapes))
+    assert all(np.prod(s) == 16 for s in shapes)
+    assert max(s[3] for s in shapes) == 8  # tp=16 would span two hosts
+    # all ordered factorisations of 16 = 2^4 into 4 factors: C(4+3, 3) = 35, minus the one with tp = 16
+    assert len(shapes) == 34
+
+
+def test_listed_layouts_are_exactly_those_pjax_accepts_and_their_overrides_give_them_back():
+    config = load_config("llama2-7b")  # 32 heads and kv-heads, 32 layers, batch 256 in 4 micro-batches
+    found = layouts(config, devices=8, devices_per_host=8)
+    names = {layout.name for layout in found}
+    assert "dp8" in names and "dp2-tp4-zero1" in names and "pp2-tp4-remat" in names
+    assert "pp2-tp4-interleaved2" in names
+    assert len(names) == len(found)
+    for layout in found[::7]:
+        again = load_config("llama2-7b", layout.overrides())
+        assert again.mesh == layout.mesh and again.train.zero == layout.zero and again.train.remat == layout.remat
+    # heads 9 / kv-heads 3 (SmolLM2-135M): no tp of 2, 4 or 8
+    assert {layout.tp for layout in layouts(load_config("smollm-135m"), 8, 8)} == {1}
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=8), Layout(dp=4, tp=2, zero=1), Layout(dp=4, pp=2, zero=3)],
+                         ids=lambda layout: layout.name)
+def test_state_bytes_equal_what_the_compiled_step_holds(layout):
+    """Arguments of the compiled step = parameters + optimizer state + the batch + a few scalars."""
+    config = load_config("debug", layout.overrides())
+    analytic = state_bytes(config, layout)
+    trainer = build_trainer(make_mesh(config.mesh, jax.devices()[:8]), config.model, config.train, config.pipeline)
+    arguments = trainer.compile_step().memory_analysis().argument_size_in_bytes
+    tc = config.train
+    batch = 3 * tc.batch_size // layout.dp * tc.seq_len * 4  # inputs, labels, positions: int32, rows over dp
+    scalars = arguments - batch - analytic["params"] - analytic["opt_state"]
+    assert 0 <= scalars <= 64, scalars  # the step counter and the optimizer's counts
+    assert analytic["grads"] * 2 == analytic["opt_state"]
+    if layout.zero == 0:
+        assert analytic["grads"] == analytic["params"]
