@@ -21,11 +21,10 @@ from jax.sharding import AbstractMesh, AxisType
 
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
-from mesh.validate import validate_batch
 from models import llama
 from pjax.config import Config, PipelineConfig
-from pjax.parallel import data_parallel, pipeline_parallel
-from pjax.step import validate_layout
+from pjax.parallel import data_parallel
+from pjax.step import validate_run
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
@@ -78,14 +77,9 @@ def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int,
 
 def check(config: Config, layout: Layout) -> None:
     """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
-    cfg, tc = config.model, config.train
-    validate_layout(layout.mesh, cfg, layout.zero)
-    validate_batch(layout.mesh, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
-    if layout.pp > 1:
-        pipeline = PipelineConfig(schedule=layout.schedule, virtual_stages=layout.virtual_stages)
-        pipeline_parallel.validate_pipeline(layout.mesh, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-    if cfg.num_local_experts % layout.dp:
-        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={layout.dp}.")
+    pipeline = PipelineConfig(schedule=layout.schedule, virtual_stages=layout.virtual_stages)
+    validate_run(layout.mesh, config.model, dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat),
+                 pipeline)
 
 
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,

@@ -202,6 +202,17 @@ def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
                    vocab_multiple=cfg.make_vocab_size_divisible_by)
 
 
+def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig) -> None:
+    """A one-line ConfigError unless the model, batch, pipeline schedule and experts split over `mc`."""
+    validate_layout(mc, cfg, tc.zero)
+    validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
+    if mc.pp > 1:
+        pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
+    if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
+        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
+                          f"expert parallelism gives each dp device the same number of experts.")
+
+
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
                   moe: MoeConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
@@ -209,14 +220,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
     stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's."""
     mc = MeshConfig.of(mesh)
-    validate_layout(mc, cfg, tc.zero)
-    validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     pipeline, moe = pipeline or PipelineConfig(), moe or MoeConfig()
-    if mc.pp > 1:
-        pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-    if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
-        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
-                          f"expert parallelism gives each dp device the same number of experts.")
+    validate_run(mc, cfg, tc, pipeline)
     optimizer = make_optimizer(tc)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)

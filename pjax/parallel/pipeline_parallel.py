@@ -232,6 +232,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
                 return (residuals, *_run_if(last, head, (cotangents, grad_head, loss, router, out)))
 
             def backward(state):  # adds the chunk's weight gradients; the activation's cotangent goes one stage back
+                # (A tick runs one op, so the buffers a forward of this tick would write are not read here.)
                 grad_layers, d_embedded, _ = state
                 dw, dact = layout.unpack(w, [r[slot] for r in buf.residuals])(_at(buf.cotangents, slot))
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
