@@ -41,7 +41,8 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
 
 
 def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
-    """The attention implementation: 'reference', 'blocked' (fast on XLA:CPU) or 'cudnn' (GPU).
+    """The attention implementation: 'reference', 'blocked' (fast on XLA:CPU), 'chunked' (keeps
+    no scores for the backward: long sequences without a fused kernel) or 'cudnn' (GPU).
 
     'auto' picks cuDNN's fused kernel on GPU and the blocked form elsewhere.
     """
@@ -53,6 +54,10 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
         from models.cpu_attention import blocked_causal_attention
 
         return blocked_causal_attention
+    if impl == "chunked":
+        from models.chunked_attention import chunked_causal_attention
+
+        return chunked_causal_attention
     if impl == "cudnn":
         if jax.default_backend() != "gpu":
             raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {jax.default_backend()}; "
@@ -62,7 +67,7 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
                               "on cuDNN's fused attention (an IndexError from inside XLA); set train.attention=reference "
                               "for a deterministic run (6-7x slower on SmolLM-135M), or drop the flag.")
         return _cudnn_attention
-    raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked or cudnn.")
+    raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked, chunked or cudnn.")
 
 
 def deterministic_gpu_ops() -> bool:

@@ -18,7 +18,7 @@ from models.moe import MoeConfig
 DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
-ATTENTIONS = ("auto", "reference", "blocked", "cudnn")
+ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved")
 ON_NONFINITE = ("stop", "skip")
 
@@ -58,7 +58,7 @@ class TrainConfig:
     remat: str = "none"  # none | full | dots | dots_no_batch | offload
     zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
     scan_layers: bool = True  # lax.scan over layers (fast compile; what makes remat bound memory) or unrolled
-    attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | cudnn
+    attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | chunked | cudnn
     loss_chunk: int = 0  # tokens per block of the fused output layer + loss (0: the whole micro-batch)
     init_from: str | None = None  # a HuggingFace checkpoint directory to start from
     on_nonfinite: str = "stop"  # a step with a non-finite loss or gradient: stop the run, or skip the step

@@ -1,0 +1,96 @@
+"""Causal attention in query chunks that saves only the log-sum-exp: flash attention's memory, in plain JAX.
+
+`reference_attention` keeps the [B, H, T, T] probabilities for the backward, and so does the
+CPU-tuned `blocked` form (it trades memory for speed). At long sequences that is most of a
+step's memory: 8 rows of 4096 tokens with 32 heads is 17 GiB of fp32 scores per layer. A fused
+flash kernel (cuDNN's, on GPUs) keeps only q, k, v, the output and one log-sum-exp per query
+row, and recomputes the probabilities in the backward. This module does the same without a
+kernel:
+
+- forward: a `lax.scan` over query chunks; chunk c's scores against every key are masked by
+  position, softmaxed, and reduced to its output and log-sum-exp, and nothing else survives;
+- backward (`custom_vjp`): a second scan recomputes each chunk's probabilities as
+  exp(scores - lse) and accumulates dq, dk and dv (the algebra of `cpu_attention.py`).
+
+Memory saved per layer is O(T); the transient is one chunk's [chunk, T] scores per head. Every
+chunk computes its full row of keys (the masked part too, unlike `blocked`), which keeps the scan
+body's shapes fixed: twice the causal FLOPs, one compiled body whatever T is.
+
+Uses: `train.attention=chunked` for long sequences on backends without a fused kernel, and the
+layout planner (`pjax/plan`), which compiles GPU layouts on CPU devices with it so that XLA's
+memory figures count what cuDNN's kernel keeps.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite: no inf - inf NaNs in any dtype
+
+
+def _scores(qc, k, qp, kv_pos):
+    """One chunk's masked fp32 scores [B, KV, G, C, S]; qc: [B, C, KV, G, D], qp: [B, C]."""
+    s = jnp.einsum("bckgd,bskd->bkgcs", qc, k, preferred_element_type=jnp.float32) * (qc.shape[-1] ** -0.5)
+    return jnp.where(qp[:, None, None, :, None] >= kv_pos[:, None, None, None, :], s, _NEG)
+
+
+def _forward(q, k, v, q_pos, kv_pos):
+    """q: [N, B, C, KV, G, D] chunks, q_pos: [N, B, C] -> (out like q, lse [N, B, KV, G, C])."""
+    def chunk(_, xs):
+        qc, qp = xs
+        s = _scores(qc, k, qp, kv_pos)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.exp(s - lse[..., None])
+        return None, (jnp.einsum("bkgcs,bskd->bckgd", p.astype(v.dtype), v), lse)
+
+    _, (out, lse) = jax.lax.scan(chunk, None, (q, q_pos))
+    return out, lse
+
+
+@jax.custom_vjp
+def _chunked(q, k, v, q_pos, kv_pos):
+    return _forward(q, k, v, q_pos, kv_pos)[0]
+
+
+def _chunked_fwd(q, k, v, q_pos, kv_pos):
+    out, lse = _forward(q, k, v, q_pos, kv_pos)
+    return out, (q, k, v, q_pos, kv_pos, out, lse)
+
+
+def _chunked_bwd(res, d_out):
+    q, k, v, q_pos, kv_pos, out, lse = res
+    f32 = lambda x: x.astype(jnp.float32)
+    scale = q.shape[-1] ** -0.5
+
+    def chunk(carry, xs):
+        dk, dv = carry
+        qc, qp, oc, doc, lc = xs
+        p = jnp.exp(_scores(qc, k, qp, kv_pos) - lc[..., None])  # [B, KV, G, C, S]
+        dv = dv + jnp.einsum("bkgcs,bckgd->bskd", p, f32(doc))
+        dp = jnp.einsum("bckgd,bskd->bkgcs", f32(doc), f32(v))
+        delta = jnp.einsum("bckgd,bckgd->bkgc", f32(doc), f32(oc))  # rowsum(dO * O)
+        ds = p * (dp - delta[..., None]) * scale
+        dq = jnp.einsum("bkgcs,bskd->bckgd", ds, f32(k))
+        dk = dk + jnp.einsum("bkgcs,bckgd->bskd", ds, f32(qc))
+        return (dk, dv), dq.astype(q.dtype)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(chunk, (zeros, zeros), (q, q_pos, out, d_out, lse))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
+                             chunk: int = 512) -> jax.Array:
+    """Causal GQA attention by position, in query chunks of at most `chunk` rows (the largest
+    divisor of T not above it). q: [B, T, H, D]; k, v: [B, S, KV, D]; positions [B, T] / [B, S]."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    c = max(n for n in range(1, min(chunk, t) + 1) if t % n == 0)
+    chunks = lambda x: jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
+    out = _chunked(chunks(q.reshape(b, t, kv, h // kv, d)), k, v, chunks(q_pos), kv_pos)
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d)
