@@ -9,12 +9,21 @@ Bytes are per device, from the result shape(s) of each op (what arrives on a dev
 all-reduce and collective-permute move their operand; all-gather's result is the gathered
 tensor; reduce-scatter's result is the scattered slice. Async pairs (`-start`/`-done`, GPU)
 are counted at `-start`.
+
+`collectives_by_axis` also says which mesh axes each op runs over, from its device groups
+(`replica_groups` in any of XLA's three spellings, or a permute's `source_target_pairs`), and
+how many bytes a device sends over links for it with ring algorithms ("link bytes"): an
+all-reduce of S bytes over n devices sends 2(n-1)/n S, an all-gather or all-to-all of an S-byte
+result (n-1)/n S, a reduce-scatter of an s-byte slice (n-1) s, a permute its S.
 """
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Any, Callable
+
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -98,3 +107,80 @@ def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] =
 
     visit(entry, 1)
     return dict(totals)
+
+
+_GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r" \{([^}]*)\}")
+_ints = lambda text: [int(x) for x in text.split(",") if x]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    """XLA's iota tile assignment: arange(prod(dims)) reshaped to dims, transposed by perm."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def device_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective's HLO line (a permute's (source, target) pairs); one
+    group of every device when the op names none."""
+    m = _GROUPS_MESH.search(line)
+    if m:  # mesh['a'=2,'b'=4], device_ids=([..]T(..)) {'b'}: groups vary over the named axes
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(n) for _, n in names]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3) or "")) if m.group(2) else np.arange(math.prod(sizes)))
+        ids = ids.reshape(sizes)
+        over = [i for i, (name, _) in enumerate(names) if f"'{name}'" in m.group(4)]
+        keep = [i for i in range(len(sizes)) if i not in over]
+        return ids.transpose(keep + over).reshape(-1, math.prod(sizes[i] for i in over)).tolist()
+    m = _GROUPS_IOTA.search(line)
+    if m:  # [groups, size]<=[dims]T(perm)
+        return _iota(_ints(m.group(2)), _ints(m.group(3) or "")).reshape(_ints(m.group(1))).tolist()
+    m = _GROUPS_LIST.search(line)
+    if m and m.group(1):
+        return [_ints(group) for group in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return [list(range(num_devices))]
+
+
+def _link_factor(kind: str, n: int) -> float:
+    """Bytes a device sends per byte of the op's result, for ring algorithms over n devices."""
+    if n <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+            "reduce-scatter": n - 1, "collective-permute": 1.0}[kind]
+
+
+def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None
+                        ) -> dict[str, dict[str, Any]]:
+    """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes',
+    'inter_host', 'kinds'} per device per step.
+
+    Device ids in the groups are positions in the mesh's flat device order (axes in
+    `mesh_shape`'s order). `inter_host`: some group spans two hosts, taking hosts as consecutive
+    blocks of `devices_per_host` devices of that order (tp innermost stays inside a host).
+    """
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
+
+    def classify(kind: str, line: str) -> tuple:
+        groups = device_groups(line, n_dev)
+        coords = [np.array(np.unravel_index(g, sizes)) for g in groups if g]
+        axes = sorted({names[a] for c in coords for a in range(len(names)) if len(set(c[a])) > 1},
+                      key=names.index)
+        inter = any(len({d // per_host for d in g}) > 1 for g in groups)
+        size = 2 if kind == "collective-permute" else max(len(g) for g in groups)
+        return kind, "+".join(axes) or "none", size, inter
+
+    out: dict[str, dict[str, Any]] = {}
+    for label, stats in collective_stats(hlo_text, classify).items():
+        if isinstance(label, str):  # the always-present plain-kind rows
+            continue
+        kind, axes, size, inter = label
+        row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {}})
+        row["count"] += stats["count"]
+        row["bytes"] += stats["bytes"]
+        row["link_bytes"] += stats["bytes"] * _link_factor(kind, size)
+        row["inter_host"] |= inter
+        row["kinds"][kind] = row["kinds"].get(kind, 0) + stats["count"]
+    return out

@@ -29,3 +29,38 @@ def test_collectives_inside_a_scan_count_once_per_iteration():
     assert stats["all-reduce"] == {"count": 5, "bytes": 5 * 16 * 4}
     assert stats["collective-permute"] == {"count": 5, "bytes": 5 * 16 * 4}
     assert stats["all-gather"] == {"count": 1, "bytes": 128 * 4}
+
+
+def test_device_groups_read_all_three_spellings_of_replica_groups():
+    from pjax.hlo import device_groups
+
+    assert device_groups("replica_groups={{0,4},{1,5}}, x", 8) == [[0, 4], [1, 5]]
+    assert device_groups("source_target_pairs={{0,2},{2,0}}", 8) == [[0, 2], [2, 0]]
+    # [groups, size]<=[dims]T(perm): arange(8).reshape(2, 4).T rows
+    assert device_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert device_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # mesh form: devices laid out on the named mesh, groups vary over the axes in braces
+    line = "replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, use_global_device_ids=true"
+    assert device_groups(line, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert device_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert device_groups("replica_groups={}, x", 4) == [[0, 1, 2, 3]]
+
+
+def test_collectives_by_axis_names_the_axes_and_counts_ring_link_bytes():
+    from pjax.hlo import collectives_by_axis
+
+    mesh = make_mesh(MeshConfig(dp=2, tp=4))
+
+    def body(x):
+        x = jax.lax.psum(x, "tp")  # [16] f32 over 4 devices: 2 * 3/4 * 64 link bytes
+        x = jax.lax.ppermute(x, "dp", [(0, 1), (1, 0)])
+        return jax.lax.psum(x, ("dp", "tp"))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(), check_vma=False))
+    hlo = f.lower(jax.ShapeDtypeStruct((128,), jnp.float32)).compile().as_text()
+    by_axis = collectives_by_axis(hlo, dict(mesh.shape), devices_per_host=4)
+    assert by_axis["tp"]["count"] == 1 and by_axis["tp"]["bytes"] == 64
+    assert by_axis["tp"]["link_bytes"] == 2 * 3 / 4 * 64 and not by_axis["tp"]["inter_host"]
+    assert by_axis["dp"] == {"count": 1, "bytes": 64, "link_bytes": 64.0, "inter_host": True,
+                             "kinds": {"collective-permute": 1}}
+    assert by_axis["dp+tp"]["link_bytes"] == 2 * 7 / 8 * 64 and by_axis["dp+tp"]["inter_host"]
