@@ -76,7 +76,10 @@ def _chunked_bwd(res, d_out):
         dk = dk + jnp.einsum("bkgcs,bckgd->bskd", ds, f32(qc))
         return (dk, dv), dq.astype(q.dtype)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
+    # Inside a shard_map the carry must vary over the same manual axes as what the body adds to
+    # it: a zero drawn from every input gives it their union (plain zeros would be invariant).
+    anchor = sum(f32(x.ravel()[0]) for x in (q, k, v, d_out)) * 0.0
+    zeros = jnp.zeros(k.shape, jnp.float32) + anchor
     (dk, dv), dq = jax.lax.scan(chunk, (zeros, zeros), (q, q_pos, out, d_out, lse))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

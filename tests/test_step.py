@@ -211,3 +211,15 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch()
     grad_bytes = 4 * CFG.num_params
     assert stats["all-reduce"]["count"] <= 2, stats
     assert grad_bytes <= stats["all-reduce"]["bytes"] <= grad_bytes + 64, (stats, grad_bytes)
+
+
+def test_chunked_attention_step_on_dp2_tp2_equals_one_device():
+    """train.attention=chunked under the once-per-step dp reduction (a shard_map: its backward's
+    scan carry must vary over dp) and tp, against the default attention on one device."""
+    ref_loss, ref_grads = loss_and_grads(dp=1)
+    mesh = make_mesh(MeshConfig(dp=2, tp=2), jax.devices()[:4])
+    tr = build_trainer(mesh, CFG, dataclasses.replace(TC, attention="chunked"))
+    params = tr.init(jax.random.key(0)).params
+    loss, grads = tr.grads(params, jax.device_put(make_batch(2, 16), tr.batch_sharding))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    assert_grads_close(jax.tree.map(np.asarray, grads), ref_grads)

@@ -1,0 +1,160 @@
+"""The layouts a model and batch divide into on N devices, and the training state each holds per device.
+
+This is the planner's search space: every (dp, pp, cp, tp) whose product is N, with tp inside
+one host (its all-reduces run twice per layer and want the fast links), crossed with ZeRO
+stages, remat policies, pipeline schedules and micro-batch counts (train.grad_accum: powers of
+two and the config's own), and kept only when pjax's own validators accept it, so a layout
+listed here is one `pjax.train` runs.
+
+The state per device is exact, not estimated: each parameter's shard shape under the layout's
+shardings, taken on an `AbstractMesh` (no devices needed, any N), for the fp32 parameters, the
+fp32 gradient and AdamW's two moments (split over dp from ZeRO-1 on, like the gradient).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import re
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+
+from mesh.errors import ConfigError
+from mesh.mesh import AXES, MeshConfig
+from models import llama
+from pjax.config import Config
+from pjax.parallel import data_parallel
+from pjax.step import validate_run
+
+ZEROS = (0, 1, 3)
+REMATS = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a config: the mesh, the ZeRO stage, remat, and (pp > 1) the pipeline schedule."""
+
+    dp: int
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero: int = 0
+    remat: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    grad_accum: int = 1  # micro-batches per step (the pipeline's micro-batches when pp > 1)
+
+    @property
+    def mesh(self) -> MeshConfig:
+        return MeshConfig(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+
+    @property
+    def name(self) -> str:
+        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8' (the mesh, what differs from the plain
+        layout, and the micro-batch count)."""
+        parts = [f"{axis}{size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp)) if size > 1]
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["remat"] if self.remat != "none" else []
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts += [f"{self.schedule}{self.virtual_stages if self.virtual_stages > 1 else ''}"]
+        return "-".join((parts or ["1"]) + [f"m{self.grad_accum}"])
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        """The layout a `name` spells ('dp2-tp4-zero1-m4', '1-m2', 'pp2-interleaved2-m8'); ValueError otherwise."""
+        fields: dict = {}
+        for part in name.split("-"):
+            key = next((k for k in (*AXES, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
+            if key == "interleaved":
+                fields.update(schedule="interleaved", virtual_stages=int(part[len(key):]))
+            elif key is not None:
+                fields[{"m": "grad_accum"}.get(key, key)] = int(part[len(key):])
+            elif part in ("remat", "1f1b", "afab", "1"):
+                fields.update({"remat": {"remat": "full"}, "1f1b": {}, "afab": {"schedule": "afab"}, "1": {}}[part])
+            else:
+                raise ValueError(f"cannot read {part!r} in layout {name!r}; write it like dp2-pp2-tp2-zero1-remat-m4")
+        return cls(**{"dp": 1, **fields})
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that give `pjax.train` this layout."""
+        keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp))]
+        keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}"]
+        if self.pp > 1:
+            keys += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
+        return keys
+
+
+def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int, int, int]]:
+    """Every (dp, pp, cp, tp) with dp * pp * cp * tp = devices and tp <= devices_per_host."""
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    for tp in (d for d in divisors if d <= devices_per_host):
+        for cp in (d for d in divisors if (devices // tp) % d == 0):
+            for pp in (d for d in divisors if (devices // (tp * cp)) % d == 0):
+                yield devices // (tp * cp * pp), pp, cp, tp
+
+
+def apply(config: Config, layout: Layout) -> Config:
+    """`config` with the layout's mesh, ZeRO stage, remat, micro-batches and pipeline schedule."""
+    train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, grad_accum=layout.grad_accum)
+    pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
+    return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline)
+
+
+def check(config: Config, layout: Layout) -> None:
+    """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
+    config = apply(config, layout)
+    validate_run(layout.mesh, config.model, config.train, config.pipeline)
+
+
+def micro_batch_counts(config: Config, dp: int) -> list[int]:
+    """train.grad_accum values to try: the config's and every power of two that leaves whole rows per dp device."""
+    batch = config.train.batch_size
+    counts = {config.train.grad_accum} | {2 ** i for i in range(batch.bit_length()) if batch % 2 ** i == 0}
+    return sorted(g for g in counts if batch % g == 0 and (batch // g) % dp == 0)
+
+
+def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
+            remats: tuple[str, ...] = REMATS) -> list[Layout]:
+    """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, and the
+    interleaved schedule with 2 chunks per device where the layers and micro-batches allow it)."""
+    found = []
+    for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
+        schedules = [("1f1b", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+        for zero, remat, (schedule, v), accum in itertools.product(zeros, remats, schedules,
+                                                                  micro_batch_counts(config, dp)):
+            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum)
+            try:
+                check(config, layout)
+            except ConfigError:
+                continue
+            found.append(layout)
+    return found
+
+
+def abstract_mesh(layout: Layout) -> AbstractMesh:
+    """The layout's mesh as names and sizes only: shardings and shard shapes without devices."""
+    sizes = (layout.dp, layout.pp, layout.cp, layout.tp)
+    return AbstractMesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
+    """Bytes per device of the fp32 parameters, their gradient and the
+    AdamW moments: {'params', 'grads', 'opt_state', 'total'}."""
+    return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for every layout; the state depends on the mesh and ZeRO only
+def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int) -> tuple:
+    layout = Layout(dp, pp, cp, tp, zero)
+    mesh = abstract_mesh(layout)
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+    per_device = lambda shardings: sum(
+        math.prod(sharding.shard_shape(s.shape)) * jnp.dtype(jnp.float32).itemsize
+        for s, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+    params = per_device(data_parallel.param_shardings(mesh, cfg, layout.zero))
+    grads = per_device(data_parallel.grad_shardings(mesh, cfg, layout.zero))
+    return (("params", params), ("grads", grads), ("opt_state", 2 * grads), ("total", params + 3 * grads))
