@@ -22,7 +22,6 @@ memory figures count what cuDNN's kernel keeps.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

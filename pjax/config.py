@@ -105,6 +105,7 @@ class LogConfig:
     eval_batches: int = 4
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU where the device kind is unknown (CPU)
     spike_sigma: float = 6.0  # report a loss this many standard deviations above the recent mean (0: never)
+    inspect: bool = False  # print the step's memory per device and its collectives per mesh axes at start-up
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "log.every", self.every, "use an integer >= 1")

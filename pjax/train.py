@@ -119,6 +119,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.data import build_data
     from pjax.parallel.context_parallel import zigzag_layout
     from pjax.memory import check_fits, step_memory_bytes
+    from pjax.plan.inspect import parameter_table, step_report
     from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
@@ -152,11 +153,13 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
         if directory is not None:
             write_config(cfg, directory)
     say(mesh_summary(mesh))
-    say(sharding_summary(state.params, llama.param_logical_axes(mc)))
+    say(parameter_table(state.params, llama.param_logical_axes(mc)))
+    if cfg.log.inspect:  # what a device holds and what a step communicates, per mesh axes
+        say(step_report(cfg, mesh, compiled, devices_per_host=len(local_devices(mesh))))
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    local = local_devices(mesh)
     return _Run(trainer, train_iter, state, rng, memory, local)
 
 
@@ -250,24 +253,17 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     return records
 
 
+def local_devices(mesh: Any) -> list[Any]:
+    """The mesh's devices this process drives (one host's)."""
+    import jax
+
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def evaluate_held_out(trainer, state, train_iter, num_batches: int) -> float:
     """Mean token loss over up to `num_batches` held-out batches (same compiled loss as training)."""
     losses = [float(trainer.loss(state.params, batch)) for batch in train_iter.eval_batches(num_batches)]
     return float(np.mean(losses))
-
-
-def sharding_summary(params: Any, logical_axes: Any) -> str:
-    """A table: parameter, shape, logical axes, and the mesh axes it is split over."""
-    import jax
-
-    rows = [("parameter", "shape", "logical axes", "sharding")]
-    flat_axes = dict(jax.tree_util.tree_leaves_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple)))
-    for path, p in jax.tree_util.tree_leaves_with_path(params):
-        name = "/".join(str(k.key) for k in path)
-        names = ",".join(n or "-" for n in flat_axes[path])  # '-': a dimension with no logical name (the router's experts)
-        rows.append((name, "x".join(map(str, p.shape)), names, str(tuple(p.sharding.spec))))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 if __name__ == "__main__":

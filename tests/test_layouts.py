@@ -1,12 +1,12 @@
-"""The layout search space (pjax/layouts.py): every listed layout is one pjax accepts, its overrides
+"""The layout search space (pjax/plan/layouts.py): every listed layout is one pjax accepts, its overrides
 give that layout back, and the analytic state per device is what XLA's compiled step holds."""
 import jax
 import numpy as np
 import pytest
 
-from mesh import MeshConfig, make_mesh
+from mesh import make_mesh
 from pjax.config_io import load_config
-from pjax.layouts import Layout, layouts, mesh_shapes, state_bytes
+from pjax.plan.layouts import Layout, layouts, mesh_shapes, state_bytes
 from pjax.step import build_trainer
 
 
@@ -23,12 +23,14 @@ def test_listed_layouts_are_exactly_those_pjax_accepts_and_their_overrides_give_
     config = load_config("llama2-7b")  # 32 heads and kv-heads, 32 layers, batch 256 in 4 micro-batches
     found = layouts(config, devices=8, devices_per_host=8)
     names = {layout.name for layout in found}
-    assert "dp8" in names and "dp2-tp4-zero1" in names and "pp2-tp4-remat" in names
-    assert "pp2-tp4-interleaved2" in names
+    assert "dp8-m4" in names and "dp2-tp4-zero1-m4" in names and "pp2-tp4-remat-m4" in names
+    assert "pp2-tp4-interleaved2-m4" in names and "dp8-m32" in names and "dp8-m64" not in names  # 256 rows over dp8
+    assert "pp8-m4" in names and "pp8-interleaved2-m4" not in names  # interleaving needs m in groups of pp
     assert len(names) == len(found)
     for layout in found[::7]:
         again = load_config("llama2-7b", layout.overrides())
         assert again.mesh == layout.mesh and again.train.zero == layout.zero and again.train.remat == layout.remat
+        assert again.train.grad_accum == layout.grad_accum and Layout.parse(layout.name) == layout
     # heads 9 / kv-heads 3 (SmolLM2-135M): no tp of 2, 4 or 8
     assert {layout.tp for layout in layouts(load_config("smollm-135m"), 8, 8)} == {1}
 

@@ -1,0 +1,130 @@
+"""`python -m pjax.plan --config NAME|FILE --devices N [--device-kind h100] [--hosts H] [key=value ...]`
+
+Which layout of a config fits on N devices, and which is fastest: every layout pjax accepts
+is scored with a roofline, the best are compiled ahead of time on N fake CPU devices (nothing
+is allocated, no accelerator is needed), and XLA's own memory and collective figures rank them.
+Prints a table (or `--json`) and the winning layout as overrides for `pjax.train`.
+`--explain LAYOUT` shows one layout's parameters, shardings, memory and collectives instead.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for fake CPU devices: never touch an accelerator
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's partitioner warnings would bury the table
+
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+from mesh.errors import ConfigError  # noqa: E402
+from pjax.cli import ArgumentParser, run_main  # noqa: E402
+from pjax.plan.profiles import PROFILES  # noqa: E402
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    ap = ArgumentParser(prog="python -m pjax.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="debug", help="a name in configs/ or a YAML file")
+    ap.add_argument("--devices", type=int, required=True, help="how many devices (GPUs) in all")
+    ap.add_argument("--device-kind", dest="device_kind", default="h100", choices=list(PROFILES))
+    ap.add_argument("--hosts", type=int, default=None, help="hosts the devices are on (default: 8 devices per host)")
+    ap.add_argument("--mem-fraction", dest="mem_fraction", type=float, default=None,
+                    help="share of a device's memory the allocator may use (default: JAX's .75 on GPUs, 1 on CPU)")
+    ap.add_argument("--max-candidates", dest="max_candidates", type=int, default=12,
+                    help="how many layouts to compile (the best-scored ones)")
+    ap.add_argument("--workers", type=int, default=2, help="compile processes (0: compile in this process)")
+    ap.add_argument("--cache", default=None, help="directory of compiled results (default ~/.cache/pjax/plan)")
+    ap.add_argument("--no-cache", dest="no_cache", action="store_true")
+    ap.add_argument("--top", type=int, default=10, help="rows of the table")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--explain", metavar="LAYOUT", default=None,
+                    help="inspect one layout (e.g. dp2-tp4-zero1-m4) instead of searching")
+    ap.add_argument("overrides", nargs="*", help="config overrides applied before planning, e.g. train.batch_size=64")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_main(lambda: _run(args))
+
+
+def _run(args: Any) -> None:
+    from pjax.config_io import load_config
+
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: give the number of devices, a positive integer.")
+    config = load_config(args.config, args.overrides)
+    profile = PROFILES[args.device_kind]
+    layout = _layout(args.explain) if args.explain else None
+    hosts = args.hosts or math.ceil(args.devices / profile.devices_per_host)
+    if hosts < 1 or args.devices % hosts:
+        raise ConfigError(f"--hosts {hosts} does not divide --devices {args.devices}; every host has the same devices.")
+    per_host = args.devices // hosts
+    fraction = args.mem_fraction or (1.0 if profile.shares_host else 0.75)
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--mem-fraction {fraction} is not in (0, 1]; use e.g. .75 (JAX's default) or .95.")
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    except RuntimeError:  # JAX already started in this process (a notebook, a test): use its devices
+        pass
+    if (args.workers == 0 or args.explain) and len(jax.devices("cpu")) < args.devices:
+        raise ConfigError(f"this process has {len(jax.devices('cpu'))} CPU devices and the layouts need {args.devices}; "
+                          f"compile in worker processes (--workers 1 or more), or start JAX with more CPU devices.")
+    if args.explain:
+        from pjax.plan.inspect import explain
+
+        print(explain(config, layout, profile, per_host))
+        return
+    from pjax.plan.compile import Compiler, default_cache_dir
+    from pjax.plan.search import plan
+
+    cache = None if args.no_cache else (args.cache or default_cache_dir())
+    compiler = Compiler(profile, args.devices, per_host, cache, args.workers)
+    result = plan(config, profile, args.devices, per_host, compiler, args.max_candidates, fraction,
+                  progress=None if args.json else _progress)
+    if args.json:
+        print(json.dumps(_as_json(result, args), indent=1))
+    else:
+        print(_report(result, args))
+    if not any(c.prediction and c.prediction.fits for c in result.compiled):
+        sys.exit(1)
+
+
+def _layout(name: str) -> Any:
+    from pjax.plan.layouts import Layout
+
+    try:
+        return Layout.parse(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="compile", unit="layout", file=sys.stderr, dynamic_ncols=True)
+
+    def step() -> None:
+        bar.update(1)
+        if bar.n >= bar.total:
+            bar.close()
+    return step
+
+
+def _report(result: Any, args: Any) -> str:
+    from pjax.plan.report import table, verdict
+
+    return "\n".join([table(result, args.top), "", verdict(result, args.config)])
+
+
+def _as_json(result: Any, args: Any) -> dict:
+    from pjax.plan.report import as_json
+
+    return as_json(result, args.config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Compile candidate layouts' training steps ahead of time on fake CPU devices, in a process pool, with a cache.
+
+Nothing is allocated: each step is lowered from `ShapeDtypeStruct`s (`Trainer.compile_step`)
+on as many CPU devices as the layout has (`jax_num_cpu_devices`), and XLA's own figures are
+read back: the memory per device (`memory_analysis`) and the collectives per set of mesh axes
+(`pjax.hlo.collectives_by_axis`). For a GPU profile the step is compiled in the GPU's compute
+dtype (bf16) with `train.attention=chunked`, whose memory is that of cuDNN's fused kernel; the
+rest of the program is the one `pjax.train` runs.
+
+A result is cached on disk under a key made of the config, the layout, the profile, the device
+count, the JAX version and the source of pjax itself, so a repeated plan (or one with a larger
+`--max-candidates`) compiles only what it has not seen, and a code change invalidates it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import time
+from typing import Any, Callable, Iterable
+
+from pjax.config import Config
+from pjax.plan.layouts import Layout, apply
+from pjax.plan.profiles import Profile
+
+_SOURCE_DIRS = ("pjax", "models", "mesh")
+
+
+def planned_config(config: Config, layout: Layout, profile: Profile) -> Config:
+    """The config the planner compiles for `layout` on `profile` (its compute dtype and attention)."""
+    config = apply(config, layout)
+    train = dataclasses.replace(config.train, dtype=profile.compute_dtype, attention=profile.attention)
+    return dataclasses.replace(config, train=train)
+
+
+def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
+    """Compile one layout's step in this process (its backend must have enough CPU devices) and
+    return {'memory': {argument, output, alias, temp, total}, 'comm': per axes, 'compile_s'}."""
+    import jax
+
+    from mesh.mesh import make_mesh
+    from pjax.hlo import collectives_by_axis
+    from pjax.memory import step_memory_bytes
+    from pjax.step import build_trainer
+
+    cfg = planned_config(config, layout, profile)
+    devices = layout.dp * layout.pp * layout.cp * layout.tp
+    mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
+    start = time.perf_counter()
+    compiled = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe).compile_step()
+    m = compiled.memory_analysis()
+    memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
+              "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
+    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    return {"memory": memory, "comm": comm, "compile_s": round(time.perf_counter() - start, 2)}
+
+
+def _guarded(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
+    """compile_layout, with a failure reported as {'error': one line} instead of ending the plan."""
+    try:
+        return compile_layout(config, layout, profile, devices_per_host)
+    except Exception as e:  # noqa: BLE001 - an XLA failure on one layout must not lose the others
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return {"error": f"{type(e).__name__}: {first}"}
+
+
+def _init_worker(devices: int) -> None:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+
+
+@dataclasses.dataclass
+class Compiler:
+    """Compiles layouts (all with `devices` devices) through a cache directory and `workers` processes
+    (0: in this process, whose backend must already have `devices` CPU devices)."""
+
+    profile: Profile
+    devices: int
+    devices_per_host: int
+    cache_dir: str | None
+    workers: int = 2
+
+    def key(self, config: Config, layout: Layout) -> str:
+        blob = json.dumps([dataclasses.asdict(config), dataclasses.asdict(layout), dataclasses.asdict(self.profile),
+                           self.devices, self.devices_per_host, _versions()], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def run(self, config: Config, layouts: Iterable[Layout], on_done: Callable[[], None] = lambda: None
+            ) -> dict[Layout, dict[str, Any]]:
+        """Compile every layout not in the cache; returns each layout's result (cached ones included)."""
+        results, todo = {}, []
+        for layout in layouts:
+            cached = self._load(config, layout)
+            if cached is not None:
+                results[layout] = {**cached, "cached": True}
+                on_done()
+            else:
+                todo.append(layout)
+        args = lambda layout: (config, layout, self.profile, self.devices_per_host)
+        if not todo:
+            return results
+        if self.workers == 0:
+            for layout in todo:
+                results[layout] = self._store(config, layout, _guarded(*args(layout)))
+                on_done()
+            return results
+        ctx = multiprocessing.get_context("spawn")  # a fresh backend per worker, with its own device count
+        with cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
+                                    initargs=(self.devices,)) as pool:
+            futures = {pool.submit(_guarded, *args(layout)): layout for layout in todo}
+            for future in cf.as_completed(futures):
+                results[futures[future]] = self._store(config, futures[future], future.result())
+                on_done()
+        return results
+
+    def _path(self, config: Config, layout: Layout) -> pathlib.Path | None:
+        return None if self.cache_dir is None else pathlib.Path(self.cache_dir) / f"{self.key(config, layout)}.json"
+
+    def _load(self, config: Config, layout: Layout) -> dict[str, Any] | None:
+        path = self._path(config, layout)
+        try:
+            return json.loads(path.read_text()) if path is not None and path.exists() else None
+        except (OSError, ValueError):  # a torn or unreadable entry is compiled again
+            return None
+
+    def _store(self, config: Config, layout: Layout, result: dict[str, Any]) -> dict[str, Any]:
+        path = self._path(config, layout)
+        if path is not None and "error" not in result:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(result))
+            tmp.replace(path)
+        return result
+
+
+def default_cache_dir() -> str:
+    """$XDG_CACHE_HOME/pjax/plan (~/.cache/pjax/plan)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pjax", "plan")
+
+
+_VERSIONS: list[str] = []
+
+
+def _versions() -> list[str]:
+    """JAX's version and a hash of this checkout's Python source: a code change is a new cache key."""
+    if not _VERSIONS:
+        import jax
+
+        root = pathlib.Path(__file__).resolve().parents[2]
+        digest = hashlib.sha256()
+        for directory in _SOURCE_DIRS:
+            for path in sorted((root / directory).rglob("*.py")):
+                digest.update(path.read_bytes())
+        _VERSIONS.extend([jax.__version__, digest.hexdigest()[:16]])
+    return _VERSIONS

@@ -1,0 +1,153 @@
+"""The planner's roofline: a layout's step time from its FLOPs, its collectives and its pipeline bubble.
+
+    compute  = model FLOPs per device x remat's recompute / (peak x measured efficiency)
+    bubble   = compute x (span of the schedule's table / its busy time - 1)       (pp > 1)
+    comm[a]  = per set of mesh axes a: count x latency + link bytes / bandwidth
+               (the inter-host bandwidth when a group spans hosts, the NVLink one otherwise)
+    step     = compute + bubble + comm on the critical path (tp, cp, pp ...)
+               + gradient/parameter traffic over dp (and dp+cp): hidden behind compute where
+                 the profile says XLA overlaps it (GPUs: step = max(compute + bubble, dp) + ...)
+
+The collectives come from XLA (`pjax.hlo.collectives_by_axis` on the compiled step) or, before
+anything is compiled, from `analytic_comm`: the minimum traffic each mechanism needs
+(the formulas of `benchmarks/comm.py`'s docstring, in ring link bytes). Memory before a compile
+is `analytic_memory`: the exact state plus a rough activation estimate, used only to choose
+which layouts and micro-batch counts to compile; XLA's figure decides whether a layout fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from pjax.config import Config
+from pjax.metrics import model_flops_per_token
+from pjax.parallel import pipeline_schedules as ps
+from pjax.plan.layouts import Layout, state_bytes
+from pjax.plan.profiles import Profile
+
+REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
+DP_AXES = ("dp", "dp+cp")  # gradient reductions and ZeRO gathers: the traffic XLA can overlap with compute
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    terms: dict[str, float]  # seconds: compute, bubble, and one entry per set of mesh axes
+    limit: str  # the largest term
+    tokens_per_s: float
+    mfu: float
+    memory_bytes: int
+    usable_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.usable_bytes
+
+
+def per_device(profile: Profile, devices: int) -> tuple[float, int]:
+    """(peak FLOP/s, memory bytes) of one device; fake CPU devices share their host's."""
+    share = min(devices, profile.devices_per_host) if profile.shares_host else 1
+    return profile.peak_flops / share, profile.memory_bytes // share
+
+
+def pipeline_ratio(layout: Layout) -> float:
+    """Time of the schedule's table over a device's busy time (1 without a pipeline): a tick
+    lasts as long as its slowest device, a backward twice a forward."""
+    if layout.pp == 1:
+        return 1.0
+    m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
+    sched = ps.interleaved_1f1b(p, m, v) if layout.schedule == "interleaved" else ps.SCHEDULES[layout.schedule](p, m, v)
+    return sched.span(1.0, 2.0) / (3.0 * m * v)
+
+
+def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
+    """Whether a group over `axes` ('dp', 'dp+cp') reaches past a host: devices are in (dp, pp, cp, tp)
+    order, tp innermost, and a host holds consecutive blocks of `per_host` of them."""
+    sizes = {"dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "tp": layout.tp}
+    names = list(sizes)
+    outer = min(names.index(a) for a in axes.split("+"))
+    return sizes[names[outer]] * math.prod(sizes[a] for a in names[outer + 1:]) > per_host
+
+
+def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:
+    """The minimum collectives of a step per device, shaped like `collectives_by_axis`'s rows."""
+    mc, tc = config.model, config.train
+    k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
+    tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
+    layers = mc.num_hidden_layers // pp
+    act = tokens * mc.hidden_size * act_bytes
+    params = mc.num_params * 4 / (tp * pp)  # fp32 gradients and parameters a device holds
+    rows: dict[str, tuple[int, float]] = {}
+    ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
+    if dp * cp > 1:
+        n, key = dp * cp, "dp+cp" if cp > 1 else "dp"
+        link = params * ring(n) if layout.zero == 0 else params * (n - 1) / n * 2  # reduce-scatter + gather
+        count = mc.num_hidden_layers // pp * 9 + 3
+        if layout.zero >= 3:  # gather each layer's weights in forward and backward, per micro-batch
+            link += 2 * k * params * (n - 1) / n
+            count += 2 * k * layers
+        rows[key] = (count, link)
+    if tp > 1:
+        rows["tp"] = (k * (4 * layers + 2), k * (4 * layers + 2) * act * ring(tp))
+    if cp > 1:
+        kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * act_bytes
+        rows["cp"] = (k * layers * 6 * (cp - 1), k * layers * (6 * (cp - 1) + 2) * kv_block)
+    if pp > 1:
+        ticks = 2 * (k * layout.virtual_stages + pp - 1)
+        rows["pp"] = (2 * ticks, 2 * k * layout.virtual_stages * act)
+    return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host)}
+            for axes, (count, link) in rows.items()}
+
+
+# Bytes XLA keeps per element of a layer's [tokens, D + (q, k, v heads + 3 F) / tp] activations
+# without remat, fitted to compiled steps of llama2-7b, smollm-1.7b (bf16: 10-13) and
+# picotron-cpu (fp32: ~17): only the order of magnitude matters, XLA's own figure decides.
+_KEPT_PER_ELEMENT = {2: 12, 4: 17}
+
+
+def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: str) -> int:
+    """State (exact) + batch + a rough activation estimate, bytes per device."""
+    mc, tc = config.model, config.train
+    d, f, v, tp = mc.hidden_size, mc.intermediate_size, mc.vocab_size, layout.tp
+    heads = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    tokens = tc.batch_size // layout.grad_accum // layout.dp * tc.seq_len // layout.cp
+    layer = tokens * _KEPT_PER_ELEMENT[act_bytes] * (d + (heads + 3 * f) // tp)
+    if attention in ("auto", "blocked", "reference"):  # probabilities kept for the backward (fp32)
+        layer += tokens * mc.num_attention_heads // tp * tc.seq_len // 2 * 4
+    layers = mc.num_hidden_layers // layout.pp
+    # remat=full keeps each layer's fp32 input and works on about three layers' worth at a time
+    saved = layers * tokens * d * 4 + 3 * layer if layout.remat == "full" else layers * layer
+    if layout.pp > 1:  # the executor's slots: up to pp micro-batches in flight, plus a spare
+        saved *= layout.pp + 1
+    logits = 2 * tokens * v // tp * 4 if not tc.loss_chunk else 2 * tc.loss_chunk * v // tp * 4
+    batch = 3 * tc.batch_size // layout.dp * tc.seq_len * 4
+    return state_bytes(config, layout)["total"] + batch + saved + logits
+
+
+def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
+    """One row of collectives: latency per op + link bytes over the link the group uses."""
+    bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
+    if profile.shares_host:  # memcpys on the host's cores: every device's transfer shares them
+        bw /= min(devices, profile.devices_per_host)
+    return row["count"] * profile.latency_s + row["link_bytes"] / bw
+
+
+def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
+            memory_bytes: int, mem_fraction: float) -> Prediction:
+    """The roofline step time of `layout` given its collectives per set of axes and its memory per device."""
+    mc, tc = config.model, config.train
+    devices = layout.dp * layout.pp * layout.cp * layout.tp
+    peak, memory = per_device(profile, devices)
+    tokens = tc.batch_size * tc.seq_len
+    flops = model_flops_per_token(mc, tc.seq_len) * tokens / devices
+    compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
+    terms = {"compute": compute, "bubble": compute * (pipeline_ratio(layout) - 1.0)}
+    terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
+    busy = terms["compute"] + terms["bubble"]
+    dp_traffic = sum(t for a, t in terms.items() if a in DP_AXES)
+    critical = sum(t for a, t in terms.items() if a not in DP_AXES and a not in ("compute", "bubble"))
+    step = (max(busy, dp_traffic) if profile.overlap_dp else busy + dp_traffic) + critical
+    limit = max(terms, key=terms.get)
+    return Prediction(step, terms, limit, tokens / step, flops / (step * peak), int(memory_bytes),
+                      int(memory * mem_fraction))

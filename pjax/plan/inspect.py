@@ -1,0 +1,93 @@
+"""The sharding inspector: where every parameter lives, what a device holds, and what a step communicates.
+
+`python -m pjax.plan --explain LAYOUT` prints it for any layout (compiled on fake CPU devices),
+and `pjax.train` prints the memory and collective part for its own run with `log.inspect=true`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from pjax.config import Config
+from pjax.hlo import collectives_by_axis
+from pjax.plan.layouts import Layout, state_bytes
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def parameter_table(params: Any, logical_axes: Any) -> str:
+    """Parameter, shape, logical axes, PartitionSpec, and bytes per device (arrays or sharded
+    ShapeDtypeStructs; the fp32 parameters as stored)."""
+    rows = [("parameter", "shape", "logical axes", "sharding", "per device")]
+    flat_axes = dict(jax.tree_util.tree_leaves_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple)))
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        name = "/".join(str(k.key) for k in path)
+        names = ",".join(n or "-" for n in flat_axes[path])  # '-': a dimension with no logical name (the router's experts)
+        per_device = math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
+        rows.append((name, "x".join(map(str, p.shape)), names, str(tuple(p.sharding.spec)), _size(per_device)))
+    return _table(rows)
+
+
+def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int) -> str:
+    """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per mesh axes."""
+    layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero)
+    state = state_bytes(config, layout)
+    m = compiled.memory_analysis()
+    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    memory = [
+        ("per device", "bytes"),
+        ("fp32 parameters", _size(state["params"])),
+        ("AdamW moments", _size(state["opt_state"])),
+        ("fp32 gradient (in the temporaries)", _size(state["grads"])),
+        ("step arguments (parameters, moments, batch)", _size(m.argument_size_in_bytes)),
+        ("temporaries (gradient, activations, buffers)", _size(m.temp_size_in_bytes)),
+        ("step in all (arguments + outputs - donated + temporaries)", _size(need)),
+    ]
+    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    rows = [("mesh axes", "ops per step", "bytes per device", "ring link bytes", "crosses hosts", "kinds")]
+    for axes, row in sorted(comm.items(), key=lambda kv: -kv[1]["link_bytes"]):
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(row["kinds"].items()))
+        rows.append((axes, f"{row['count']:,}", _size(row["bytes"]), _size(row["link_bytes"]),
+                     "yes" if row["inter_host"] else "no", kinds))
+    if len(rows) == 1:
+        rows.append(("(none)", "0", "0", "0", "-", "-"))
+    return "\n\n".join([_table(memory), _table(rows)])
+
+
+def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int) -> str:
+    """One layout in full: its parameters' shardings, the compiled step's memory and collectives,
+    and the planner's prediction for it on `profile`."""
+    from mesh.mesh import make_mesh
+    from models.llama import param_logical_axes
+    from pjax.plan.compile import planned_config
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import check
+    from pjax.step import build_trainer
+
+    check(config, layout)
+    cfg = planned_config(config, layout, profile)
+    devices = layout.dp * layout.pp * layout.cp * layout.tp
+    mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
+    trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe)
+    compiled = trainer.compile_step()
+    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    need = compiled.memory_analysis()
+    total = need.argument_size_in_bytes + need.output_size_in_bytes - need.alias_size_in_bytes + need.temp_size_in_bytes
+    p = predict(cfg, layout, profile, comm, total, 1.0 if profile.shares_host else 0.75)
+    terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
+    head = (f"{layout.name} on {devices} {profile.name} ({cfg.train.dtype} compute, attention {cfg.train.attention}); "
+            f"overrides: {' '.join(layout.overrides())}")
+    verdict = (f"predicted {p.step_s * 1e3:,.1f} ms per step ({terms}), {p.tokens_per_s:,.0f} tokens/s, "
+               f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "
+               f"{'fits' if p.fits else 'does NOT fit'}")
+    return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
+                        step_report(cfg, mesh, compiled, devices_per_host), verdict])

@@ -1,0 +1,124 @@
+"""The planner's search: every layout scored analytically, the most promising compiled, XLA's figures deciding.
+
+1. List every layout pjax accepts (`layouts.layouts`), micro-batch counts included.
+2. Drop the layouts whose exact training state alone (parameters, gradient, AdamW moments)
+   exceeds a device's usable memory: no activation could fit beside it.
+3. Score the rest with the roofline (`estimate.predict`) on the analytic collectives and
+   memory estimate. Layouts that differ only in their micro-batch count form a family; a
+   family's first candidate is its best-scored count whose estimate fits.
+4. Compile the best three quarters of `max_candidates` families' candidates (cached, in a
+   process pool). Then, in a second round, a candidate whose compiled step does not fit is
+   followed by the count in its family whose micro-batch is small enough (XLA's temporaries
+   scale with the tokens per micro-batch, so the count that fits is read off the first
+   compile), and the rest of the budget goes to the next families.
+5. Score the compiled candidates again with XLA's collectives and memory: the ranking.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from pjax.config import Config
+from pjax.plan.compile import Compiler, planned_config
+from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, per_device, predict
+from pjax.plan.layouts import Layout, layouts, state_bytes
+from pjax.plan.profiles import Profile
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    estimate: Prediction  # analytic
+    compiled: dict[str, Any] | None = None  # compile_layout's result (or {'error': ...})
+    prediction: Prediction | None = None  # from XLA's figures
+
+    @property
+    def family(self) -> Layout:
+        return dataclasses.replace(self.layout, grad_accum=1)
+
+
+@dataclasses.dataclass
+class Plan:
+    config: Config
+    profile: Profile
+    devices: int
+    devices_per_host: int
+    mem_fraction: float
+    listed: int  # layouts pjax accepts
+    too_big: list[tuple[Layout, dict[str, int]]]  # layouts whose state alone does not fit
+    candidates: list[Candidate]  # scored analytically, best first
+    compiled: list[Candidate]  # ranked: fitting by predicted step time, then the rest by memory
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(per_device(self.profile, self.devices)[1] * self.mem_fraction)
+
+
+def score(config: Config, layout: Layout, profile: Profile, per_host: int, mem_fraction: float) -> Prediction:
+    """The analytic roofline prediction of one layout (collectives and memory from formulas)."""
+    act_bytes = 2 if profile.compute_dtype == "bfloat16" else 4
+    comm = analytic_comm(config, layout, act_bytes, per_host)
+    memory = analytic_memory(config, layout, act_bytes, profile.attention)
+    return predict(config, layout, profile, comm, memory, mem_fraction)
+
+
+def _rank_key(c: Candidate) -> tuple:
+    p = c.prediction
+    if p is None:
+        return (2, 0.0)
+    return (0, p.step_s, c.layout.grad_accum) if p.fits else (1, p.memory_bytes)
+
+
+def plan(config: Config, profile: Profile, devices: int, devices_per_host: int, compiler: Compiler,
+         max_candidates: int, mem_fraction: float, progress: Callable[[int], Callable[[], None]] | None = None
+         ) -> Plan:
+    """Search the layouts of `config` on `devices` devices of `profile`; see the module docstring."""
+    listed = layouts(config, devices, devices_per_host)
+    usable = int(per_device(profile, devices)[1] * mem_fraction)
+    too_big, scored = [], []
+    for layout in listed:
+        state = state_bytes(config, layout)
+        if state["total"] > usable:
+            too_big.append((layout, state))
+            continue
+        scored.append(Candidate(layout, score(config, layout, profile, devices_per_host, mem_fraction)))
+    scored.sort(key=lambda c: (not c.estimate.fits, c.estimate.step_s, c.layout.grad_accum))
+    families: dict[Layout, list[Candidate]] = {}
+    for c in scored:
+        families.setdefault(c.family, []).append(c)
+    queue = [members[0] for members in families.values()]
+    first, queue = queue[:math.ceil(max_candidates * 3 / 4)], queue[math.ceil(max_candidates * 3 / 4):]
+    on_done = progress(min(max_candidates, len(first) + len(queue))) if progress else (lambda: None)
+    _compile(config, profile, compiler, first, on_done, mem_fraction)
+    # Second round: a family whose first compile does not fit tries the count that should; the
+    # budget left goes to the next families in the analytic order.
+    second = [retry for c in first if c.prediction is not None and not c.prediction.fits
+              for retry in [_count_that_fits(c, families[c.family], usable)] if retry is not None]
+    second = second[:max_candidates - len(first)]
+    second += queue[:max_candidates - len(first) - len(second)]
+    _compile(config, profile, compiler, second, on_done, mem_fraction)
+    done = first + second
+    ranked = sorted(done, key=_rank_key)
+    return Plan(config, profile, devices, devices_per_host, mem_fraction, len(listed), too_big, scored, ranked)
+
+
+def _compile(config: Config, profile: Profile, compiler: Compiler, batch: list[Candidate],
+             on_done: Callable[[], None], mem_fraction: float) -> None:
+    results = compiler.run(config, [c.layout for c in batch], on_done)
+    for c in batch:
+        c.compiled = results[c.layout]
+        if "error" not in c.compiled:
+            c.prediction = predict(planned_config(config, c.layout, profile), c.layout, profile,
+                                   c.compiled["comm"], c.compiled["memory"]["total"], mem_fraction)
+
+
+def _count_that_fits(c: Candidate, family: list[Candidate], usable: int) -> Candidate | None:
+    """The family's fewest micro-batches above c's whose temporaries, scaled by the micro-batch size, fit."""
+    memory = c.compiled["memory"]
+    resident = memory["total"] - memory["temp"]
+    for other in sorted(family, key=lambda o: o.layout.grad_accum):
+        m = other.layout.grad_accum
+        if m > c.layout.grad_accum and resident + memory["temp"] * c.layout.grad_accum / m <= usable:
+            return other
+    return None

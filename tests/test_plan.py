@@ -1,0 +1,111 @@
+"""The layout planner (`python -m pjax.plan`): its roofline pieces, its verdict when nothing fits,
+and its winning layout, which `pjax.train` must run as printed."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pjax.config_io import load_config
+from pjax.plan import __main__ as plan_cli
+from pjax.plan.compile import Compiler
+from pjax.parallel.pipeline_schedules import one_f_one_b
+from pjax.plan.estimate import pipeline_ratio, predict
+from pjax.plan.layouts import Layout
+from pjax.plan.profiles import PROFILES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_pipeline_ratio_is_the_span_of_the_schedule_table(p, m):
+    """A tick of one SPMD program lasts its slowest item (a backward, 2 forward-times, whenever any
+    device runs one), so 1F1B costs more than the textbook (m + p - 1)/m of devices of their own."""
+    ratio = pipeline_ratio(Layout(dp=1, pp=p, grad_accum=m))
+    assert ratio == pytest.approx(one_f_one_b(p, m).span(1.0, 2.0) / (3 * m))
+    assert ratio > (m + p - 1) / m
+    assert 1 < pipeline_ratio(Layout(dp=1, pp=p, schedule="interleaved", virtual_stages=2, grad_accum=m)) < ratio
+
+
+def test_roofline_adds_critical_traffic_and_hides_dp_traffic_where_the_profile_overlaps():
+    config = load_config("llama2-7b")
+    layout = Layout(dp=4, tp=2, grad_accum=4)
+    comm = {"tp": {"count": 0, "link_bytes": 450e9, "inter_host": False},  # 1 s on NVLink
+            "dp": {"count": 0, "link_bytes": 50e9, "inter_host": True}}  # 1 s between hosts
+    gpu = predict(config, layout, PROFILES["h100"], comm, 10 * 2**30, 0.75)
+    assert gpu.terms["tp"] == pytest.approx(1.0) and gpu.terms["dp"] == pytest.approx(1.0)
+    assert gpu.step_s == pytest.approx(max(gpu.terms["compute"], 1.0) + 1.0)
+    assert gpu.fits and gpu.usable_bytes == int(81559 * 2**20 * 0.75)
+    tokens = config.train.batch_size * config.train.seq_len
+    assert gpu.tokens_per_s == pytest.approx(tokens / gpu.step_s)
+    cpu = predict(config, layout, PROFILES["cpu"], {}, 10 * 2**30, 1.0)  # 8 fake devices share 24 GiB
+    assert not cpu.fits and cpu.limit == "compute"
+
+
+def test_state_alone_too_big_is_does_not_fit_with_the_reason(capsys):
+    """Llama-2-7B's fp32 state (16 bytes per parameter, 100 GiB) on one 80 GB H100: nothing to compile."""
+    with pytest.raises(SystemExit) as exit_:
+        plan_cli.main(["--config", "llama2-7b", "--devices", "1", "--workers", "0", "--no-cache"])
+    assert exit_.value.code == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the training state alone needs 100.4 GiB per device" in out
+    assert "fp32 parameters 25.1, gradient 25.1, AdamW moments 50.2 GiB" in out and "59.7 GiB usable" in out
+
+
+def test_bad_planner_input_is_one_line(capsys):
+    assert plan_cli.main(["--config", "debug", "--devices", "8", "--hosts", "3"]) == 2
+    assert plan_cli.main(["--config", "debug", "--devices", "8", "--explain", "dp2-xx4"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all(line.startswith("error: ") for line in errors)
+    assert "--hosts 3 does not divide --devices 8" in errors[0] and "cannot read 'xx4'" in errors[1]
+
+
+def test_compiles_are_cached_and_the_pool_gives_what_this_process_gives(tmp_path):
+    config = load_config("debug")
+    layouts = [Layout(dp=8, grad_accum=2), Layout(dp=4, tp=2, zero=1, grad_accum=2)]
+    pooled = Compiler(PROFILES["cpu"], 8, 8, str(tmp_path), workers=1).run(config, layouts)
+    here = Compiler(PROFILES["cpu"], 8, 8, None, workers=0).run(config, layouts)
+    cached = Compiler(PROFILES["cpu"], 8, 8, str(tmp_path), workers=0).run(config, layouts)
+    for layout in layouts:
+        assert "error" not in pooled[layout], pooled[layout]
+        assert pooled[layout]["memory"] == here[layout]["memory"] == cached[layout]["memory"]
+        assert cached[layout]["cached"] and not here[layout].get("cached")
+        assert pooled[layout]["comm"]["dp"]["count"] > 0
+    assert "tp" in here[layouts[1]]["comm"] and "tp" not in here[layouts[0]]["comm"]
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_the_winning_layout_trains_a_step_under_pjax_train(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    run = lambda *args: subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True,
+                                       text=True, timeout=600)
+    plan = run("pjax.plan", "--config", "debug", "--devices", "8", "--device-kind", "cpu", "--max-candidates", "3",
+               "--workers", "1", "--cache", str(tmp_path / "cache"), "--json")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    result = json.loads(plan.stdout)
+    assert len(result["compiled"]) == 3 and result["best"]["fits"]
+    best = result["best"]
+    assert best["step_s"] == min(c["step_s"] for c in result["compiled"] if c["fits"])
+    assert best["memory_bytes"] == best["memory"]["total"] and best["comm"]
+    train = run("pjax.train", "--config", "debug", "--no_progress", *best["overrides"], "train.steps=1", "log.inspect=true",
+                "log.eval_every=0", f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/data")
+    assert train.returncode == 0, train.stderr[-2000:]
+    mesh = {k.split("=")[0]: k.split("=")[1] for k in best["overrides"] if k.startswith("mesh.")}
+    assert f"mesh dp={mesh['mesh.dp']} pp={mesh['mesh.pp']} cp={mesh['mesh.cp']} tp={mesh['mesh.tp']}" in train.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"loss"') == 1
+    assert "fp32 parameters" in train.stdout and "ops per step" in train.stdout  # log.inspect's report
+
+
+def test_explain_shows_shardings_memory_and_collectives_per_axis(capsys):
+    assert plan_cli.main(["--config", "debug", "--devices", "4", "--device-kind", "cpu",
+                          "--explain", "dp2-tp2-zero1-m2"]) == 0
+    out = capsys.readouterr().out
+    assert "overrides: mesh.dp=2 mesh.pp=1 mesh.cp=1 mesh.tp=2 train.zero=1" in out
+    assert "layers/wq" in out and "(None, None, 'tp', None)" in out
+    assert "AdamW moments" in out and "temporaries" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("tp ", "dp "))}
+    assert set(rows) == {"tp", "dp"} and "reduce-scatter" in rows["dp"]  # ZeRO-1: the gradient in dp slices
+    assert "MFU" in out and "fits" in out
