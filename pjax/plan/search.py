@@ -67,7 +67,9 @@ def _rank_key(c: Candidate) -> tuple:
     p = c.prediction
     if p is None:
         return (2, 0.0)
-    return (0, p.step_s, c.layout.grad_accum) if p.fits else (1, p.memory_bytes)
+    # Equal times (dp traffic hidden under compute) go to less traffic, then more spare memory.
+    traffic = sum(t for a, t in p.terms.items() if a not in ("compute", "bubble"))
+    return (0, round(p.step_s, 9), traffic, p.memory_bytes) if p.fits else (1, p.memory_bytes)
 
 
 def plan(config: Config, profile: Profile, devices: int, devices_per_host: int, compiler: Compiler,
