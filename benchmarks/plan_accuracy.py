@@ -1,0 +1,134 @@
+"""How right is `pjax.plan`? Its predicted step time against the measured one, layout by layout.
+
+    python benchmarks/plan_accuracy.py                       # picotron-cpu and a wider variant, 12 layouts each
+    python benchmarks/plan_accuracy.py --configs picotron-cpu --layouts dp8-m2,dp2-tp4-m2 --plot acc.png
+
+For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
+- the planner's two predictions: the analytic one it ranks all layouts with before compiling,
+  and the one from the compiled step's collectives and memory (what its table prints), with
+  the `cpu` device profile;
+- the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up).
+Then per config: Spearman's rank correlation and the median relative error of each prediction.
+Per-device memory is compared only where the backend reports it (`memory_stats()`: GPUs);
+XLA:CPU keeps no allocator statistics, so on CPU the memory column is the compiled figure alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+CONFIGS = {
+    "picotron-cpu": [],
+    # 3.6x picotron-cpu's FLOPs per token: wider matmuls, the same 4 layers and batch
+    "picotron-cpu-wide": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_attention_heads=8",
+                          "model.num_key_value_heads=4"],
+}
+LAYOUTS = ("1-m4,dp8-m2,dp8-zero1-m2,dp8-zero3-m2,dp4-tp2-m2,dp2-tp4-m2,dp2-tp4-zero1-m2,dp4-cp2-m2,"
+           "dp2-cp2-tp2-m2,dp2-pp2-tp2-m2,dp4-pp2-m4,dp4-tp2-remat-m2")
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected in timings)."""
+    rank = lambda x: np.argsort(np.argsort(x)).astype(float)
+    return float(np.corrcoef(rank(a), rank(b))[0, 1])
+
+
+def measure(config: str, overrides: list[str], layout, steps: int) -> dict:
+    """benchmarks/step.py for this layout, in a process of its own."""
+    from pjax.malloc import huge_pages_env
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env.update(huge_pages_env(env))
+    bench = f"dp{layout.dp}-pp{layout.pp}-cp{layout.cp}-tp{layout.tp}"
+    cmd = [sys.executable, os.path.join(HERE, "step.py"), "--one", bench, "--config", "picotron-cpu",
+           "--steps", str(steps), "--warmup", "1", *overrides, *layout.overrides()]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--layouts", default=LAYOUTS)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--plot", default=None, help="predicted against measured step time, to this PNG")
+    args = ap.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from pjax.config_io import load_config
+    from pjax.plan.compile import Compiler
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import Layout, check
+    from pjax.plan.profiles import PROFILES
+    from pjax.plan.search import score
+
+    profile = PROFILES["cpu"]
+    summary = {}
+    for name in args.configs.split(","):
+        overrides = CONFIGS[name]
+        config = load_config("picotron-cpu", overrides)
+        rows = []
+        for layout in map(Layout.parse, args.layouts.split(",")):
+            check(config, layout)
+            devices = layout.dp * layout.pp * layout.cp * layout.tp
+            analytic = score(config, layout, profile, devices, 1.0)
+            compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
+            planned = predict(config, layout, profile, compiled["comm"], compiled["memory"]["total"], 1.0)
+            measured = measure(name, overrides, layout, args.steps)
+            row = {"config": name, "layout": layout.name, "devices": devices,
+                   "analytic_ms": round(analytic.step_s * 1e3, 1), "predicted_ms": round(planned.step_s * 1e3, 1),
+                   "limit": planned.limit, "measured_ms": measured.get("step_ms"),
+                   "compiled_memory_mb": round(compiled["memory"]["total"] / 2**20, 1),
+                   "measured_memory_mb": None, "error": measured.get("error")}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        ok = [r for r in rows if r["measured_ms"]]
+        meas = [r["measured_ms"] for r in ok]
+        stats = {}
+        for key in ("analytic_ms", "predicted_ms"):
+            pred = [r[key] for r in ok]
+            stats[key] = {"spearman": round(spearman(pred, meas), 3),
+                          "median_rel_error": round(float(np.median([abs(p - m) / m for p, m in zip(pred, meas)])), 3)}
+        summary[name] = {"layouts": len(ok), **stats, "rows": rows}
+        print(json.dumps({"config": name, "layouts": len(ok), **stats}), flush=True)
+    if args.plot:
+        plot(summary, args.plot)
+
+
+def plot(summary: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for name, s in summary.items():
+        ok = [r for r in s["rows"] if r["measured_ms"]]
+        ax.scatter([r["measured_ms"] for r in ok], [r["predicted_ms"] for r in ok], label=name)
+        for r in ok:
+            ax.annotate(r["layout"], (r["measured_ms"], r["predicted_ms"]), fontsize=6)
+    lo, hi = ax.get_xlim()
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title("pjax.plan on 8 CPU devices")
+    ax.legend()
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
