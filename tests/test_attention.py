@@ -29,38 +29,32 @@ def test_reference_equals_jax_dot_product_attention():
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
-@pytest.mark.parametrize("t,block", [(64, 16), (48, 16), (64, 64), (20, 64)])
-def test_blocked_forward_and_grads_equal_reference(t, block):
+def assert_equals_reference(fn, t: int, permuted: bool = False):
+    """fn's output and its gradients with respect to q, k and v equal the reference attention's."""
     q, k, v, pos, d_out = qkv(t=t)
-    blocked = functools.partial(blocked_causal_attention, block=block)
+    if permuted:
+        pos = jnp.broadcast_to(jax.random.permutation(jax.random.key(3), t), pos.shape)
 
     def loss(fn, q, k, v):
         return jnp.sum(fn(q, k, v, pos, pos) * d_out)
 
     ref_out, ref_grads = jax.value_and_grad(functools.partial(loss, reference_attention), argnums=(0, 1, 2))(q, k, v)
-    out, grads = jax.value_and_grad(functools.partial(loss, blocked), argnums=(0, 1, 2))(q, k, v)
+    out, grads = jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+@pytest.mark.parametrize("t,block", [(64, 16), (48, 16), (64, 64), (20, 64)])
+def test_blocked_forward_and_grads_equal_reference(t, block):
+    assert_equals_reference(functools.partial(blocked_causal_attention, block=block), t)
 
 
 @pytest.mark.parametrize("t,chunk,order", [(64, 16, "causal"), (48, 32, "causal"), (20, 512, "causal"),
                                            (64, 16, "permuted")])
 def test_chunked_forward_and_grads_equal_reference(t, chunk, order):
     """Any token order works (the mask comes from positions), and the chunk is the largest divisor of T."""
-    q, k, v, pos, d_out = qkv(t=t)
-    if order == "permuted":
-        pos = jnp.broadcast_to(jax.random.permutation(jax.random.key(3), t), pos.shape)
-    chunked = functools.partial(chunked_causal_attention, chunk=chunk)
-
-    def loss(fn, q, k, v):
-        return jnp.sum(fn(q, k, v, pos, pos) * d_out)
-
-    ref_out, ref_grads = jax.value_and_grad(functools.partial(loss, reference_attention), argnums=(0, 1, 2))(q, k, v)
-    out, grads = jax.value_and_grad(functools.partial(loss, chunked), argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+    assert_equals_reference(functools.partial(chunked_causal_attention, chunk=chunk), t, order == "permuted")
 
 
 def test_chunked_keeps_no_scores_for_the_backward():
