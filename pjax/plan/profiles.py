@@ -73,9 +73,3 @@ PROFILES: dict[str, Profile] = {
                    attention="auto", calibration=((256, 0.535),), overlap_dp=False, shares_host=True),
 }
 
-
-def get_profile(name: str) -> Profile:
-    """The profile named `name` (h100, h200, a100, cpu); ValueError naming the choices otherwise."""
-    if name not in PROFILES:
-        raise ValueError(f"--device-kind {name} is not one the planner knows; choose one of {', '.join(PROFILES)}")
-    return PROFILES[name]

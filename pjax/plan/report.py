@@ -54,7 +54,8 @@ def verdict(plan: Plan, config_name: str) -> str:
                 f"AdamW moments {_gib(state['opt_state'])} GiB), and a {plan.profile.name} has {usable} GiB usable; "
                 f"use more devices, a smaller model, or a larger --mem-fraction.")
     if not plan.candidates:
-        return "does not fit: no layout of this config divides over these devices (heads, layers and batch rows)."
+        return (f"no layout: this config does not divide over {plan.devices} devices (its heads, kv-heads, layers "
+                f"and batch rows); choose a device count they divide, or change train.batch_size.")
     done = [c for c in plan.compiled if c.prediction is not None]
     if not done:
         return "no layout compiled; the errors are in the table above."
