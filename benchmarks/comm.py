@@ -5,17 +5,9 @@
 
 Counts every collective per step (ops inside scans multiplied by their trip count, see
 `pjax/hlo.py`) and its bytes per device (the operand an all-reduce or permute moves, the gathered
-result of an all-gather). The analytic minimum per device for the layout:
-  DP    one reduction of the gradient bytes a device holds, P*4/(tp*pp), once per step over
-        every device that saw different tokens (dp, and cp: the sequence split is a batch split
-        for weight gradients); ZeRO-3 adds a parameter all-gather per micro-batch in forward
-        and in backward;
-  TP    per micro-batch and layer, 2 activation all-reduces forward and 2 backward ([tokens, D]),
-        plus the vocab-parallel embedding's forward all-reduce and the output layer's backward one;
-  CP    per micro-batch and layer, K and V blocks passed cp-1 times forward; the backward ring
-        passes K, V and their gradients (4(cp-1) blocks) and returns dK, dV to their owner (2);
-  PP    each micro-batch's activation crosses each of the pp-1 stage boundaries forward, and its
-        gradient backward (per device: 2*m*(pp-1)/pp activations).
+result of an all-gather), next to the analytic minimum per device for the layout, mechanism by
+mechanism (`pjax.plan.estimate.minimum_bytes`, whose docstring has the formulas; the planner
+ranks layouts with the same floor before it compiles them).
 A layout is flagged when XLA moves more than 10% above that (e.g. gathered logits or weights,
 or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
 shapes on 8 forced CPU devices: no data, seconds per layout.
@@ -33,26 +25,13 @@ from common import compile_step  # noqa: E402
 
 
 def analytic_minimum(cfg, mesh) -> dict[str, float]:
-    """Minimum bytes per device per step, by mechanism (fp32 activations and gradients)."""
-    mc, tc = cfg.model, cfg.train
-    dp, pp, cp, tp = (mesh.shape[a] for a in ("dp", "pp", "cp", "tp"))
-    k, b = tc.grad_accum, 4
-    tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
-    layers = mc.num_hidden_layers // pp
-    act = tokens * mc.hidden_size * b
-    param_bytes = mc.num_params * b / (tp * pp)
-    out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
-    if dp * cp > 1:  # zero 1: a reduce-scatter (P/dp arrives) then an all-gather of the new parameters (P)
-        out["dp"] = param_bytes * (1 + 1 / dp if tc.zero == 1 and dp > 1 else 1)
-        out["dp"] += 2 * k * param_bytes if tc.zero >= 3 and dp > 1 else 0
-    if tp > 1:
-        out["tp"] = k * (4 * layers + 2) * act
-    if cp > 1:
-        kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * b
-        out["cp"] = k * layers * (6 * (cp - 1) + 2) * kv_block
-    if pp > 1:
-        out["pp"] = 2 * k * (pp - 1) / pp * act
-    return out
+    """Minimum bytes per device per step, by mechanism (fp32 activations and gradients):
+    `pjax.plan.estimate.minimum_bytes`, the planner's own floor."""
+    from pjax.plan.estimate import minimum_bytes
+    from pjax.plan.layouts import Layout
+
+    sizes = {a: mesh.shape[a] for a in ("dp", "pp", "cp", "tp")}
+    return minimum_bytes(cfg, Layout(**sizes, zero=cfg.train.zero, grad_accum=cfg.train.grad_accum), act_bytes=4)
 
 
 def measure(config: str, layout: str, overrides: list[str]) -> dict:

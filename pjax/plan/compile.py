@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -144,18 +145,14 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pjax", "plan")
 
 
-_VERSIONS: list[str] = []
-
-
-def _versions() -> list[str]:
+@functools.cache
+def _versions() -> tuple[str, str]:
     """JAX's version and a hash of this checkout's Python source: a code change is a new cache key."""
-    if not _VERSIONS:
-        import jax
+    import jax
 
-        root = pathlib.Path(__file__).resolve().parents[2]
-        digest = hashlib.sha256()
-        for directory in _SOURCE_DIRS:
-            for path in sorted((root / directory).rglob("*.py")):
-                digest.update(path.read_bytes())
-        _VERSIONS.extend([jax.__version__, digest.hexdigest()[:16]])
-    return _VERSIONS
+    root = pathlib.Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for directory in _SOURCE_DIRS:
+        for path in sorted((root / directory).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return jax.__version__, digest.hexdigest()[:16]

@@ -10,7 +10,7 @@
 
 The collectives come from XLA (`pjax.hlo.collectives_by_axis` on the compiled step) or, before
 anything is compiled, from `analytic_comm`: the minimum traffic each mechanism needs
-(the formulas of `benchmarks/comm.py`'s docstring, in ring link bytes). Memory before a compile
+(`minimum_bytes`, which `benchmarks/comm.py` also holds XLA against), in ring link bytes. Memory before a compile
 is `analytic_memory`: the exact state plus a rough activation estimate, used only to choose
 which layouts and micro-batch counts to compile; XLA's figure decides whether a layout fits.
 """
@@ -51,6 +51,11 @@ def per_device(profile: Profile, devices: int) -> tuple[float, int]:
     return profile.peak_flops / share, profile.memory_bytes // share
 
 
+def usable_bytes(profile: Profile, devices: int, mem_fraction: float) -> int:
+    """What the allocator lets one device use: its memory (fake CPU devices: its share of the host's) x the fraction."""
+    return int(per_device(profile, devices)[1] * mem_fraction)
+
+
 def pipeline_ratio(layout: Layout) -> float:
     """Time of the schedule's table over a device's busy time (1 without a pipeline): a tick
     lasts as long as its slowest device, a backward twice a forward."""
@@ -70,32 +75,58 @@ def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
     return sizes[names[outer]] * math.prod(sizes[a] for a in names[outer + 1:]) > per_host
 
 
-def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:
-    """The minimum collectives of a step per device, shaped like `collectives_by_axis`'s rows."""
+def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[str, float]:
+    """The least each mechanism must move per device per step, in bytes arriving on a device (the
+    payloads `benchmarks/comm.py` holds XLA's collectives against):
+      dp  one reduction of the fp32 gradient a device holds, over every device that saw different
+          tokens (dp and cp); ZeRO-1 then gathers the new parameters (P/dp + P); ZeRO-3 also
+          gathers the parameters per micro-batch in forward and backward (2 k P);
+      tp  per micro-batch and layer, 2 activation all-reduces forward and 2 backward, plus the
+          vocab-parallel embedding's forward one and the output layer's backward one;
+      cp  per micro-batch and layer, K and V passed cp - 1 times forward, K, V and their
+          gradients 4 (cp - 1) times backward, and dK, dV returned to their owner;
+      pp  each micro-batch's activation across each of the pp - 1 boundaries and its gradient back
+          (2 k (pp - 1) / pp activations per device)."""
     mc, tc = config.model, config.train
     k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
     tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
     layers = mc.num_hidden_layers // pp
     act = tokens * mc.hidden_size * act_bytes
-    params = mc.num_params * 4 / (tp * pp)  # fp32 gradients and parameters a device holds
-    rows: dict[str, tuple[int, float]] = {}
-    ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
+    params = mc.num_params * 4 / (tp * pp)  # fp32 gradient and parameters a device holds
+    out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
     if dp * cp > 1:
-        n, key = dp * cp, "dp+cp" if cp > 1 else "dp"
-        link = params * ring(n) if layout.zero == 0 else params * (n - 1) / n * 2  # reduce-scatter + gather
-        count = mc.num_hidden_layers // pp * 9 + 3
-        if layout.zero >= 3:  # gather each layer's weights in forward and backward, per micro-batch
-            link += 2 * k * params * (n - 1) / n
-            count += 2 * k * layers
-        rows[key] = (count, link)
+        out["dp"] = params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
+        out["dp"] += 2 * k * params if layout.zero >= 3 and dp > 1 else 0
     if tp > 1:
-        rows["tp"] = (k * (4 * layers + 2), k * (4 * layers + 2) * act * ring(tp))
+        out["tp"] = k * (4 * layers + 2) * act
     if cp > 1:
         kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * act_bytes
-        rows["cp"] = (k * layers * 6 * (cp - 1), k * layers * (6 * (cp - 1) + 2) * kv_block)
+        out["cp"] = k * layers * (6 * (cp - 1) + 2) * kv_block
     if pp > 1:
-        ticks = 2 * (k * layout.virtual_stages + pp - 1)
-        rows["pp"] = (2 * ticks, 2 * k * layout.virtual_stages * act)
+        out["pp"] = 2 * k * (pp - 1) / pp * act
+    return out
+
+
+def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:
+    """`minimum_bytes` as ring link bytes and op counts, shaped like `collectives_by_axis`'s rows."""
+    mc = config.model
+    k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
+    layers = mc.num_hidden_layers // pp
+    payload = minimum_bytes(config, layout, act_bytes)
+    ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
+    rows: dict[str, tuple[int, float]] = {}
+    if dp * cp > 1:
+        n, params = dp * cp, mc.num_params * 4 / (tp * pp)
+        # one all-reduce, or a reduce-scatter and a gather (the same link bytes); ZeRO-3's gathers on top
+        gathers = payload["dp"] - params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
+        count = layers * 9 + 3 + (2 * k * layers if gathers else 0)
+        rows["dp+cp" if cp > 1 else "dp"] = (count, params * ring(n) + gathers * (n - 1) / n)
+    if tp > 1:
+        rows["tp"] = (k * (4 * layers + 2), payload["tp"] * ring(tp))
+    if cp > 1:
+        rows["cp"] = (k * layers * 6 * (cp - 1), payload["cp"])
+    if pp > 1:  # a boundary device sends every micro-batch's activation (and receives its gradient)
+        rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1), payload["pp"] * pp / (pp - 1) * layout.virtual_stages)
     return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host)}
             for axes, (count, link) in rows.items()}
 
@@ -138,7 +169,7 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     """The roofline step time of `layout` given its collectives per set of axes and its memory per device."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
-    peak, memory = per_device(profile, devices)
+    peak = per_device(profile, devices)[0]
     tokens = tc.batch_size * tc.seq_len
     flops = model_flops_per_token(mc, tc.seq_len) * tokens / devices
     compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
@@ -150,4 +181,4 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     step = (max(busy, dp_traffic) if profile.overlap_dp else busy + dp_traffic) + critical
     limit = max(terms, key=terms.get)
     return Prediction(step, terms, limit, tokens / step, flops / (step * peak), int(memory_bytes),
-                      int(memory * mem_fraction))
+                      usable_bytes(profile, devices, mem_fraction))

@@ -12,6 +12,7 @@ import jax
 
 from pjax.config import Config
 from pjax.hlo import collectives_by_axis
+from pjax.memory import step_memory_bytes
 from pjax.plan.layouts import Layout, state_bytes
 
 
@@ -37,12 +38,13 @@ def parameter_table(params: Any, logical_axes: Any) -> str:
     return _table(rows)
 
 
-def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int) -> str:
-    """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per mesh axes."""
+def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
+    """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per
+    mesh axes (`comm`, read from the compiled HLO unless the caller already has it)."""
     layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero)
     state = state_bytes(config, layout)
     m = compiled.memory_analysis()
-    need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    need = step_memory_bytes(compiled)
     memory = [
         ("per device", "bytes"),
         ("fp32 parameters", _size(state["params"])),
@@ -52,7 +54,8 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int)
         ("temporaries (gradient, activations, buffers)", _size(m.temp_size_in_bytes)),
         ("step in all (arguments + outputs - donated + temporaries)", _size(need)),
     ]
-    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    if comm is None:
+        comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
     rows = [("mesh axes", "ops per step", "bytes per device", "ring link bytes", "crosses hosts", "kinds")]
     for axes, row in sorted(comm.items(), key=lambda kv: -kv[1]["link_bytes"]):
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(row["kinds"].items()))
@@ -80,9 +83,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
     trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe)
     compiled = trainer.compile_step()
     comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
-    need = compiled.memory_analysis()
-    total = need.argument_size_in_bytes + need.output_size_in_bytes - need.alias_size_in_bytes + need.temp_size_in_bytes
-    p = predict(cfg, layout, profile, comm, total, 1.0 if profile.shares_host else 0.75)
+    p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
     head = (f"{layout.name} on {devices} {profile.name} ({cfg.train.dtype} compute, attention {cfg.train.attention}); "
             f"overrides: {' '.join(layout.overrides())}")
@@ -90,4 +91,4 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
                f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "
                f"{'fits' if p.fits else 'does NOT fit'}")
     return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
-                        step_report(cfg, mesh, compiled, devices_per_host), verdict])
+                        step_report(cfg, mesh, compiled, devices_per_host, comm), verdict])

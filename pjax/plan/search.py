@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from pjax.config import Config
 from pjax.plan.compile import Compiler, planned_config
-from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, per_device, predict
+from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, predict, usable_bytes
 from pjax.plan.layouts import Layout, layouts, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -52,7 +52,7 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(per_device(self.profile, self.devices)[1] * self.mem_fraction)
+        return usable_bytes(self.profile, self.devices, self.mem_fraction)
 
 
 def score(config: Config, layout: Layout, profile: Profile, per_host: int, mem_fraction: float) -> Prediction:
@@ -77,7 +77,7 @@ def plan(config: Config, profile: Profile, devices: int, devices_per_host: int, 
          ) -> Plan:
     """Search the layouts of `config` on `devices` devices of `profile`; see the module docstring."""
     listed = layouts(config, devices, devices_per_host)
-    usable = int(per_device(profile, devices)[1] * mem_fraction)
+    usable = usable_bytes(profile, devices, mem_fraction)
     too_big, scored = [], []
     for layout in listed:
         state = state_bytes(config, layout)
