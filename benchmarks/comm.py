@@ -8,6 +8,10 @@ Counts every collective per step (ops inside scans multiplied by their trip coun
 result of an all-gather), next to the analytic minimum per device for the layout, mechanism by
 mechanism (`pjax.plan.estimate.minimum_bytes`, whose docstring has the formulas; the planner
 ranks layouts with the same floor before it compiles them).
+Pipelines: a tick's forward, backward, loss and transfers are loops of zero or one trip, which
+the HLO shows once per tick; their collectives are counted as often as the schedule table runs
+them (`pjax.parallel.pipeline_table.scope_runs`, averaged over devices), and a permute's bytes
+as the average over devices of what arrives (a pipeline's last stage receives no activation).
 A layout is flagged when XLA moves more than 10% above that (e.g. gathered logits or weights,
 or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
 shapes on 8 forced CPU devices: no data, seconds per layout.
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+from typing import Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -31,14 +37,43 @@ def analytic_minimum(cfg, mesh) -> dict[str, float]:
     from pjax.plan.layouts import Layout
 
     sizes = {a: mesh.shape[a] for a in ("dp", "pp", "cp", "tp")}
-    return minimum_bytes(cfg, Layout(**sizes, zero=cfg.train.zero, grad_accum=cfg.train.grad_accum), act_bytes=4)
+    layout = Layout(**sizes, zero=cfg.train.zero, grad_accum=cfg.train.grad_accum, schedule=cfg.pipeline.schedule,
+                    virtual_stages=cfg.pipeline.virtual_stages)
+    return minimum_bytes(cfg, layout, act_bytes=4)
+
+
+def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
+    """How many times per step (averaged over devices) a collective runs each time the HLO shows it:
+    1, except inside a pipeline tick's conditional parts (found by their named scope, the
+    innermost one in the op name), and for permutes whose pairs leave some devices out."""
+    from pjax.hlo import device_groups
+    from pjax.parallel.pipeline_parallel import make_schedule
+    from pjax.parallel.pipeline_table import SCOPES, scope_runs
+
+    mesh, cfg = built["mesh"], built["cfg"]
+    devices, pp = mesh.devices.size, mesh.shape["pp"]
+    weights = {}
+    if pp > 1:
+        lockstep = mesh.shape["cp"] > 1
+        sched = make_schedule(cfg.pipeline, pp, cfg.train.grad_accum, lockstep)
+        weights = {SCOPES[part]: runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
+
+    def runs(kind: str, line: str) -> float:
+        name = re.search(r'op_name="([^"]*)"', line)
+        found = [(name.group(1).rfind(scope), w) for scope, w in weights.items() if name and scope in name.group(1)]
+        factor = max(found)[1] if found else 1.0
+        if kind == "collective-permute":
+            factor *= len(device_groups(line, devices)) / devices
+        return factor
+    return runs
 
 
 def measure(config: str, layout: str, overrides: list[str]) -> dict:
     from pjax.hlo import collective_stats
 
     built = compile_step(config, layout, overrides)
-    stats = collective_stats(built["compiled"].as_text())
+    stats = collective_stats(built["compiled"].as_text(), scale=runs_per_appearance(built))
+    stats = {kind: {"count": round(s["count"], 2), "bytes": round(s["bytes"])} for kind, s in stats.items()}
     minimum = analytic_minimum(built["cfg"], built["mesh"])
     total = sum(s["bytes"] for s in stats.values())
     floor = sum(minimum.values())

@@ -49,9 +49,9 @@ def shape_bytes(shape_text: str) -> int:
     return total
 
 
-def _parse(hlo_text: str, classify: Callable[[str, str], str | None]
-           ) -> tuple[str, dict[str, list[tuple[str, int]]], dict[str, list[tuple[str, int]]]]:
-    """(entry name, computation -> [(class, bytes)], computation -> [(callee, multiplier)])."""
+def _parse(hlo_text: str, classify: Callable[[str, str], str | None], scale: Callable[[str, str], float]
+           ) -> tuple[str, dict[str, list[tuple[str, int, float]]], dict[str, list[tuple[str, int]]]]:
+    """(entry name, computation -> [(class, bytes, runs per appearance)], computation -> [(callee, multiplier)])."""
     entry, current = None, None
     ops: dict[str, list] = collections.defaultdict(list)
     calls: dict[str, list] = collections.defaultdict(list)
@@ -70,7 +70,7 @@ def _parse(hlo_text: str, classify: Callable[[str, str], str | None]
         if base in KINDS and not opcode.endswith("-done"):
             label = classify(base, line)
             if label is not None:
-                ops[current].append((label, shape_bytes(result)))
+                ops[current].append((label, shape_bytes(result), scale(base, line)))
         trips = 1
         if opcode == "while":
             trip = _TRIP.search(rest)
@@ -84,14 +84,16 @@ def _parse(hlo_text: str, classify: Callable[[str, str], str | None]
     return entry, ops, calls
 
 
-def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] = lambda kind, line: kind
-                     ) -> dict[str, dict[str, Any]]:
+def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] = lambda kind, line: kind,
+                     scale: Callable[[str, str], float] = lambda kind, line: 1) -> dict[str, dict[str, Any]]:
     """Per collective kind: {'count': executions per step, 'bytes': bytes per device per step}.
 
     `classify(kind, instruction_line)` may group differently (e.g. by the op_name in the line's
-    metadata); returning None leaves the op out.
+    metadata); returning None leaves the op out. `scale(kind, instruction_line)` multiplies an
+    op's count and bytes: what a caller knows and the HLO does not, such as how often a loop of
+    unknown trip count really runs (`pipeline_table.scope_runs`).
     """
-    entry, ops, calls = _parse(hlo_text, classify)
+    entry, ops, calls = _parse(hlo_text, classify, scale)
     totals: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for kind in KINDS:
         totals[kind]  # the standard kinds are always present, zero when absent
@@ -99,9 +101,9 @@ def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] =
     def visit(comp: str, mult: int, depth: int = 0) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (a cycle?)")
-        for label, nbytes in ops.get(comp, ()):
-            totals[label]["count"] += mult
-            totals[label]["bytes"] += mult * nbytes
+        for label, nbytes, runs in ops.get(comp, ()):
+            totals[label]["count"] += mult * runs
+            totals[label]["bytes"] += mult * runs * nbytes
         for callee, trips in calls.get(comp, ()):
             visit(callee, mult * trips, depth + 1)
 

@@ -32,7 +32,7 @@ from models.moe import MoeConfig, router_loss
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import context_parallel, data_parallel, pipeline_parallel
+from pjax.parallel import context_parallel, data_parallel, pipeline_parallel, pipeline_table
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -207,7 +207,7 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
     validate_layout(mc, cfg, tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     if mc.pp > 1:
-        pipeline_parallel.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
+        pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
     if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
                           f"expert parallelism gives each dp device the same number of experts.")

@@ -162,6 +162,18 @@ def test_dp_cp_tp_step_communicates_only_by_the_ring_and_all_reduces():
     assert collectives == {"all-reduce", "collective-permute"}, collectives
 
 
+def test_dp_cp_gradients_are_reduced_once_per_step_not_per_micro_batch():
+    """dp and cp are manual for the step (ring attention runs its ring directly inside): the
+    gradient is all-reduced over (dp, cp) once, with the loss, not once per micro-batch."""
+    from pjax.hlo import collectives_by_axis
+
+    mesh = cp_mesh(2, dp=2, tp=2)
+    rows = collectives_by_axis(build_trainer(mesh, CFG, TC).compile_step().as_text(), dict(mesh.shape))
+    assert rows["dp+cp"]["count"] <= 2, rows["dp+cp"]  # TC.grad_accum = 4 micro-batches
+    assert 4 * CFG.num_params / 2 <= rows["dp+cp"]["bytes"] <= 4 * CFG.num_params / 2 + 1024, rows["dp+cp"]
+    assert set(rows) == {"dp+cp", "cp", "tp"}, rows
+
+
 # -- memory -----------------------------------------------------------------------------------
 
 def temp_bytes(fn, *args) -> int:

@@ -29,6 +29,10 @@ def test_collectives_inside_a_scan_count_once_per_iteration():
     assert stats["all-reduce"] == {"count": 5, "bytes": 5 * 16 * 4}
     assert stats["collective-permute"] == {"count": 5, "bytes": 5 * 16 * 4}
     assert stats["all-gather"] == {"count": 1, "bytes": 128 * 4}
+    # What the caller knows and the HLO does not (how often an op really runs) scales both.
+    scaled = collective_stats(hlo, scale=lambda kind, line: 0.5 if kind == "collective-permute" else 1)
+    assert scaled["collective-permute"] == {"count": 2.5, "bytes": 2.5 * 16 * 4}
+    assert scaled["all-reduce"] == stats["all-reduce"]
 
 
 def test_device_groups_read_all_three_spellings_of_replica_groups():

@@ -156,11 +156,11 @@ def init_params(cfg: LlamaConfig = CFG):
 
 @functools.cache
 def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False,
-        cfg: LlamaConfig = CFG):
-    """(loss, gradients in model order, temporary bytes[, eval loss]) of `trainer.grads` on one layout."""
+        cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False):
+    """(loss, gradients in model order, temporary bytes[, eval loss][, HLO text]) of `trainer.grads` on one layout."""
     v = V if schedule == "interleaved" else 1
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
-    tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1)
+    tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero)
     tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
     params = jax.device_put(ppl.to_pipeline_layout(init_params(cfg), pp, v), tr.state_sharding.params)
@@ -176,7 +176,8 @@ def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, c
         loss, grads = compiled(params, batch)
     grads = ppl.to_model_layout(jax.tree.map(np.asarray, grads), pp, v)
     out = float(loss), grads, compiled.memory_analysis().temp_size_in_bytes
-    return (*out, float(tr.loss(params, batch))) if eval_loss else out
+    out = (*out, float(tr.loss(params, batch))) if eval_loss else out
+    return (*out, compiled.as_text()) if hlo else out
 
 
 def assert_grads_close(grads, ref, rtol=1e-5):
@@ -231,6 +232,43 @@ def test_pipeline_with_context_parallelism_equals_one_device(schedule, layout):
     loss, grads, _, eval_loss = run(4, pp=2, schedule=schedule, eval_loss=True, **layout)
     assert abs(loss - ref_loss) <= 1e-5 and abs(eval_loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,layout", [("1f1b", dict(dp=2, tp=2, zero=1)), ("afab", dict(dp=2, cp=2))],
+                         ids=["1f1b_dp2_tp2_zero1", "afab_dp2_cp2"])
+def test_pipeline_reduces_gradients_over_the_data_axes_once_per_step(schedule, layout):
+    """dp (and cp) are manual in the executor: each device accumulates its own partial gradients
+    through every tick and they are reduced after the scan. Reduced per tick, as XLA does when dp
+    is left to it, the HLO would show the reduction inside the tick loop: ticks x layers ops."""
+    from pjax.hlo import collectives_by_axis
+
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _, hlo = run(4, pp=2, schedule=schedule, hlo=True, **layout)
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+    shape = {"dp": layout.get("dp", 1), "pp": 2, "cp": layout.get("cp", 1), "tp": layout.get("tp", 1)}
+    rows = collectives_by_axis(hlo, shape)
+    data = "dp+cp" if "cp" in layout else "dp"
+    # One reduction of the gradients (a tuple, or one reduce-scatter per parameter under ZeRO-1)
+    # and the loss, whatever the number of ticks.
+    assert rows[data]["count"] <= len(jax.tree.leaves(grads)) + 2, rows[data]
+    assert all(axes in (data, "pp", "tp", "cp") for axes in rows), rows
+
+
+def test_ticks_transfer_only_when_some_device_sends():
+    """The executor skips a tick's transfer when no device sends on it: with 1F1B on 2 devices
+    activations travel on m ticks and cotangents on m, of 2(m + 1)."""
+    from pjax.parallel.pipeline_table import scope_runs
+
+    for m in (2, 4, 8):
+        sched = ps.one_f_one_b(2, m)
+        runs = scope_runs(sched)
+        assert runs["send_x"] == runs["send_dy"] == m and sched.ticks == 2 * (m + 1), (runs, sched.ticks)
+        assert runs["forward"] == runs["backward"] == m  # an average device: m of each
+        assert runs["embed"] == runs["loss"] == m / 2  # on one device of two
+    interleaved = ps.interleaved_1f1b(4, 8, 2)
+    runs = scope_runs(interleaved)
+    assert runs["forward"] == runs["backward"] == 16 and runs["send_x"] < interleaved.ticks, runs
 
 
 @pytest.mark.parametrize("pp", [2, 4])

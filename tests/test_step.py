@@ -202,6 +202,24 @@ def test_tensor_parallel_step_gathers_neither_logits_nor_weights():
     assert not gathers, gathers
 
 
+def test_tensor_parallel_reduces_each_input_gradient_once():
+    """q, k, v share their input, and gate, up theirs: with tp the partial input gradients are
+    summed in one dot and all-reduced once (Megatron's `f`), not once per projection. Per
+    micro-batch and layer 2 activation all-reduces forward and 2 backward, plus the embedding's
+    and the output layer's: 2 x (4 x 2 + 2) = 20 for this model's 2 layers and 2 micro-batches."""
+    from pjax.hlo import collective_stats
+
+    act = f"f32[{TC.batch_size // 2 // 2 * TC.seq_len},{CFG.hidden_size}]"  # one micro-batch's rows on one dp replica
+
+    def classify(kind, line):
+        result = line.split("=", 1)[1].strip().split(" ")[0]
+        return "activation" if kind == "all-reduce" and act in result else None
+
+    stats = collective_stats(trainer(dp=2, tp=4).compile_step().as_text(), classify)
+    assert stats["activation"]["count"] == 2 * (4 * CFG.num_hidden_layers + 2), stats["activation"]
+    assert stats["activation"]["bytes"] == stats["activation"]["count"] * 4 * 64 * CFG.hidden_size, stats
+
+
 def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch():
     """dp=8 with 2 micro-batches: one all-reduce of the gradient bytes per step (plus the loss and
     token count riding along), where XLA alone would reduce after every micro-batch."""

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP
+from mesh.rules import auto_size
 from models.attention import AttentionFn
 
 LAYOUTS = ("zigzag", "contiguous")  # contiguous: masked instead of skipped, for comparison only
@@ -257,9 +258,11 @@ def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = T
     seq = P(None, CP)
 
     def per_device(fn: Callable, out_specs: Any) -> Callable:
+        context = jax.sharding.get_abstract_mesh()
+        if auto_size(context, CP) == 1:  # cp already manual (the step's once-per-step reduction): local arrays
+            return functools.partial(fn, cp=cp, layout=layout)
         # Inside another shard_map (a pipeline stage, manual over pp) the context mesh knows which
         # axes are already manual, and shard_map insists on being given that one.
-        context = jax.sharding.get_abstract_mesh()
         return jax.shard_map(functools.partial(fn, cp=cp, layout=layout), mesh=mesh if context.empty else context,
                              in_specs=seq, out_specs=out_specs, axis_names={CP})
 

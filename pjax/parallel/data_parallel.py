@@ -11,11 +11,12 @@ partitioner turns the sharding annotations below into the collectives:
 
 Once per step, not once per micro-batch: left to itself, XLA reduces each micro-batch's
 gradient as soon as it is computed (the parameters are replicated, so their gradient "must" be
-too), which multiplies DP traffic by train.grad_accum. `reduce_once` makes dp manual for the
-step (`shard_map` over dp only, tp/cp stay automatic inside), lets each replica accumulate its
-own partial gradient, and reduces once at the end: `psum` for zero=0, `psum_scatter` (a real
-reduce-scatter) to the moment slices for zero=1. This is what PyTorch DDP's `no_sync` does for
-gradient accumulation.
+too), which multiplies DP traffic by train.grad_accum. `reduce_once` makes the data axes manual
+for the step (`shard_map` over dp and cp, tp stays automatic inside), lets each device
+accumulate its own partial gradient, and reduces once at the end: `psum` for zero=0,
+`psum_scatter` (a real reduce-scatter) to the moment slices for zero=1. cp counts as a data
+axis here: each of its devices sees other tokens, so its gradients are partial sums as well.
+This is what PyTorch DDP's `no_sync` does for gradient accumulation.
 * zero=3 -- ZeRO-3 / FSDP. Parameters are split like the moments; each layer's weights are
   all-gathered just before use (forward and backward) and gradients reduce-scattered. This only
   works if activations stay split over the batch -- the model pins them with `constrain`, or XLA
@@ -75,40 +76,77 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
 
 
 def can_reduce_once(mesh: Any, zero: int, cfg: LlamaConfig | None = None) -> bool:
-    """Whether this step accumulates per dp replica and reduces once.
+    """Whether this step accumulates per data replica and reduces once.
 
-    Needs replicated parameters (zero < 3) and no pipeline (which reduces its own gradients).
-    Not with cp > 1 either: ring attention's shard_map over cp nested in this one over dp is
-    rejected by the Shardy partitioner ("manual axis cp after free axis dp"), so context-parallel
-    layouts keep XLA's per-micro-batch reduction for now. Nor for MoE models yet: their layers
-    exchange tokens over dp themselves, and their load-balancing loss needs the statistics of the
-    whole batch, which this per-replica accumulation would have to sum first.
+    Needs a data split (dp or cp > 1) and replicated parameters (zero < 3); a pipeline does the
+    same in its own shard_map (`pipeline_parallel._run`). Not for MoE models yet: their layers exchange tokens over dp
+    themselves, and their load-balancing loss needs the statistics of the whole batch, which
+    this per-replica accumulation would have to sum first.
     """
     shape = {} if mesh.empty else dict(mesh.shape)
     moe = cfg is not None and cfg.num_local_experts > 0  # MoE layers are their own shard_map over dp (EP)
-    return shape.get(DP, 1) > 1 and zero < 3 and shape.get(PP, 1) == 1 and shape.get(CP, 1) == 1 and not moe
+    data = shape.get(DP, 1) * shape.get(CP, 1)
+    return data > 1 and zero < 3 and not moe
+
+
+def data_axes(mesh: Any) -> tuple[str, ...]:
+    """The axes that split the tokens (dp, cp) and are longer than 1: what `reduce_once` and a
+    pipeline make manual. (XLA keeps an all-reduce over groups of one device as an op of its own.)"""
+    return tuple(a for a in (DP, CP) if mesh.shape[a] > 1)
+
+
+def batch_spec(axes: tuple[str, ...]) -> P:
+    """The [micro-batches, rows, tokens] batch split over the manual data `axes` (rows over dp, tokens over cp)."""
+    return P(None, DP if DP in axes else None, CP if CP in axes else None)
+
+
+def embed_dims(cfg: LlamaConfig) -> Any:
+    """Each parameter's 'embed' dimension (where ZeRO splits it over dp), as a tree like the parameters."""
+    return jax.tree.map(lambda names: names.index("embed"), llama.param_logical_axes(cfg), is_leaf=_is_names)
+
+
+def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
+    """Inside a shard_map manual over dp and cp: sum every device's partial gradients over them,
+    once. `split_dp` (ZeRO-1): a reduce-scatter over dp to each parameter's embed slice, then an
+    all-reduce of the slice over cp."""
+    axes = data_axes(jax.sharding.get_abstract_mesh())
+    if not split_dp:
+        return lax.psum(grads, axes)
+    grads = jax.tree.map(lambda g, d: lax.psum_scatter(g, DP, scatter_dimension=d, tiled=True), grads, embed_dims(cfg))
+    return lax.psum(grads, CP) if CP in axes else grads
+
+
+def reduced_grad_specs(cfg: LlamaConfig, split_dp: bool, pipelined: bool = False) -> Any:
+    """Where `reduce_gradients` leaves each gradient, as shard_map out_specs: whole, or its embed
+    slice over dp (`split_dp`); with `pipelined` the stacked layers stay split over pp."""
+    def spec(path, dim):
+        layers = pipelined and path[0].key == "layers"
+        entries = [PP if layers and i == 0 else DP if split_dp and i == dim else None for i in range(dim + 1)]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree_util.tree_map_with_path(spec, embed_dims(cfg))
 
 
 def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients with one dp reduction per step.
+    """Mean loss and gradients with one reduction over the data axes (dp and cp) per step.
 
-    `accumulate(params, batch) -> (loss_sum, token_count, grad_sum)` runs on each replica's rows.
+    `accumulate(params, batch) -> (loss_sum, token_count, grad_sum)` runs on each device's rows
+    and sequence chunk: cp is manual here too, so ring attention runs its per-device ring
+    directly (`context_parallel.ring_attention`) and every token's gradient stays a local
+    partial sum until the end. ZeRO-1 reduce-scatters over dp and all-reduces the slice over cp.
     """
-    embed_dim = jax.tree.map(lambda names: names.index("embed"), llama.param_logical_axes(cfg), is_leaf=_is_names)
-
-    def grad_spec(dim):  # where a reduced gradient lives over dp: whole (zero 0) or its embed slice (zero 1)
-        return P() if zero == 0 else P(*([None] * dim + [DP]))
+    axes = data_axes(jax.sharding.get_abstract_mesh())
+    split_dp = zero == 1 and DP in axes
 
     def body(params, batch):
-        # A varying (per-replica) copy: its gradient stays a local partial sum until reduced below.
-        params = jax.tree.map(lambda p: lax.pcast(p, DP, to="varying"), params)
+        # A varying (per-device) copy: its gradient stays a local partial sum until reduced below.
+        params = jax.tree.map(lambda p: lax.pcast(p, axes, to="varying"), params)
         loss, count, grads = accumulate(params, batch)
-        loss, count = lax.psum((loss, count), DP)
-        if zero == 0:
-            grads = lax.psum(grads, DP)
-        else:
-            grads = jax.tree.map(lambda g, d: lax.psum_scatter(g, DP, scatter_dimension=d, tiled=True), grads, embed_dim)
+        loss, count = lax.psum((loss, count), axes)
+        grads = reduce_gradients(grads, cfg, split_dp)
         return loss / count, jax.tree.map(lambda g: g / count, grads)
 
-    specs = (P(), jax.tree.map(grad_spec, embed_dim))
-    return jax.shard_map(body, in_specs=(P(), P(None, DP)), out_specs=specs, axis_names={DP})(params, batch)
+    specs = (P(), reduced_grad_specs(cfg, split_dp))
+    return jax.shard_map(body, in_specs=(P(), batch_spec(axes)), out_specs=specs, axis_names=set(axes))(params, batch)

@@ -1,9 +1,13 @@
 """Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan.
 
 The schedule is data (`pipeline_schedules.py`: tick x device -> forward / backward / idle), the
-executor is a `lax.scan` over ticks inside `jax.shard_map` (manual over pp only: dp, ZeRO and
-tp shardings keep working inside a stage), and the transfer is one `ppermute` per direction per
-tick. AFAB, 1F1B and interleaved 1F1B are the same program with different tables.
+executor is a `lax.scan` over ticks inside `jax.shard_map`, and the transfer is one `ppermute`
+per direction on each tick where some device sends (`pipeline_table.py`). AFAB, 1F1B and
+interleaved 1F1B are the same program with different tables. The shard_map is manual over pp,
+and over the data axes dp and cp too unless parameters are ZeRO-3 split or the model is MoE
+(`data_parallel.can_reduce_once`): then each device accumulates its own rows' gradients through
+every tick and they are reduced once, after the scan; otherwise dp stays automatic and XLA
+reduces each tick's gradients. tp shardings keep working inside a stage either way.
 
 Where things live
 * Device s holds the stacked 'layers' parameters [s*L/p, (s+1)*L/p): the 'layers' dim is split
@@ -55,43 +59,17 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, PP, MeshConfig
+from mesh.mesh import CP, DP, PP
 from mesh.rules import constrain
 from models.config import LlamaConfig
 from models.moe import ROUTER_METRICS, MoeConfig
 from pjax.config import PipelineConfig, TrainConfig
+from pjax.parallel import data_parallel
 from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, make_stage
+from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, make_stage, varying
+from pjax.parallel.pipeline_table import SCOPES, executor_table, make_schedule, needs_lockstep
 
 Batch = dict[str, jax.Array]
-
-
-def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
-    """Check that the layers split into pp * v stages and the micro-batches suit the schedule."""
-    pp, v = mesh.pp, pipeline.virtual_stages
-    if v > 1 and pipeline.schedule != "interleaved":
-        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved; "
-                          f"set pipeline.virtual_stages=1 for {pipeline.schedule}.")
-    if num_layers % (pp * v):
-        raise ConfigError(f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp*pipeline.virtual_stages"
-                          f" = {pp}*{v}; choose a pp and virtual_stages whose product divides the layers.")
-    if pipeline.schedule == "interleaved" and grad_accum % pp:
-        raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of mesh.pp={pp}; the interleaved "
-                          f"schedule needs micro-batches in groups of pp.")
-
-
-def make_schedule(pipeline: PipelineConfig, pp: int, m: int, lockstep: bool = False) -> ps.Schedule:
-    """The table `pipeline.schedule` gives for pp devices and m micro-batches; with `lockstep`,
-    one kind of op per tick (1F1B takes its own lockstep form, other tables are split)."""
-    name = "1f1b_lockstep" if lockstep and pipeline.schedule == "1f1b" else pipeline.schedule
-    sched = ps.SCHEDULES[name](pp, m, pipeline.virtual_stages)
-    return ps.lockstep(sched) if lockstep else sched
-
-
-def needs_lockstep() -> bool:
-    """With cp > 1 every stage's forward and backward hold ring-attention transfers, so every
-    device must run the same kind of op each tick (`ps.lockstep`)."""
-    return jax.sharding.get_abstract_mesh().shape[CP] > 1
 
 
 # --- The stored layer order ---------------------------------------------------------------------
@@ -159,55 +137,58 @@ def _send(tree: Any, perm: list[tuple[int, int]]) -> Any:
     return jax.tree.map(lambda a: lax.ppermute(a, PP, perm), tree)
 
 
-def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple[Callable, np.ndarray]:
-    """The shard_map body running `sched`, and the table it reads: int32 [ticks, p, 7] of
-    (op, micro-batch, chunk, slot, slot for the arriving activation, for the arriving cotangent,
-    active).
+def _scoped(part: str, fn: Callable) -> Callable:
+    """`fn` under the name `pipeline_table.SCOPES[part]`, which XLA keeps in the op names of its
+    collectives (for `scope_runs`' accounting)."""
+    def scoped(*args):
+        with jax.named_scope(SCOPES[part]):
+            return fn(*args)
+    return scoped
+
+
+def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
+              reduce: Callable[[Any], Any] = lambda g: g) -> tuple[Callable, np.ndarray]:
+    """The shard_map body running `sched`, and the table it reads (`pipeline_table.executor_table`).
 
     In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
     with nothing to do runs it anyway on the discard slot, its results masked by `active`; that
     keeps collectives inside the forward and backward (ring attention's) in step across the stages.
+    `reduce` sums the gradients over the data axes at the end when they are manual (see `_run`).
     """
-    plan = ps.buffer_plan(sched)
-    p, v, n_slots = sched.p, sched.v, plan.slots
-    active = sched.op != ps.IDLE
-    op, slot = sched.op, plan.slot
-    if lockstep:
-        op = np.broadcast_to(ps.tick_ops(sched)[:, None], sched.op.shape)
-        slot = np.where(active, plan.slot, n_slots)  # the discard slot, shared with "nothing came"
-    table = np.stack([op, sched.mb, sched.chunk, slot, plan.recv_x, plan.recv_dy, active], axis=-1).astype(np.int32)
+    p, v, n_slots = sched.p, sched.v, ps.buffer_plan(sched).slots
+    table = executor_table(sched, lockstep)
     ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
     to_prev = [(s, (s - 1) % p) for s in range(p) if ring or s > 0]
 
     def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any, dict]:
-        vary = lambda t: jax.tree.map(lambda a: lax.pcast(a, PP, to="varying"), t)
         device = lax.axis_index(PP)
         # The embedding and output layer are used by whole ticks: under ZeRO they are gathered over
         # dp once per step here (and their gradients reduce-scattered after), not in every tick.
         # (Leaving their dp split to XLA inside the ticks also trips its SPMD partitioner.)
         unzero = lambda t: jax.tree.map(lax.with_sharding_constraint, t, stage.shared_specs)
-        shared, batch = unzero(vary({k: a for k, a in params.items() if k != "layers"})), vary(batch)
+        shared, batch = unzero(varying({k: a for k, a in params.items() if k != "layers"})), varying(batch)
         head_of = lambda tree: {k: tree[k] for k in stage.head_keys}
         # This device's [v * layers_per_chunk, ...] -> [v, layers_per_chunk, ...], cast once per step
         # outside the VJP so the residuals never hold per-micro-batch copies of the weights.
-        layers = jax.tree.map(lambda a: a.reshape(v, -1, *a.shape[1:]).astype(stage.dtype), params["layers"])
+        layers = jax.tree.map(lambda a: varying(a.reshape(v, -1, *a.shape[1:]).astype(stage.dtype)), params["layers"])
         chunk = lambda c: jax.tree.map(lambda a: a[c], layers)
         m, b, t = batch["inputs"].shape
-        x0 = vary(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
+        x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
         nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
         layout = VjpLayout.trace(lambda w, act: stage.layers(w, act, batch["positions"][0]), chunk(0), nothing)
-        slots = lambda tree, n: jax.tree.map(lambda a: vary(jnp.zeros((n, *a.shape), a.dtype)), tree)
+        slots = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
         inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, "tokens", "embed")), slots(nothing[1], n_slots + 1))
-        f32_zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
+        f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
         start = Buffers(inbox=inbox(), cotangents=inbox(), residuals=[slots(a, res_slots) for a in layout.stored],
-                        grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)), loss=vary(jnp.zeros(())),
+                        grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
+                        loss=varying(jnp.zeros(())),
                         router=f32_zeros(router0), d_embedded=slots(x0, m + 1))
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
-            op, mb, c, slot, recv_x, recv_dy, active = row
+            op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
             w = chunk(c)
@@ -225,11 +206,12 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
             def forward(state):  # keeps the VJP residuals at the slot; stage 0 embeds first
                 residuals, cotangents, grad_head, loss, router, _ = state
                 # Both branches sharded alike; the router statistics start at zero on the first stage.
-                act = lax.cond(first, lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()),
+                embed = _scoped("embed", lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()))
+                act = lax.cond(first, embed,
                                lambda: (constrain(buf.inbox[0][slot], ("tokens", "embed")), _at(buf.inbox[1], slot)))
                 out, vjp_fn = jax.vjp(lambda w, act: stage.layers(w, act, micro["positions"]), w, act)
                 residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
-                return (residuals, *_run_if(last, head, (cotangents, grad_head, loss, router, out)))
+                return (residuals, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
 
             def backward(state):  # adds the chunk's weight gradients; the activation's cotangent goes one stage back
                 # (A tick runs one op, so the buffers a forward of this tick would write are not read here.)
@@ -245,12 +227,16 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
             # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
             # so both transfers run after them (and ring attention's only in lockstep).
             residuals, cotangents, grad_head, loss, router, send_act = _run_if(
-                op == ps.FORWARD, forward, (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
+                op == ps.FORWARD, _scoped("forward", forward),
+                (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
             grad_layers, d_embedded, send_cot = _run_if(
-                op == ps.BACKWARD, backward, (buf.grad_layers, buf.d_embedded, nothing))
-            # The transfer: activations one device on, cotangents one device back, every tick.
-            return Buffers(inbox=_put(buf.inbox, recv_x, _send(send_act, to_next)),
-                           cotangents=_put(cotangents, recv_dy, _send(send_cot, to_prev)),
+                op == ps.BACKWARD, _scoped("backward", backward), (buf.grad_layers, buf.d_embedded, nothing))
+            # The transfers: activations one device on, cotangents one device back, on the ticks
+            # where some device sends (a flag every device agrees on; the others receive into the
+            # "nothing came" slot whatever arrives).
+            send_act = _run_if(send_x > 0, _scoped("send_x", lambda a: _send(a, to_next)), send_act)
+            send_cot = _run_if(send_dy > 0, _scoped("send_dy", lambda a: _send(a, to_prev)), send_cot)
+            return Buffers(inbox=_put(buf.inbox, recv_x, send_act), cotangents=_put(cotangents, recv_dy, send_cot),
                            residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
                            router=router, d_embedded=d_embedded), None
 
@@ -264,16 +250,27 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False) -> tuple
         # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
         grads = {**lax.psum(unzero(gs), PP),
                  "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), end.grad_layers)}
+        data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
         router = jax.tree.map(lambda r: r / m, lax.psum(end.router, PP))  # the mean over micro-batches
-        return lax.psum(end.loss, PP), grads, router
+        return lax.psum(end.loss, (PP, *data)), reduce(grads), router
 
     return body, table
 
 
-def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool) -> tuple[jax.Array, Any, dict]:
-    body, table = _executor(sched, stage, lockstep)
+def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,
+         zero: int) -> tuple[jax.Array, Any, dict]:
+    """The executor in a shard_map over pp, and over the data axes dp and cp too when `once`:
+    then each device accumulates its own rows' partial gradients through every tick and they are
+    reduced once, after the scan (`data_parallel.reduce_gradients`), where with dp automatic
+    XLA reduces each tick's weight gradient over dp as soon as the tick computes it."""
+    data = data_parallel.data_axes(jax.sharding.get_abstract_mesh()) if once else ()
+    split = zero == 1 and DP in data
+    reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
+    body, table = _executor(sched, stage, lockstep, reduce)
     specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
-    run = jax.shard_map(body, in_specs=(specs, P(), P(None, PP)), out_specs=(P(), specs, P()), axis_names={PP})
+    grad_specs = data_parallel.reduced_grad_specs(cfg, split, pipelined=True) if once else specs
+    run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
+                        out_specs=(P(), grad_specs, P()), axis_names={PP, *data})
     return run(params, batch, jnp.asarray(table))
 
 
@@ -298,8 +295,9 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
                               f"run has p={sched.p} m={sched.m} v={sched.v} (mesh.pp, train.grad_accum, "
                               f"pipeline.virtual_stages).")
         sched = ps.lockstep(schedule) if lockstep else schedule
-    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe)
-    loss, grads, router = _run(sched, stage, params, batch, lockstep)
+    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero, cfg)
+    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe, data_manual=once)
+    loss, grads, router = _run(sched, stage, params, batch, lockstep, once, cfg, tc.zero)
     if grad_sharding is not None:  # ZeRO: gradients live in slices
         grads = lax.with_sharding_constraint(grads, grad_sharding)
     return (loss, grads, router) if with_router_metrics else (loss, grads)
@@ -311,5 +309,6 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, atte
     training), through a forwards-only table."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)  # one kind of op: lockstep
-    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe)
-    return _run(sched, stage, params, batch, needs_lockstep())[0]
+    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero, cfg)
+    stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe, data_manual=once)
+    return _run(sched, stage, params, batch, needs_lockstep(), once, cfg, tc.zero)[0]

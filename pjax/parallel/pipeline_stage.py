@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh.mesh import CP, DP, PP
+from mesh.mesh import CP, DP
 from mesh.rules import flatten_tokens, logical_to_spec
 from models import llama
 from models.attention import select_attention
@@ -32,12 +32,16 @@ from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: RouterStats, or () when dense)
 
 
-def varying(x: jax.Array) -> jax.Array:
-    """`x` typed as varying over pp, whether it was invariant or varying already."""
-    try:
-        return lax.pcast(x, PP, to="varying")
-    except ValueError:  # pcast refuses varying -> varying
-        return x
+def varying(x: Any) -> Any:
+    """`x` (an array or a tree) typed as varying over every manual axis of the shard_map it is in
+    (pp; dp and cp too when the pipeline reduces gradients once), whatever it varied over before."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+
+    def cast(a):
+        missing = tuple(ax for ax in manual if ax not in jax.typeof(a).manual_axis_type.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, x)
 
 
 class Stage(NamedTuple):
@@ -51,16 +55,19 @@ class Stage(NamedTuple):
 
 
 def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
-               moe: MoeConfig = MoeConfig()) -> Stage:
-    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean."""
+               moe: MoeConfig = MoeConfig(), data_manual: bool = False) -> Stage:
+    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean.
+    `data_manual`: the executor's shard_map is manual over dp and cp too (ring attention then
+    runs its ring directly, with no shard_map of its own)."""
     attention_fn = attention_fn or select_attention(tc.attention)
     experts = cfg.num_local_experts
     # A shard_map inside a lax.scan inside this one (manual over pp) does not lower: ring
-    # attention's (manual over cp) fails Shardy's verifier ("manual axis cp after free axis pp"),
+    # attention's (manual over cp, unless cp is manual already) fails Shardy's verifier ("manual
+    # axis cp after free axis pp"),
     # and differentiating the MoE layer's (manual over dp, with expert parallelism) hoists its
     # constants out of the scan with a spec over pp as well (models/moe.py). Unrolled, both lower.
     mesh = jax.sharding.get_abstract_mesh()
-    scan = tc.scan_layers and mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1)
+    scan = tc.scan_layers and (mesh.shape[CP] == 1 or data_manual) and not (experts and mesh.shape[DP] > 1)
 
     def no_stats():
         if not experts:

@@ -4,7 +4,9 @@ The split itself is four lines of `mesh.rules.RULES`: 'heads', 'kv_heads' and 'm
 make q/k/v/gate/up column-parallel (each device computes some heads / some MLP columns with no
 communication) and o/down row-parallel (each device holds a partial sum of the output, which
 XLA all-reduces: the two all-reduces per layer per pass that Megatron's `f`/`g` operators do by
-hand). 'vocab' over tp makes the embedding and the output layer vocab-parallel.
+hand). 'vocab' over tp makes the embedding and the output layer vocab-parallel. In the backward,
+q/k/v (and gate/up) share an input whose gradient is a partial sum over all three: it is taken
+from one dot over the joined operands (`models/projection.py`), so XLA all-reduces it once.
 
 What needs care is the loss: the logits of a [tokens, vocab] output layer are split over the
 vocabulary, and a naive `log_softmax` + gather would all-gather them onto every device. The

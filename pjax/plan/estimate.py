@@ -82,29 +82,46 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
           tokens (dp and cp); ZeRO-1 then gathers the new parameters (P/dp + P); ZeRO-3 also
           gathers the parameters per micro-batch in forward and backward (2 k P);
       tp  per micro-batch and layer, 2 activation all-reduces forward and 2 backward, plus the
-          vocab-parallel embedding's forward one and the output layer's backward one;
+          vocab-parallel embedding's forward one and the output layer's backward one (on the
+          first and last pipeline stage: 2 / pp per device on average);
       cp  per micro-batch and layer, K and V passed cp - 1 times forward, K, V and their
           gradients 4 (cp - 1) times backward, and dK, dV returned to their owner;
-      pp  each micro-batch's activation across each of the pp - 1 boundaries and its gradient back
-          (2 k (pp - 1) / pp activations per device)."""
+      pp  each micro-batch's activation across each of the pp v - 1 stage boundaries (v chunks
+          per device when interleaved) and its gradient back (2 k (pp v - 1) / pp activations
+          per device), and one reduction over pp of the embedding,
+          final norm and output layer gradients: every stage holds those (they are replicated
+          over pp), so dp's reduction counts them whole on every stage too."""
     mc, tc = config.model, config.train
     k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
     tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
     layers = mc.num_hidden_layers // pp
     act = tokens * mc.hidden_size * act_bytes
-    params = mc.num_params * 4 / (tp * pp)  # fp32 gradient and parameters a device holds
+    params, shared = held_gradient_bytes(config, layout), shared_bytes(config, layout)
     out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
     if dp * cp > 1:
         out["dp"] = params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
         out["dp"] += 2 * k * params if layout.zero >= 3 and dp > 1 else 0
     if tp > 1:
-        out["tp"] = k * (4 * layers + 2) * act
+        out["tp"] = k * (4 * layers + 2 / pp) * act
     if cp > 1:
         kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * act_bytes
         out["cp"] = k * layers * (6 * (cp - 1) + 2) * kv_block
     if pp > 1:
-        out["pp"] = 2 * k * (pp - 1) / pp * act
+        out["pp"] = 2 * k * (pp * layout.virtual_stages - 1) / pp * act + shared
     return out
+
+
+def shared_bytes(config: Config, layout: Layout) -> float:
+    """fp32 bytes per device of the embedding, final norm and output layer (split over tp only)."""
+    mc = config.model
+    return (mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2) + mc.hidden_size) * 4 / layout.tp
+
+
+def held_gradient_bytes(config: Config, layout: Layout) -> float:
+    """fp32 bytes of the gradient a device holds before any ZeRO split: its stage's layers over tp,
+    and the shared embedding, final norm and output layer, which every stage holds."""
+    shared = shared_bytes(config, layout)
+    return (config.model.num_params * 4 / layout.tp - shared) / layout.pp + shared
 
 
 def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:
@@ -116,17 +133,19 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
     ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
     rows: dict[str, tuple[int, float]] = {}
     if dp * cp > 1:
-        n, params = dp * cp, mc.num_params * 4 / (tp * pp)
+        n, params = dp * cp, held_gradient_bytes(config, layout)
         # one all-reduce, or a reduce-scatter and a gather (the same link bytes); ZeRO-3's gathers on top
         gathers = payload["dp"] - params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
         count = layers * 9 + 3 + (2 * k * layers if gathers else 0)
         rows["dp+cp" if cp > 1 else "dp"] = (count, params * ring(n) + gathers * (n - 1) / n)
     if tp > 1:
-        rows["tp"] = (k * (4 * layers + 2), payload["tp"] * ring(tp))
+        rows["tp"] = (round(k * (4 * layers + 2 / pp)), payload["tp"] * ring(tp))
     if cp > 1:
         rows["cp"] = (k * layers * 6 * (cp - 1), payload["cp"])
     if pp > 1:  # a boundary device sends every micro-batch's activation (and receives its gradient)
-        rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1), payload["pp"] * pp / (pp - 1) * layout.virtual_stages)
+        shared = shared_bytes(config, layout)
+        sends = (payload["pp"] - shared) * pp / (pp * layout.virtual_stages - 1) * layout.virtual_stages
+        rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1) + 1, sends + shared * ring(pp))
     return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host)}
             for axes, (count, link) in rows.items()}
 
