@@ -47,8 +47,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     1, except inside a pipeline tick's conditional parts (found by their named scope, the
     innermost one in the op name), and for permutes whose pairs leave some devices out."""
     from pjax.hlo import device_groups
-    from pjax.parallel.pipeline_parallel import make_schedule
-    from pjax.parallel.pipeline_table import SCOPES, scope_runs
+    from pjax.parallel.pipeline_table import SCOPES, make_schedule, scope_runs
 
     mesh, cfg = built["mesh"], built["cfg"]
     devices, pp = mesh.devices.size, mesh.shape["pp"]

@@ -147,13 +147,14 @@ def _scoped(part: str, fn: Callable) -> Callable:
 
 
 def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
-              reduce: Callable[[Any], Any] = lambda g: g) -> tuple[Callable, np.ndarray]:
+              reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
     """The shard_map body running `sched`, and the table it reads (`pipeline_table.executor_table`).
 
     In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
     with nothing to do runs it anyway on the discard slot, its results masked by `active`; that
     keeps collectives inside the forward and backward (ring attention's) in step across the stages.
-    `reduce` sums the gradients over the data axes at the end when they are manual (see `_run`).
+    `reduce` sums the gradients over the data axes at the end when they are manual (see `_run`);
+    None: a forwards-only table, whose body returns no gradients (`{}`) and reduces none.
     """
     p, v, n_slots = sched.p, sched.v, ps.buffer_plan(sched).slots
     table = executor_table(sched, lockstep)
@@ -241,6 +242,11 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                            router=router, d_embedded=d_embedded), None
 
         end, _ = lax.scan(tick, start, table[:, 0])
+        data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
+        router = jax.tree.map(lambda r: r / m, lax.psum(end.router, PP))  # the mean over micro-batches
+        loss = lax.psum(end.loss, (PP, *data))
+        if reduce is None:
+            return loss, {}, router
         # The embedding's gradient, once for all micro-batches (zero except on the first stage).
         embed_all = lambda e: jax.vmap(lambda tokens: stage.embed({"embed": e}, tokens))(batch["inputs"])
         d_embed = jax.vjp(embed_all, shared["embed"])[1](end.d_embedded[:m])[0]
@@ -250,25 +256,25 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         # Replicated parameters: each device holds part of their gradient; sum once, after the scan.
         grads = {**lax.psum(unzero(gs), PP),
                  "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), end.grad_layers)}
-        data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
-        router = jax.tree.map(lambda r: r / m, lax.psum(end.router, PP))  # the mean over micro-batches
-        return lax.psum(end.loss, (PP, *data)), reduce(grads), router
+        return loss, reduce(grads), router
 
     return body, table
 
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,
-         zero: int) -> tuple[jax.Array, Any, dict]:
+         zero: int, with_grads: bool = True) -> tuple[jax.Array, Any, dict]:
     """The executor in a shard_map over pp, and over the data axes dp and cp too when `once`:
     then each device accumulates its own rows' partial gradients through every tick and they are
     reduced once, after the scan (`data_parallel.reduce_gradients`), where with dp automatic
-    XLA reduces each tick's weight gradient over dp as soon as the tick computes it."""
+    XLA reduces each tick's weight gradient over dp as soon as the tick computes it.
+    Without `with_grads` (evaluation) the gradients are `{}`."""
     data = data_parallel.data_axes(jax.sharding.get_abstract_mesh()) if once else ()
     split = zero == 1 and DP in data
     reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
-    body, table = _executor(sched, stage, lockstep, reduce)
+    body, table = _executor(sched, stage, lockstep, reduce if with_grads else None)
     specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
     grad_specs = data_parallel.reduced_grad_specs(cfg, split, pipelined=True) if once else specs
+    grad_specs = grad_specs if with_grads else P()
     run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
                         out_specs=(P(), grad_specs, P()), axis_names={PP, *data})
     return run(params, batch, jnp.asarray(table))
@@ -311,4 +317,4 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, atte
     sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages)  # one kind of op: lockstep
     once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero, cfg)
     stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe, data_manual=once)
-    return _run(sched, stage, params, batch, needs_lockstep(), once, cfg, tc.zero)[0]
+    return _run(sched, stage, params, batch, needs_lockstep(), once, cfg, tc.zero, with_grads=False)[0]
