@@ -57,7 +57,7 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
     n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
     mesh = make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
-    kwargs = {"pipeline": cfg.pipeline} if "pipeline" in build_trainer.__code__.co_varnames else {}
+    kwargs = {k: getattr(cfg, k) for k in ("pipeline", "moe", "context") if k in build_trainer.__code__.co_varnames}
     trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
     t0 = time.perf_counter()
     compiled = trainer.compile_step()

@@ -6,7 +6,7 @@ this table, never the model.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -92,6 +92,34 @@ def auto_size(mesh, axis: str) -> int:
     if dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Manual:
         return 1  # inside a shard_map over this axis: the arrays are already local blocks
     return mesh.shape[axis]
+
+
+def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
+    """`fn` on each device's blocks along the mesh axes its specs name, for hand-written collectives.
+
+    Axes an enclosing shard_map has made manual already (the step's over dp and cp, a pipeline
+    stage's over pp) are local blocks as they stand, and so are axes of size 1: they are dropped
+    from the specs, and when none is left `fn` runs as it is. Otherwise it runs in a shard_map
+    over the rest, on the context mesh where there is one (inside another shard_map, shard_map
+    insists on the mesh that knows which axes are manual).
+    """
+    context = jax.sharding.get_abstract_mesh()
+    ref = mesh if context.empty else context
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def named(spec: P) -> list[str]:
+        return [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+
+    todo = {a for s in jax.tree.leaves((in_specs, out_specs), is_leaf=is_spec) for a in named(s)
+            if auto_size(ref, a) > 1}
+    if not todo:
+        return fn
+
+    def keep(spec: P) -> P:
+        return P(*(tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in todo) or None for e in spec))
+
+    in_specs, out_specs = (jax.tree.map(keep, s, is_leaf=is_spec) for s in (in_specs, out_specs))
+    return jax.shard_map(fn, mesh=ref, in_specs=in_specs, out_specs=out_specs, axis_names=todo)
 
 
 def flatten_tokens(x: jax.Array) -> jax.Array:

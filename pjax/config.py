@@ -1,7 +1,7 @@
 """Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys.
 
 The YAML layout mirrors these classes: `model.*` (LlamaConfig), `mesh.*`, `train.*`,
-`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`, `moe.*` (models/moe.py's MoeConfig). The key
+`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`, `context.*`, `moe.*` (models/moe.py's MoeConfig). The key
 names are a contract used by tests, docs and notebooks.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved")
+CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses")
 ON_NONFINITE = ("stop", "skip")
 
 
@@ -139,6 +140,16 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextConfig:
+    """How attention spans a sequence split over mesh.cp (pjax/parallel/context_parallel.py)."""
+
+    strategy: str = "ring"  # ring (K/V around a ring) | all_gather (K/V gathered) | ulysses (all-to-all over heads)
+
+    def __post_init__(self) -> None:
+        _require_choice("context.strategy", self.strategy, CONTEXT_STRATEGIES)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -147,4 +158,5 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)

@@ -29,7 +29,7 @@ from models import llama
 from models.attention import select_attention
 from models.config import SHAPE_KEYS, LlamaConfig
 from models.moe import MoeConfig, router_loss
-from pjax.config import PipelineConfig, TrainConfig
+from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
 from pjax.parallel import context_parallel, data_parallel, pipeline_parallel, pipeline_table
@@ -202,26 +202,31 @@ def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
                    vocab_multiple=cfg.make_vocab_size_divisible_by)
 
 
-def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig) -> None:
-    """A one-line ConfigError unless the model, batch, pipeline schedule and experts split over `mc`."""
+def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig,
+                 context: ContextConfig = ContextConfig()) -> None:
+    """A one-line ConfigError unless the model, batch, pipeline schedule, experts and context
+    strategy split over `mc`."""
     validate_layout(mc, cfg, tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     if mc.pp > 1:
         pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
+    if mc.cp > 1:
+        context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
     if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
                           f"expert parallelism gives each dp device the same number of experts.")
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
-                  moe: MoeConfig | None = None) -> Trainer:
+                  moe: MoeConfig | None = None, context: ContextConfig | None = None) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
 
     With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
-    stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's."""
+    stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's.
+    With cp > 1 attention follows `context.strategy` (default ring)."""
     mc = MeshConfig.of(mesh)
-    pipeline, moe = pipeline or PipelineConfig(), moe or MoeConfig()
-    validate_run(mc, cfg, tc, pipeline)
+    pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
+    validate_run(mc, cfg, tc, pipeline, context)
     optimizer = make_optimizer(tc)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
@@ -236,8 +241,10 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
             params = pipeline_parallel.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    # cp > 1: ring attention over the sequence split (batches must come in the zigzag layout).
-    attention_fn = context_parallel.ring_attention(mesh) if mesh.shape[CP] > 1 else None
+    # cp > 1: attention over the sequence split (batches must come in the zigzag layout).
+    attention_fn = None
+    if mesh.shape[CP] > 1:
+        attention_fn = context_parallel.context_attention(mesh, context.strategy, select_attention(tc.attention))
     grads_fn, loss_fn = functools.partial(loss_and_grads, moe=moe), functools.partial(mean_loss, moe=moe)
     if mc.pp > 1:  # pipeline parallelism: drop-ins with the same arguments and results
         kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype), moe=moe)

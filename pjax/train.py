@@ -124,7 +124,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
 
     tc, mc = cfg.train, cfg.model
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe)
+    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context)
     # Context parallelism's load-balanced layout (the identity when cp = 1); positions follow it.
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
     if tokenizer.get_vocab_size() > mc.vocab_size:

@@ -1,5 +1,6 @@
 """Ring attention over `cp` equals full causal attention; zigzag balances the work; the custom
-backward keeps memory flat in cp; cp trains like one device (alone and with dp and tp)."""
+backward keeps memory flat in cp; cp trains like one device (alone and with dp and tp). The
+other context.strategy choices (all_gather, ulysses) do the same."""
 import dataclasses
 import functools
 import re
@@ -13,11 +14,12 @@ from jax.sharding import PartitionSpec as P
 from mesh import MeshConfig, make_mesh
 from mesh.errors import ConfigError
 from mesh.mesh import PP
-from models.attention import reference_attention
+from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
 from pjax.batches import DataIterator
-from pjax.config import TrainConfig
-from pjax.parallel.context_parallel import ring_attention, zigzag_chunks, zigzag_layout, zigzag_schedule
+from pjax.config import ContextConfig, TrainConfig
+from pjax.parallel.context_parallel import (context_attention, ring_attention, zigzag_chunks, zigzag_layout,
+                                            zigzag_schedule)
 from pjax.step import build_trainer
 
 B, T, H, KV, D = 2, 32, 4, 2, 8  # GQA: 2 query heads per kv head
@@ -64,6 +66,27 @@ def test_ring_attention_and_its_gradients_equal_full_causal_attention(cp, layout
     mesh = cp_mesh(cp)
     with jax.set_mesh(mesh):
         (_, out), grads = value_and_grads(ring_attention(mesh, layout))(q[:, perm], k[:, perm], v[:, perm], pos[:, perm])
+    assert_close(out, ref_out[:, perm])
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, np.asarray(ref)[:, perm])
+
+
+STRATEGY_LAYOUTS = [("all_gather", 2, 1), ("all_gather", 4, 2), ("ulysses", 2, 1), ("ulysses", 4, 1),
+                    ("ulysses", 2, 2)]
+
+
+@pytest.mark.parametrize("strategy,cp,tp", STRATEGY_LAYOUTS, ids=[f"{s}_cp{c}_tp{t}" for s, c, t in STRATEGY_LAYOUTS])
+def test_other_strategies_and_their_gradients_equal_full_causal_attention(strategy, cp, tp):
+    """Heads split over tp as the model splits them. Ulysses at cp=4 (2 kv-heads) and at cp=2
+    with tp=2 (1 kv-head per device) repeats kv-heads up to cp; its local attention is the
+    CPU's blocked kernel, which assumes tokens in order: the reorder after the all-to-all."""
+    q, k, v, pos = qkv()
+    (_, ref_out), ref_grads = value_and_grads(reference_attention)(q, k, v, pos)
+    perm = zigzag_layout(cp)(np.arange(T))
+    mesh = cp_mesh(cp, tp=tp)
+    attention = context_attention(mesh, strategy, select_attention("blocked"))
+    with jax.set_mesh(mesh):
+        (_, out), grads = value_and_grads(attention)(q[:, perm], k[:, perm], v[:, perm], pos[:, perm])
     assert_close(out, ref_out[:, perm])
     for g, ref in zip(grads, ref_grads):
         assert_close(g, np.asarray(ref)[:, perm])
@@ -130,13 +153,23 @@ def test_seq_len_not_divisible_by_2cp_is_a_config_error():
         zigzag_layout(4)(np.arange(12))
 
 
+def test_ulysses_heads_that_do_not_split_over_cp_are_a_config_error():
+    ulysses = ContextConfig(strategy="ulysses")
+    with pytest.raises(ConfigError, match=r"num_attention_heads/mesh.tp = 2 is not divisible by mesh.cp=4; use"):
+        build_trainer(cp_mesh(4, tp=2), CFG, TC, context=ulysses)
+    odd = dataclasses.replace(CFG, num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads/mesh.tp = 3 to divide or be divisible by mesh.cp=2"):
+        build_trainer(cp_mesh(2), odd, TC, context=ulysses)
+
+
 # -- training ---------------------------------------------------------------------------------
 
 @functools.cache
-def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3) -> tuple[tuple[float, ...], frozenset]:
-    """Losses of `steps` training steps on the zigzag data pipeline, and the step's collectives."""
+def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3, strategy: str = "ring"
+              ) -> tuple[tuple[float, ...], frozenset, str]:
+    """Losses of `steps` training steps on the zigzag data pipeline, the step's collectives and its HLO."""
     mesh = cp_mesh(cp, dp, tp)
-    trainer = build_trainer(mesh, CFG, TC)
+    trainer = build_trainer(mesh, CFG, TC, context=ContextConfig(strategy=strategy))
     data = DataIterator(TOKENS, TC.seq_len, TC.batch_size, TC.grad_accum, TC.seed, mesh,
                         sequence_layout=zigzag_layout(cp))
     state, batch, losses = trainer.init(jax.random.key(0)), next(data), []
@@ -145,12 +178,17 @@ def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3) -> tuple[tu
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         batch = next(data)
-    return tuple(losses), frozenset(re.findall(COLLECTIVES, step.as_text()))
+    return tuple(losses), frozenset(re.findall(COLLECTIVES, step.as_text())), step.as_text()
 
 
-@pytest.mark.parametrize("layout", [dict(cp=2), dict(dp=2, cp=2, tp=2)], ids=["cp2", "dp2_cp2_tp2"])
+TRAIN_LAYOUTS = [dict(cp=2), dict(dp=2, cp=2, tp=2), dict(dp=2, cp=2, tp=2, strategy="all_gather"),
+                 dict(cp=4, tp=2, strategy="all_gather"), dict(dp=2, cp=2, tp=2, strategy="ulysses")]
+
+
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS, ids=["_".join(f"{k}{v}" for k, v in layout.items())
+                                                       for layout in TRAIN_LAYOUTS])
 def test_context_parallel_training_losses_equal_one_device(layout):
-    (ref, _), (losses, _) = train_run(), train_run(**layout)
+    ref, losses = train_run()[0], train_run(**layout)[0]
     assert max(abs(a - b) for a, b in zip(ref, losses)) <= 1e-5, (ref, losses)
 
 
@@ -158,17 +196,28 @@ def test_dp_cp_tp_step_communicates_only_by_the_ring_and_all_reduces():
     """No all-gather: heads stay split over tp inside the ring and K/V are never gathered. (With
     one row per device per micro-batch; with more, XLA adds all-to-alls to reshuffle the
     flattened [batch*seq] activations around attention -- see benchmarks/context_parallel.py.)"""
-    _, collectives = train_run(dp=2, cp=2, tp=2)
+    collectives = train_run(dp=2, cp=2, tp=2)[1]
     assert collectives == {"all-reduce", "collective-permute"}, collectives
 
 
-def test_dp_cp_gradients_are_reduced_once_per_step_not_per_micro_batch():
-    """dp and cp are manual for the step (ring attention runs its ring directly inside): the
-    gradient is all-reduced over (dp, cp) once, with the loss, not once per micro-batch."""
+@pytest.mark.parametrize("strategy,expected", [("all_gather", {"all-gather", "reduce-scatter"}),
+                                               ("ulysses", {"all-to-all", "all-gather"})])
+def test_other_strategies_communicate_by_their_own_collectives(strategy, expected):
+    """All-gather: K/V gathered over cp, their gradients reduce-scattered home. Ulysses: q, k, v and
+    the output all-to-all (positions all-gathered). No ring permutes; tp and the gradients
+    all-reduce as before."""
+    collectives = train_run(dp=2, cp=2, tp=2, strategy=strategy)[1]
+    assert collectives == expected | {"all-reduce"}, collectives
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+def test_dp_cp_gradients_are_reduced_once_per_step_not_per_micro_batch(strategy):
+    """dp and cp are manual for the step (every strategy runs its collectives directly inside):
+    the gradient is all-reduced over (dp, cp) once, with the loss, not once per micro-batch."""
     from pjax.hlo import collectives_by_axis
 
     mesh = cp_mesh(2, dp=2, tp=2)
-    rows = collectives_by_axis(build_trainer(mesh, CFG, TC).compile_step().as_text(), dict(mesh.shape))
+    rows = collectives_by_axis(train_run(dp=2, cp=2, tp=2, strategy=strategy)[2], dict(mesh.shape))
     assert rows["dp+cp"]["count"] <= 2, rows["dp+cp"]  # TC.grad_accum = 4 micro-batches
     assert 4 * CFG.num_params / 2 <= rows["dp+cp"]["bytes"] <= 4 * CFG.num_params / 2 + 1024, rows["dp+cp"]
     assert set(rows) == {"dp+cp", "cp", "tp"}, rows

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama
 from models.config import LlamaConfig
-from pjax.config import PipelineConfig, TrainConfig
+from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.parallel import pipeline_parallel as ppl
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.context_parallel import zigzag_layout
@@ -156,12 +156,13 @@ def init_params(cfg: LlamaConfig = CFG):
 
 @functools.cache
 def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False,
-        cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False):
+        cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False, strategy: str = "ring"):
     """(loss, gradients in model order, temporary bytes[, eval loss][, HLO text]) of `trainer.grads` on one layout."""
     v = V if schedule == "interleaved" else 1
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero)
-    tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v))
+    tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v),
+                       context=ContextConfig(strategy=strategy))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
     params = jax.device_put(ppl.to_pipeline_layout(init_params(cfg), pp, v), tr.state_sharding.params)
     batch = make_batch(m)
@@ -231,6 +232,22 @@ def test_pipeline_with_context_parallelism_equals_one_device(schedule, layout):
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _, eval_loss = run(4, pp=2, schedule=schedule, eval_loss=True, **layout)
     assert abs(loss - ref_loss) <= 1e-5 and abs(eval_loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,layout", [("1f1b", dict(cp=2, tp=2, strategy="all_gather")),
+                                             ("afab", dict(dp=2, cp=2, strategy="ulysses")),
+                                             ("1f1b", dict(cp=2, zero=3, strategy="ulysses")),
+                                             ("afab", dict(cp=2, tp=2, zero=3, strategy="all_gather"))],
+                         ids=["1f1b_cp2_tp2_all_gather", "afab_dp2_cp2_ulysses", "1f1b_cp2_zero3_ulysses",
+                              "afab_cp2_tp2_zero3_all_gather"])
+def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layout):
+    """The all-gather and Ulysses strategies inside pipeline stages: with cp manual in the
+    executor (the once-per-step reduction), and nested in a stage that is manual over pp only
+    (ZeRO-3)."""
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _ = run(4, pp=2, schedule=schedule, **layout)
+    assert abs(loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 
 

@@ -30,6 +30,12 @@ forward 2*(cp-1) block sends (K and V); backward 2*(cp-1) again plus 2*cp fp32 d
 K/V travel with their original kv-heads: grouped-query attention is computed by viewing the
 queries as [kv_heads, group], never by repeating K/V. The `shard_map` is manual over cp only,
 so dp (batch) and tp (heads) stay automatic inside it.
+
+Strategies. The ring is one of three ways `context.strategy` offers to attend across the split,
+all on the zigzag layout: 'ring' (here, the default), 'all_gather' (context_gather.py: K/V
+gathered once, the same chunk pairs folded locally) and 'ulysses' (ulysses.py: all-to-all from
+sequence-split to head-split and back around the backend's own attention). `context_attention`
+returns the one a run asks for.
 """
 from __future__ import annotations
 
@@ -44,12 +50,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP
-from mesh.rules import auto_size
+from mesh import rules
 from models.attention import AttentionFn
+from pjax.parallel.online_softmax import F32, causal, finish, fold, fold_grad, softmax_delta, split, start
 
 LAYOUTS = ("zigzag", "contiguous")  # contiguous: masked instead of skipped, for comparison only
-_MASKED = -1e30  # finite, so a fully masked block gives exp(-1e30 - m) = 0 rather than NaN
-F32 = jnp.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,64 +101,16 @@ def zigzag_schedule(cp: int) -> list[list[list[tuple[int, int]]]]:
              for s in range(cp)] for i in range(cp)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Blocks: arrays are split into n chunks on axis 1, q [B, n, c, KV, G, D], k/v [B, n, c, KV, D]
-# ---------------------------------------------------------------------------------------------
-
-def _at(x: jax.Array, h: Any) -> jax.Array:
-    return lax.dynamic_index_in_dim(x, h, axis=1, keepdims=False)
-
-
-def _add_at(x: jax.Array, h: Any, y: jax.Array) -> jax.Array:
-    return lax.dynamic_update_index_in_dim(x, _at(x, h) + y, h, axis=1)
-
-
-def _scores(q: jax.Array, k: jax.Array, visible: jax.Array | None) -> jax.Array:
-    """fp32 scores [B, c, KV, G, c'] of one query chunk against one key chunk."""
-    s = jnp.einsum("bqkgd,bskd->bqkgs", q, k, preferred_element_type=F32) * (q.shape[-1] ** -0.5)
-    return s if visible is None else jnp.where(visible, s, _MASKED)
-
-
-def _causal(q_pos: jax.Array, kv_pos: jax.Array, qh: Any, kh: Any) -> jax.Array:
-    """The causal mask of a diagonal chunk pair, from the tokens' positions: [B, c, 1, 1, c']."""
-    return (_at(q_pos, qh)[:, :, None] >= _at(kv_pos, kh)[:, None, :])[:, :, None, None, :]
-
-
-def _fold(acc, q, k, v, qh, kh, visible):
-    """Online softmax: fold key chunk kh into the running (out, max, sum) of query chunk qh."""
-    o, m, l = (_at(a, qh) for a in acc)
-    s = _scores(_at(q, qh), _at(k, kh), visible)
-    m_new = jnp.maximum(m, s.max(-1))
-    p = jnp.exp(s - m_new[..., None])
-    corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("bqkgs,bskd->bqkgd", p.astype(v.dtype), _at(v, kh), preferred_element_type=F32)
-    new = (o * corr[..., None] + pv, m_new, l * corr + p.sum(-1))
-    return tuple(lax.dynamic_update_index_in_dim(a, x, qh, axis=1) for a, x in zip(acc, new))
-
-
-def _fold_grad(grads, q, k, v, do, lse, delta, qh, kh, visible):
-    """Backward of one chunk pair, scores recomputed: add its dQ (chunk qh) and dK, dV (chunk kh)."""
-    dq, dk, dv = grads
-    qb, kb, vb, dob = _at(q, qh), _at(k, kh), _at(v, kh), _at(do, qh)
-    p = jnp.exp(_scores(qb, kb, visible) - _at(lse, qh)[..., None])
-    dp = jnp.einsum("bqkgd,bskd->bqkgs", dob, vb, preferred_element_type=F32)
-    ds = (p * (dp - _at(delta, qh)[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
-    dq = _add_at(dq, qh, jnp.einsum("bqkgs,bskd->bqkgd", ds, kb, preferred_element_type=F32))
-    dk = _add_at(dk, kh, jnp.einsum("bqkgs,bqkgd->bskd", ds, qb, preferred_element_type=F32))
-    dv = _add_at(dv, kh, jnp.einsum("bqkgs,bqkgd->bskd", p.astype(v.dtype), dob, preferred_element_type=F32))
-    return dq, dk, dv
-
-
 def _pairs(layout: str, i: jax.Array, j: Any, first: bool, q_pos: jax.Array, kv_pos: jax.Array):
     """(query chunk, key chunk, visible) to compute this ring step; visible=None means all of it.
 
     Masks only ever come from the device's own block (step 0), so local positions suffice.
     """
     if layout == "zigzag":
-        return [(qh, kh, _causal(q_pos, kv_pos, qh, kh) if causal else None)
-                for qh, kh, causal in _zigzag_pairs(i, j, first)]
+        return [(qh, kh, causal(q_pos, kv_pos, qh, kh) if masked else None)
+                for qh, kh, masked in _zigzag_pairs(i, j, first)]
     # Contiguous: one chunk per device; a block is entirely visible iff it comes from a lower rank.
-    return [(0, 0, _causal(q_pos, kv_pos, 0, 0) if first else j < i)]
+    return [(0, 0, causal(q_pos, kv_pos, 0, 0) if first else j < i)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,42 +143,29 @@ def _ring_loop(step: Callable, carry: Any, kv: Any, cp: int) -> Any:
     return step(carry, kv, cp - 1, False)
 
 
-def _split(x: jax.Array, n: int, kv_heads: int | None = None) -> jax.Array:
-    """[B, T, heads, D] -> [B, n, T/n, heads, D] (queries: [B, n, T/n, KV, G, D])."""
-    b, t = x.shape[:2]
-    shape = (b, n, t // n) + ((kv_heads, x.shape[2] // kv_heads) if kv_heads else (x.shape[2],)) + (x.shape[-1],)
-    return x.reshape(shape)
-
-
 def _forward(q, k, v, q_pos, kv_pos, cp: int, layout: str):
     """Per-device ring forward: (out [B, T_l, H, D], lse [B, n, c, KV, G] fp32)."""
     n, kvh = (2 if layout == "zigzag" else 1), k.shape[2]
-    qs, ks, vs = _split(q, n, kvh), _split(k, n), _split(v, n)
+    qs, ks, vs = split(q, n, kvh), split(k, n), split(v, n)
     qp, kp = q_pos.reshape(q_pos.shape[0], n, -1), kv_pos.reshape(kv_pos.shape[0], n, -1)
     i = lax.axis_index(CP)
-    # zeros_like/full_like inherit q's "varying over cp" type, as a fori_loop carry must.
-    stats = jnp.zeros_like(qs[..., 0], dtype=F32)
-    acc = (jnp.zeros_like(qs, dtype=F32), stats - jnp.inf, stats)
 
     def step(acc, kv, s, first):
         # The first step is the own (diagonal) block, so every query row has seen a key, and has
         # a finite running max, before any fully masked block (contiguous layout) arrives.
         for qh, kh, visible in _pairs(layout, i, (i - s) % cp, first, qp, kp):
-            acc = _fold(acc, qs, *kv, qh, kh, visible)
+            acc = fold(acc, qs, *kv, qh, kh, visible)
         return acc
 
-    o, m, l = _ring_loop(step, acc, (ks, vs), cp)
-    out = (o / l[..., None]).astype(q.dtype).reshape(q.shape)
-    return out, m + jnp.log(l)
+    return finish(_ring_loop(step, start(qs), (ks, vs), cp), q)
 
 
 def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, layout: str):
     """Per-device ring backward: the K/V ring again, with dK/dV travelling beside their block."""
     n, kvh = (2 if layout == "zigzag" else 1), k.shape[2]
-    qs, ks, vs, dos = _split(q, n, kvh), _split(k, n), _split(v, n), _split(g.astype(q.dtype), n, kvh)
+    qs, ks, vs, dos = split(q, n, kvh), split(k, n), split(v, n), split(g.astype(q.dtype), n, kvh)
     qp, kp = q_pos.reshape(q_pos.shape[0], n, -1), kv_pos.reshape(kv_pos.shape[0], n, -1)
-    # rowsum(dO * O): the softmax-backward term, once per query.
-    delta = jnp.sum(_split(g, n, kvh).astype(F32) * _split(out, n, kvh).astype(F32), axis=-1)
+    delta = softmax_delta(g, out, n, kvh)
     i = lax.axis_index(CP)
 
     def step(carry, kv, s, first):
@@ -230,7 +174,7 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, layout: str):
             dkv = _shift(dkv, cp)  # block j's dK/dV, accumulated by the devices before, follow it
         grads = (dq, *dkv)
         for qh, kh, visible in _pairs(layout, i, (i - s) % cp, first, qp, kp):
-            grads = _fold_grad(grads, qs, *kv, dos, lse, delta, qh, kh, visible)
+            grads = fold_grad(grads, qs, *kv, dos, lse, delta, qh, kh, visible)
         return grads[0], grads[1:]
 
     zeros_kv = jnp.zeros_like(ks, dtype=F32)
@@ -258,13 +202,7 @@ def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = T
     seq = P(None, CP)
 
     def per_device(fn: Callable, out_specs: Any) -> Callable:
-        context = jax.sharding.get_abstract_mesh()
-        if auto_size(context, CP) == 1:  # cp already manual (the step's once-per-step reduction): local arrays
-            return functools.partial(fn, cp=cp, layout=layout)
-        # Inside another shard_map (a pipeline stage, manual over pp) the context mesh knows which
-        # axes are already manual, and shard_map insists on being given that one.
-        return jax.shard_map(functools.partial(fn, cp=cp, layout=layout), mesh=mesh if context.empty else context,
-                             in_specs=seq, out_specs=out_specs, axis_names={CP})
+        return rules.per_device(functools.partial(fn, cp=cp, layout=layout), mesh, seq, out_specs)
 
     # The custom_vjp sits outside the shard_maps: residuals (lse) leave the forward ring as
     # ordinary outputs with a known sharding, and autodiff never looks inside the ring.
@@ -290,3 +228,32 @@ def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = T
             return ring(q, k, v, q_pos, kv_pos)
         return per_device(lambda *a, **kw: _forward(*a, **kw)[0], seq)(q, k, v, q_pos, kv_pos)
     return attention
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategies (context.strategy)
+# ---------------------------------------------------------------------------------------------
+
+def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> None:
+    """A one-line ConfigError unless `strategy` works on mesh `mc` (a MeshConfig) with these heads."""
+    if strategy == "ulysses":
+        from pjax.parallel.ulysses import validate_heads
+
+        validate_heads(num_heads, kv_heads, mc.cp, mc.tp)
+
+
+def context_attention(mesh: Mesh, strategy: str, local: AttentionFn) -> AttentionFn:
+    """The `AttentionFn` of `context.strategy` for sequences split over cp in the zigzag layout:
+    'ring' (this module), 'all_gather' (context_gather.py) or 'ulysses' (ulysses.py, which runs
+    `local`, the backend's own attention, on its heads)."""
+    if strategy == "ring":
+        return ring_attention(mesh)
+    if strategy == "all_gather":
+        from pjax.parallel.context_gather import all_gather_attention
+
+        return all_gather_attention(mesh)
+    if strategy == "ulysses":
+        from pjax.parallel.ulysses import ulysses_attention
+
+        return ulysses_attention(mesh, local)
+    raise ConfigError(f"context.strategy={strategy!r} is unknown; choose ring, all_gather or ulysses.")

@@ -52,7 +52,7 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
     start = time.perf_counter()
-    compiled = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe).compile_step()
+    compiled = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context).compile_step()
     m = compiled.memory_analysis()
     memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}

@@ -80,7 +80,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
     cfg = planned_config(config, layout, profile)
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
-    trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe)
+    trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context)
     compiled = trainer.compile_step()
     comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)

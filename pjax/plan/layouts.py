@@ -115,7 +115,7 @@ def apply(config: Config, layout: Layout) -> Config:
 def check(config: Config, layout: Layout) -> None:
     """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
     config = apply(config, layout)
-    validate_run(layout.mesh, config.model, config.train, config.pipeline)
+    validate_run(layout.mesh, config.model, config.train, config.pipeline, config.context)
 
 
 def micro_batch_counts(config: Config, dp: int) -> list[int]:
