@@ -1,23 +1,28 @@
-"""Context-parallel benchmark: per-device memory, step time and ring traffic against sequence length.
+"""Context-parallel benchmark: per-device memory, step time and cp traffic of each context.strategy
+(ring, all_gather, ulysses) against sequence length.
 
-    python benchmarks/context_parallel.py                      # seq 256..2048, cp 1, 2, 4, 8 (CPU: ~3 min)
-    python benchmarks/context_parallel.py --seq 1024 4096 --cp 1 8 --plot cp.png
+    python benchmarks/context_parallel.py                      # seq 256..2048, cp 1, 2, 4, 8, three strategies
+    python benchmarks/context_parallel.py --seq 1024 4096 --cp 1 8 --strategy ring --plot cp.png
+    python benchmarks/context_parallel.py --set model.num_attention_heads=8   # any config override
 
-For each sequence length and cp (dp = 1, so a mesh of cp devices) it compiles the real train step
-of a small LLaMA (the debug config's shape, fp32, zigzag batches) and prints one JSON document:
+For each sequence length, cp and strategy (dp = 1, so a mesh of cp devices; cp = 1 once, with no
+strategy) it compiles the real train step of a small LLaMA (the debug config's shape, fp32,
+zigzag batches) and prints one JSON document:
   * memory_mb: per-device argument + output - aliased + temporary bytes of the compiled step
     (XLA:CPU's own peak figure is just the arguments);
   * step_ms: median wall time of a few executed steps. On forced CPU devices every "device"
     shares the host's cores, so this shows overheads, not the speed-up cp gives on accelerators;
-  * permute_mb: collective-permute bytes per device per step, read from the compiled HLO (loop
-    bodies counted times their trip counts), next to permute_mb_analytic: per layer and
-    micro-batch, with one K/V block = micro_batch * seq/cp * kv_heads * head_dim elements,
-    2(cp-1) block sends forward (K and V), and backward 2(cp-1) again plus 2cp fp32 dK/dV sends;
-  * reshard_mb: the other permutes and all-to-alls, which XLA's partitioner inserts to move
+  * cp_mb: bytes a device sends per step for the strategy's own collectives (ring permutes; the
+    all-gathers and reduce-scatters of all_gather; the all-to-alls of ulysses), read from the
+    compiled HLO (loop bodies times their trip counts) and converted to link bytes as `pjax.hlo`
+    does, next to cp_mb_analytic: the formula of `analytic_cp_bytes`;
+  * reshard_mb: other permutes and all-to-alls, which XLA's partitioner inserts to move
     activations between layouts. They appear when a device holds more than one sequence per
     micro-batch (--batch_size > 1 here): the model's flattened [batch*seq] activations split over
     (dp, cp) are then not "each row's cp-th chunk", and every [batch*seq] <-> [batch, seq]
     reshape around attention reshuffles them.
+Strategy and cp pairs the model cannot run (Ulysses needs heads divisible by cp) print their
+one-line error instead.
 """
 from __future__ import annotations
 
@@ -28,47 +33,76 @@ import statistics
 import time
 from typing import Any
 
-from pjax.hlo import collective_stats  # plain text parsing: imports no JAX
+from pjax.hlo import collective_stats, device_groups, link_factor  # plain text parsing: imports no JAX
+
+STRATEGIES = ("ring", "all_gather", "ulysses")
+_OWN = re.compile(r'op_name="[^"]*/(ppermute|all_gather|reduce_scatter|all_to_all)"')
 
 
-def _ring_or_reshard(kind: str, line: str) -> str | None:
-    """'ring': the `lax.ppermute`s of ring attention; 'reshard': permutes and all-to-alls that XLA's
-    partitioner inserts to move activations between shardings; other collectives are left out."""
-    if kind == "collective-permute" and re.search(r'op_name="[^"]*/ppermute"', line):
-        return "ring"
-    return "reshard" if kind in ("collective-permute", "all-to-all") else None
+def _own_or_reshard(cp: int):
+    """classify(kind, line) for collective_stats: ('cp', link factor) for the strategy's own
+    collectives (named by the lax primitive in the op's metadata), ('reshard', 1) for permutes
+    and all-to-alls XLA's partitioner inserts; other collectives (the gradients' all-reduce) None."""
+    def classify(kind: str, line: str):
+        if _OWN.search(line):
+            size = 2 if kind == "collective-permute" else max(len(g) for g in device_groups(line, cp))
+            return "cp", link_factor(kind, size)
+        return ("reshard", 1.0) if kind in ("collective-permute", "all-to-all") else None
+    return classify
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes one device moves per step through ring permutes and reshards (loops x trip counts)."""
-    stats = collective_stats(hlo, _ring_or_reshard)
-    return {key: stats[key]["bytes"] if key in stats else 0 for key in ("ring", "reshard")}
+def collective_bytes(hlo: str, cp: int) -> dict[str, float]:
+    """Link bytes one device sends per step through the strategy's collectives and through reshards."""
+    out = {"cp": 0.0, "reshard": 0.0}
+    for label, stats in collective_stats(hlo, _own_or_reshard(cp)).items():
+        if isinstance(label, tuple):
+            out[label[0]] += stats["bytes"] * label[1]
+    return out
 
 
-def analytic_permute_bytes(cp: int, layers: int, grad_accum: int, micro_batch: int, seq_len: int,
-                           kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    block = micro_batch * (seq_len // cp) * kv_heads * head_dim
+def analytic_cp_bytes(strategy: str, cp: int, layers: int, grad_accum: int, micro_batch: int, seq_len: int,
+                      heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
+    """Link bytes per device per step of one strategy, with a block = one device's K (or V):
+    micro_batch * seq/cp * kv_heads * head_dim elements.
+      ring:       forward 2(cp-1) K/V block sends; backward 2(cp-1) again plus 2cp fp32 dK/dV sends.
+      all_gather: forward an all-gather of K and V, (cp-1)/cp of 2cp blocks; backward the same plus
+                  a reduce-scatter of fp32 dK and dV, (cp-1) blocks each.
+      ulysses:    (cp-1)/cp of q, k, v and the output forward and of their gradients backward (k, v
+                  with kv-heads repeated up to cp where there are fewer). The positions' gather
+                  is dropped by XLA: the CPU's blocked attention does not read them.
+    """
     if cp == 1:
         return 0
-    forward = 2 * (cp - 1) * block * dtype_bytes
-    backward = 2 * (cp - 1) * block * dtype_bytes + 2 * cp * block * 4
-    return layers * grad_accum * (forward + backward)
+    block = micro_batch * (seq_len // cp) * kv_heads * head_dim
+    if strategy == "ring":
+        per_layer = 4 * (cp - 1) * block * dtype_bytes + 2 * cp * block * 4
+    elif strategy == "all_gather":
+        per_layer = 4 * (cp - 1) * block * dtype_bytes + 2 * (cp - 1) * block * 4
+    else:
+        q, kv = micro_batch * (seq_len // cp) * heads * head_dim, block * max(1, cp // kv_heads)
+        per_layer = 4 * (cp - 1) / cp * (q + kv) * dtype_bytes
+    return layers * grad_accum * per_layer
 
 
-def measure(seq_len: int, cp: int, batch_size: int, steps: int) -> dict[str, Any]:
+def measure(seq_len: int, cp: int, strategy: str, batch_size: int, steps: int, overrides: list[str]) -> dict[str, Any]:
     import jax
     import numpy as np
 
     from mesh import MeshConfig, make_mesh
     from pjax.config_io import load_config
     from pjax.parallel.context_parallel import zigzag_layout
+    from mesh.errors import ConfigError
     from pjax.step import build_trainer
 
     cfg = load_config("debug", [f"train.seq_len={seq_len}", f"train.batch_size={batch_size}", "train.grad_accum=1",
-                                "train.dtype=float32"])
+                                "train.dtype=float32", f"context.strategy={strategy}", *overrides])
     mc, tc = cfg.model, cfg.train
     mesh = make_mesh(MeshConfig(dp=1, cp=cp), jax.devices()[:cp])
-    trainer = build_trainer(mesh, mc, tc)
+    row = {"seq_len": seq_len, "cp": cp, "strategy": strategy if cp > 1 else None}
+    try:
+        trainer = build_trainer(mesh, mc, tc, context=cfg.context)
+    except ConfigError as e:
+        return {**row, "error": str(e)}
     tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (1, batch_size, seq_len + 1)).astype(np.int32)
     columns = zigzag_layout(cp)(np.arange(seq_len))
     batch = {"inputs": tokens[..., columns], "labels": tokens[..., columns + 1],
@@ -83,34 +117,40 @@ def measure(seq_len: int, cp: int, batch_size: int, steps: int) -> dict[str, Any
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
-    traffic = collective_bytes(compiled.as_text())
-    analytic = analytic_permute_bytes(cp, mc.num_hidden_layers, tc.grad_accum, batch_size, seq_len,
-                                      mc.num_key_value_heads, mc.head_dim, dtype_bytes=4)
+    traffic = collective_bytes(compiled.as_text(), cp)
+    analytic = analytic_cp_bytes(strategy, cp, mc.num_hidden_layers, tc.grad_accum, batch_size, seq_len,
+                                 mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, dtype_bytes=4)
     mb = lambda n: round(n / 2**20, 3)
     return {
-        "seq_len": seq_len, "cp": cp,
+        **row,
         "memory_mb": mb(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                         + mem.temp_size_in_bytes),
         "temp_mb": mb(mem.temp_size_in_bytes),
         "step_ms": round(1000 * statistics.median(times[1:]), 1),
-        "permute_mb": mb(traffic["ring"]),
-        "permute_mb_analytic": mb(analytic),
+        "cp_mb": mb(traffic["cp"]),
+        "cp_mb_analytic": mb(analytic),
         "reshard_mb": mb(traffic["reshard"]),
         "loss": round(float(metrics["loss"]), 4),
     }
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
+    """Memory, step time and cp traffic against sequence length: a colour per cp, a line style per strategy."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
-    for ax, key, label in zip(fig.subplots(1, 2), ("memory_mb", "step_ms"), ("per-device memory (MiB)", "step (ms)")):
-        for cp in sorted({r["cp"] for r in results}):
-            rows = [r for r in results if r["cp"] == cp]
-            ax.plot([r["seq_len"] for r in rows], [r[key] for r in rows], marker="o", label=f"cp={cp}")
+    results = [r for r in results if "error" not in r]
+    styles = {None: "-", "ring": "-", "all_gather": "--", "ulysses": ":"}
+    fig = Figure(figsize=(15, 4))
+    panels = (("memory_mb", "per-device memory (MiB)"), ("step_ms", "step (ms)"), ("cp_mb", "cp traffic (MiB per device)"))
+    for ax, (key, label) in zip(fig.subplots(1, 3), panels):
+        for n, cp in enumerate(sorted({r["cp"] for r in results})):
+            for strategy in dict.fromkeys(r["strategy"] for r in results if r["cp"] == cp):
+                rows = [r for r in results if r["cp"] == cp and r["strategy"] == strategy and r[key] > 0]
+                ax.plot([r["seq_len"] for r in rows], [r[key] for r in rows], marker="o", color=f"C{n}",
+                        linestyle=styles[strategy], label=f"cp={cp}" + (f" {strategy}" if strategy else ""))
         ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel=label)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(path)
 
@@ -119,18 +159,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     ap.add_argument("--batch_size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--plot", default=None, help="write memory and step time against sequence length to this PNG")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. model.num_attention_heads=8")
+    ap.add_argument("--plot", default=None, help="write memory, step time and traffic against sequence length to this PNG")
     args = ap.parse_args()
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(args.cp))  # CPU only; accelerators stay as they are
     results = []
     for cp in args.cp:
-        for seq in args.seq:
-            results.append(measure(seq, cp, args.batch_size, args.steps))
-            print(json.dumps(results[-1]), flush=True)
+        for strategy in args.strategy if cp > 1 else args.strategy[:1]:
+            for seq in args.seq:
+                results.append(measure(seq, cp, strategy, args.batch_size, args.steps, args.set))
+                print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"device": jax.devices()[0].device_kind, "results": results}, indent=1))
     if args.plot:
         plot(results, args.plot)

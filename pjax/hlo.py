@@ -145,7 +145,7 @@ def device_groups(line: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]
 
 
-def _link_factor(kind: str, n: int) -> float:
+def link_factor(kind: str, n: int) -> float:
     """Bytes a device sends per byte of the op's result, for ring algorithms over n devices."""
     if n <= 1:
         return 0.0
@@ -182,7 +182,7 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
         row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {}})
         row["count"] += stats["count"]
         row["bytes"] += stats["bytes"]
-        row["link_bytes"] += stats["bytes"] * _link_factor(kind, size)
+        row["link_bytes"] += stats["bytes"] * link_factor(kind, size)
         row["inter_host"] |= inter
         row["kinds"][kind] = row["kinds"].get(kind, 0) + stats["count"]
     return out

@@ -26,10 +26,14 @@ and dV (2(cp-1) fp32 blocks): the ring's bytes, in three collectives instead of 
 with no step waiting on a neighbour. The price is memory: the gathered K/V (and, in the
 backward, their fp32 gradients) are the whole sequence's, O(T) per device where the ring holds
 two blocks.
+
+The collectives themselves run in shard_maps nested manual over tp as well (`_over_tp`): XLA
+would otherwise gather the kv-heads over tp before each one.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh import rules
 from mesh.errors import ConfigError
-from mesh.mesh import CP
+from mesh.mesh import CP, TP
 from models.attention import AttentionFn
 from pjax.parallel.online_softmax import F32, causal, finish, fold, fold_grad, softmax_delta, split, start
 
@@ -54,48 +58,62 @@ def _whole_pair(s: jax.Array, i: jax.Array, cp: int) -> tuple[jax.Array, jax.Arr
     return late * 1, _gathered_index(jnp.where(late, s - i, s), cp)
 
 
-def _pairs(cp: int, qp: jax.Array, kp: jax.Array):
-    """The loop over the 2cp-1 whole pairs, and the two masked diagonal pairs (half, index, mask)."""
-    i = lax.axis_index(CP)
-    diagonal = [(h, 2 * i + h, causal(qp, kp, h, h)) for h in (0, 1)]
-    return i, diagonal
+def _diagonal(i: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> list[tuple[int, jax.Array, jax.Array]]:
+    """The two masked pairs (query half, gathered key index, mask): each half against its own chunk."""
+    qp, kp = (p.reshape(p.shape[0], 2, -1) for p in (q_pos, kv_pos))
+    return [(h, 2 * i + h, causal(qp, kp, h, h)) for h in (0, 1)]
 
 
-def _gather(x: jax.Array) -> jax.Array:
-    return lax.all_gather(x, CP, axis=1, tiled=True)
+def _over_tp(collective: Callable, mesh: Mesh) -> Callable:
+    """`collective` ([B, n, c, KV, D] -> ...) manual over tp too, the kv-heads split.
+
+    Left automatic, tp would be gathered first: XLA's partitioner replicates the operand of an
+    all-gather or reduce-scatter over the axes a shard_map leaves to it (a permute it keeps
+    split). The nested shard_map holds the collective alone, so autodiff and the layer scan's
+    loop-invariant hoisting never look inside it.
+    """
+    heads = P(None, None, None, TP)
+    return lambda x: rules.per_device(collective, mesh, heads, heads)(x)
 
 
-def _forward(q, k, v, q_pos, kv_pos, cp: int):
+def _gather(x: jax.Array, mesh: Mesh) -> jax.Array:
+    return _over_tp(lambda y: lax.all_gather(y, CP, axis=1, tiled=True), mesh)(x)
+
+
+def _scatter(x: jax.Array, mesh: Mesh) -> jax.Array:
+    return _over_tp(lambda y: lax.psum_scatter(y, CP, scatter_dimension=1, tiled=True), mesh)(x)
+
+
+def _forward(q, k, v, q_pos, kv_pos, cp: int, mesh: Mesh):
     """Per-device forward: (out [B, T_l, H, D], lse [B, 2, c, KV, G] fp32)."""
-    qs, kg, vg = split(q, 2, k.shape[2]), _gather(split(k, 2)), _gather(split(v, 2))
-    i, diagonal = _pairs(cp, q_pos.reshape(q_pos.shape[0], 2, -1), kv_pos.reshape(kv_pos.shape[0], 2, -1))
+    i = lax.axis_index(CP)
+    qs, kg, vg = split(q, 2, k.shape[2]), _gather(split(k, 2), mesh), _gather(split(v, 2), mesh)
 
     def whole(s, acc):
         return fold(acc, qs, kg, vg, *_whole_pair(s, i, cp), None)
 
     acc = lax.fori_loop(0, 2 * cp - 1, whole, start(qs))
-    for qh, kh, visible in diagonal:
+    for qh, kh, visible in _diagonal(i, q_pos, kv_pos):
         acc = fold(acc, qs, kg, vg, qh, kh, visible)
     return finish(acc, q)
 
 
-def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int):
+def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, mesh: Mesh):
     """Per-device backward: the pairs again; dK/dV of the whole sequence reduce-scattered home."""
-    kvh = k.shape[2]
-    qs, dos, kg, vg = split(q, 2, kvh), split(g.astype(q.dtype), 2, kvh), _gather(split(k, 2)), _gather(split(v, 2))
+    i, kvh = lax.axis_index(CP), k.shape[2]
+    qs, dos = split(q, 2, kvh), split(g.astype(q.dtype), 2, kvh)
+    kg, vg = _gather(split(k, 2), mesh), _gather(split(v, 2), mesh)
     delta = softmax_delta(g, out, 2, kvh)
-    i, diagonal = _pairs(cp, q_pos.reshape(q_pos.shape[0], 2, -1), kv_pos.reshape(kv_pos.shape[0], 2, -1))
 
     def whole(s, grads):
         return fold_grad(grads, qs, kg, vg, dos, lse, delta, *_whole_pair(s, i, cp), None)
 
     grads = (jnp.zeros_like(qs, dtype=F32), jnp.zeros_like(kg, dtype=F32), jnp.zeros_like(vg, dtype=F32))
     grads = lax.fori_loop(0, 2 * cp - 1, whole, grads)
-    for qh, kh, visible in diagonal:
+    for qh, kh, visible in _diagonal(i, q_pos, kv_pos):
         grads = fold_grad(grads, qs, kg, vg, dos, lse, delta, qh, kh, visible)
     dq, dkg, dvg = grads
-    dk, dv = (lax.psum_scatter(d, CP, scatter_dimension=1, tiled=True).astype(k.dtype).reshape(k.shape)
-              for d in (dkg, dvg))
+    dk, dv = (_scatter(d, mesh).astype(k.dtype).reshape(k.shape) for d in (dkg, dvg))
     return dq.astype(q.dtype).reshape(q.shape), dk, dv
 
 
@@ -104,9 +122,10 @@ def all_gather_attention(mesh: Mesh) -> AttentionFn:
     cp = mesh.shape[CP]
     seq = P(None, CP)  # arguments, results and lse [B, 2, c, KV, G] split over cp on axis 1
 
-    def per_device(fn, out_specs):
-        return rules.per_device(functools.partial(fn, cp=cp), mesh, seq, out_specs)
+    def per_device(fn, out_specs):  # called where the attention is traced: per_device reads the context mesh
+        return rules.per_device(functools.partial(fn, cp=cp, mesh=mesh), mesh, seq, out_specs)
 
+    # As in the ring, the custom_vjp sits outside the shard_maps over cp.
     @jax.custom_vjp
     def attend(q, k, v, q_pos, kv_pos):
         return per_device(_forward, (seq, seq))(q, k, v, q_pos, kv_pos)[0]

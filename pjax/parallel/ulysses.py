@@ -20,7 +20,9 @@ has fewer kv-heads than cp, each is repeated until it has cp of them.
 
 Communication per call: the all-to-all of q, k, v and the output forward, and of their
 gradients backward, each moving (cp-1)/cp of the tensor a device holds. Unlike the ring's,
-these bytes do not grow with cp at a fixed sequence per device, and there is no loop.
+these bytes do not grow with cp at a fixed sequence per device, and there is no loop. The
+positions are all-gathered too, for local attention that reads them (the reference); the
+blocked and cuDNN kernels assume tokens in order, and XLA drops the unused gather.
 """
 from __future__ import annotations
 
@@ -59,9 +61,10 @@ def _device_order(cp: int) -> np.ndarray:
 
 def _reorder(x: jax.Array, order: np.ndarray) -> jax.Array:
     """Chunk j of the result is chunk order[j] of x (2cp chunks along axis 1)."""
-    b, t = x.shape[:2]
-    chunks = x.reshape(b, len(order), t // len(order), *x.shape[2:])
-    return jnp.take(chunks, order, axis=1).reshape(x.shape)
+    c = x.shape[1] // len(order)
+    # Static slices, not a gather: a gather's index array would become an operand of the enclosing
+    # shard_map, and nested in another one its sharding is one Shardy's verifier refuses.
+    return jnp.concatenate([x[:, j * c:(j + 1) * c] for j in order], axis=1)
 
 
 def _to_heads(x: jax.Array, cp: int) -> jax.Array:
@@ -72,10 +75,10 @@ def _to_heads(x: jax.Array, cp: int) -> jax.Array:
     return _reorder(x.reshape(b, t * cp, a * g, d), np.argsort(_device_order(cp)))[None]
 
 
-def _to_sequence(y: jax.Array, cp: int, a: int) -> jax.Array:
+def _to_sequence(y: jax.Array, cp: int, g: int) -> jax.Array:
     """Per device: the inverse of `_to_heads`, which is also its transpose (both only move elements)."""
     _, b, t, ag, d = y.shape
-    y = _reorder(y[0], _device_order(cp)).reshape(b, t, a, 1, ag // a, d)
+    y = _reorder(y[0], _device_order(cp)).reshape(b, t, ag // g, 1, g, d)
     return lax.all_to_all(y, CP, split_axis=1, concat_axis=3, tiled=True)
 
 
@@ -97,15 +100,17 @@ def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
     """An `AttentionFn` for sequences split over `cp` (zigzag), attending with `local` per head group."""
     cp, tp = mesh.shape[CP], mesh.shape[TP]
     # Outside: [B, T, ...] with the sequence split over cp. Between the exchanges: a leading axis
-    # of one head group per cp device, so attention runs outside any shard_map. Heads stay
-    # automatic over tp throughout. The exchanges carry their own transposes: shard_map's
-    # transpose rule, nested in a pipeline stage's shard_map, emits shardings Shardy's verifier
-    # refuses (the same reason the ring has a custom_vjp outside its shard_maps).
-    seq, group = P(None, CP), P(CP)
+    # of one head group per cp device, so attention runs outside any shard_map, heads automatic
+    # over tp. The exchanges run manual over tp as well (XLA's partitioner would otherwise gather
+    # the heads over tp before each all-to-all) and carry their own transposes: shard_map's
+    # transpose rule, nested in another shard_map, emits shardings Shardy's verifier refuses
+    # (the same reason the ring has a custom_vjp outside its shard_maps). They hold nothing but
+    # data movement, so no constant inside them is hoisted out of the layer scan either.
+    seq, heads, group, group_heads = P(None, CP), P(None, CP, TP), P(CP), P(CP, None, None, TP)
 
-    def exchanges(a: int) -> tuple[Callable, Callable]:
-        there = rules.per_device(functools.partial(_to_heads, cp=cp), mesh, seq, group)
-        back = rules.per_device(functools.partial(_to_sequence, cp=cp, a=a), mesh, group, seq)
+    def exchanges(g: int) -> tuple[Callable, Callable]:
+        there = rules.per_device(functools.partial(_to_heads, cp=cp), mesh, heads, group_heads)
+        back = rules.per_device(functools.partial(_to_sequence, cp=cp, g=g), mesh, group_heads, heads)
         return _with_transpose(there, back), _with_transpose(back, there)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
@@ -122,10 +127,11 @@ def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
         # on the first, so the exchange never crosses tp devices; a query head and its kv-head
         # share their (kv/cp, cp) indices, so every device gets whole GQA groups.
         a = kv // cp
-        to_heads, to_sequence = exchanges(a)
-        groups = [to_heads(x.reshape(b, t, a, cp, -1, d)) for x in (q, k, v)]  # [cp, B, T, heads/cp, D]
+        q_heads, q_back = exchanges(h // kv)
+        kv_heads = exchanges(1)[0]
+        groups = [q_heads(q.reshape(b, t, a, cp, -1, d))] + [kv_heads(x.reshape(b, t, a, cp, 1, d)) for x in (k, v)]
         pos = rules.per_device(functools.partial(_gather_positions, cp=cp), mesh, seq, group)(q_pos)
         rows = [x.reshape(-1, *x.shape[2:]) for x in (*groups, pos)]  # [cp * B, T, ...]: head groups as rows
         out = local(*rows[:3], rows[3], rows[3]).reshape(groups[0].shape)
-        return to_sequence(out).reshape(b, t, h, d)
+        return q_back(out).reshape(b, t, h, d)
     return attention
