@@ -154,8 +154,14 @@ def test_contract_keys_exist(section, keys):
 
 def test_unknown_section_lists_valid_sections(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config section 'trian'.*did you mean 'train'.*valid sections: "
-                                          r"checkpoint, data, log, mesh, model, moe, pipeline, train"):
+                                          r"checkpoint, context, data, log, mesh, model, moe, pipeline, train"):
         load_config(write(tmp_path, "trian:\n  steps: 3\n"))
+
+
+def test_context_strategy_is_checked():
+    assert load_config(overrides=["context.strategy=ulysses"]).context.strategy == "ulysses"
+    with pytest.raises(ConfigError, match=r"context.strategy='rings' is invalid; choose one of ring, all_gather, ulysses"):
+        load_config(overrides=["context.strategy=rings"])
 
 
 def test_unknown_key_suggests_close_match():

@@ -240,3 +240,13 @@ def test_chunked_attention_step_on_dp2_tp2_equals_one_device():
     loss, grads = tr.grads(params, jax.device_put(make_batch(2, 16), tr.batch_sharding))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
     assert_grads_close(jax.tree.map(np.asarray, grads), ref_grads)
+
+
+def test_zero1_reduce_scatters_gradients_without_gathering_tp():
+    """ZeRO-1 reduce-scatters each gradient over dp to its moment slice, in a shard_map nested
+    manual over tp: left to XLA, every tp-split gradient was all-gathered over tp first."""
+    from pjax.hlo import collectives_by_axis
+
+    rows = collectives_by_axis(trainer(dp=2, tp=2, zero=1).compile_step().as_text(), dict(dp=2, pp=1, cp=1, tp=2))
+    assert "reduce-scatter" in rows["dp"]["kinds"], rows["dp"]
+    assert set(rows["tp"]["kinds"]) == {"all-reduce"}, rows["tp"]

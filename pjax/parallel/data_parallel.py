@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax import lax
 
-from mesh.mesh import CP, DP, PP
+from mesh import rules
+from mesh.mesh import CP, DP, PP, TP
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
@@ -112,8 +113,18 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
     axes = data_axes(jax.sharding.get_abstract_mesh())
     if not split_dp:
         return lax.psum(grads, axes)
-    grads = jax.tree.map(lambda g, d: lax.psum_scatter(g, DP, scatter_dimension=d, tiled=True), grads, embed_dims(cfg))
+    grads = jax.tree.map(_scatter_over_dp, grads, embed_dims(cfg), llama.param_logical_axes(cfg))
     return lax.psum(grads, CP) if CP in axes else grads
+
+
+def _scatter_over_dp(g: jax.Array, dim: int, names: tuple[str | None, ...]) -> jax.Array:
+    """Reduce-scatter one gradient over dp along `dim`, in a shard_map nested manual over tp.
+
+    Left automatic, tp would be gathered first: XLA's partitioner replicates a reduce-scatter's
+    operand over the axes a shard_map leaves to it (an all-reduce it keeps split)."""
+    tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
+    scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=dim, tiled=True)  # noqa: E731
+    return rules.per_device(scatter, jax.sharding.get_abstract_mesh(), tp_only, tp_only)(g)
 
 
 def reduced_grad_specs(cfg: LlamaConfig, split_dp: bool, pipelined: bool = False) -> Any:
