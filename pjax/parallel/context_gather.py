@@ -44,7 +44,8 @@ from mesh import rules
 from mesh.errors import ConfigError
 from mesh.mesh import CP, TP
 from models.attention import AttentionFn
-from pjax.parallel.online_softmax import F32, causal, finish, fold, fold_grad, softmax_delta, split, start
+from pjax.parallel.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp, softmax_delta,
+                                          split, start)
 
 
 def _gathered_index(chunk: jax.Array, cp: int) -> jax.Array:
@@ -120,24 +121,8 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, mesh: Mesh):
 def all_gather_attention(mesh: Mesh) -> AttentionFn:
     """An `AttentionFn` for sequences split over `cp` in the zigzag layout, by all-gathered K/V."""
     cp = mesh.shape[CP]
-    seq = P(None, CP)  # arguments, results and lse [B, 2, c, KV, G] split over cp on axis 1
-
-    def per_device(fn, out_specs):  # called where the attention is traced: per_device reads the context mesh
-        return rules.per_device(functools.partial(fn, cp=cp, mesh=mesh), mesh, seq, out_specs)
-
-    # As in the ring, the custom_vjp sits outside the shard_maps over cp.
-    @jax.custom_vjp
-    def attend(q, k, v, q_pos, kv_pos):
-        return per_device(_forward, (seq, seq))(q, k, v, q_pos, kv_pos)[0]
-
-    def attend_fwd(q, k, v, q_pos, kv_pos):
-        out, lse = per_device(_forward, (seq, seq))(q, k, v, q_pos, kv_pos)
-        return out, (q, k, v, q_pos, kv_pos, out, lse)
-
-    def attend_bwd(res, g):
-        return (*per_device(_backward, (seq, seq, seq))(*res, g), None, None)
-
-    attend.defvjp(attend_fwd, attend_bwd)
+    attend = recomputing_vjp(functools.partial(_forward, cp=cp, mesh=mesh),
+                             functools.partial(_backward, cp=cp, mesh=mesh), mesh)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
         if q.shape[1] % (2 * cp):

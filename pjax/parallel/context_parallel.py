@@ -48,11 +48,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from mesh import rules
 from mesh.errors import ConfigError
 from mesh.mesh import CP
-from mesh import rules
 from models.attention import AttentionFn
-from pjax.parallel.online_softmax import F32, causal, finish, fold, fold_grad, softmax_delta, split, start
+from pjax.parallel.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp, softmax_delta,
+                                          split, start)
 
 LAYOUTS = ("zigzag", "contiguous")  # contiguous: masked instead of skipped, for comparison only
 
@@ -201,24 +202,8 @@ def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = T
     # automatic, so dp and tp keep working inside.
     seq = P(None, CP)
 
-    def per_device(fn: Callable, out_specs: Any) -> Callable:
-        return rules.per_device(functools.partial(fn, cp=cp, layout=layout), mesh, seq, out_specs)
-
-    # The custom_vjp sits outside the shard_maps: residuals (lse) leave the forward ring as
-    # ordinary outputs with a known sharding, and autodiff never looks inside the ring.
-    @jax.custom_vjp
-    def ring(q, k, v, q_pos, kv_pos):
-        return per_device(_forward, (seq, seq))(q, k, v, q_pos, kv_pos)[0]
-
-    def ring_fwd(q, k, v, q_pos, kv_pos):
-        out, lse = per_device(_forward, (seq, seq))(q, k, v, q_pos, kv_pos)
-        return out, (q, k, v, q_pos, kv_pos, out, lse)
-
-    def ring_bwd(res, g):
-        dq, dk, dv = per_device(_backward, (seq, seq, seq))(*res, g)
-        return dq, dk, dv, None, None  # integer positions have no cotangent
-
-    ring.defvjp(ring_fwd, ring_bwd)
+    forward, backward = (functools.partial(f, cp=cp, layout=layout) for f in (_forward, _backward))
+    ring = recomputing_vjp(forward, backward, mesh)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
         if q.shape[1] % chunks:
@@ -226,7 +211,7 @@ def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = T
                               f"{layout} chunks for mesh.cp={cp}; change train.seq_len.")
         if custom_backward:
             return ring(q, k, v, q_pos, kv_pos)
-        return per_device(lambda *a, **kw: _forward(*a, **kw)[0], seq)(q, k, v, q_pos, kv_pos)
+        return rules.per_device(lambda *a: forward(*a)[0], mesh, seq, seq)(q, k, v, q_pos, kv_pos)
     return attention
 
 

@@ -11,11 +11,15 @@ business; every function here is one chunk pair, with chunk indices that may be 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mesh import rules
+from mesh.mesh import CP
 
 MASKED = -1e30  # finite, so a fully masked block gives exp(-1e30 - m) = 0 rather than NaN
 F32 = jnp.float32
@@ -90,3 +94,32 @@ def fold_grad(grads, q, k, v, do, lse, delta, qh, kh, visible):
     dk = add_at(dk, kh, jnp.einsum("bqkgs,bqkgd->bskd", ds, qb, preferred_element_type=F32))
     dv = add_at(dv, kh, jnp.einsum("bqkgs,bqkgd->bskd", p.astype(v.dtype), dob, preferred_element_type=F32))
     return dq, dk, dv
+
+
+def recomputing_vjp(forward: Callable, backward: Callable, mesh: Any) -> Callable:
+    """attend(q, k, v, q_pos, kv_pos) -> out, from per-device functions run over cp
+    (`mesh.rules.per_device`): `forward` -> (out, lse) and `backward`(q, k, v, q_pos, kv_pos,
+    out, lse, d_out) -> (dq, dk, dv), which recomputes the scores from the lse.
+
+    The custom_vjp sits outside the shard_maps: lse leaves the forward as an ordinary output with
+    a known sharding, and autodiff never transposes a shard_map (nested in the step's or a
+    pipeline stage's, Shardy's verifier refuses its residuals' shardings).
+    """
+    seq = P(None, CP)  # every argument and result is [B, T or chunks, ...] split over cp on axis 1
+
+    def run(fn: Callable, out_specs: Any) -> Callable:  # called while tracing: reads the context mesh
+        return rules.per_device(fn, mesh, seq, out_specs)
+
+    @jax.custom_vjp
+    def attend(q, k, v, q_pos, kv_pos):
+        return run(forward, (seq, seq))(q, k, v, q_pos, kv_pos)[0]
+
+    def attend_fwd(q, k, v, q_pos, kv_pos):
+        out, lse = run(forward, (seq, seq))(q, k, v, q_pos, kv_pos)
+        return out, (q, k, v, q_pos, kv_pos, out, lse)
+
+    def attend_bwd(res, g):
+        return (*run(backward, (seq, seq, seq))(*res, g), None, None)  # integer positions: no cotangent
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
