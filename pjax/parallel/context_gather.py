@@ -22,8 +22,9 @@ gradient home".
 
 Communication per call, with one K/V block = B*T/cp*kv_heads*head_dim elements: forward an
 all-gather of K and V (2(cp-1) blocks received), backward the same plus a reduce-scatter of dK
-and dV (2(cp-1) fp32 blocks): the ring's bytes, in three collectives instead of ~3cp permutes,
-with no step waiting on a neighbour. The price is memory: the gathered K/V (and, in the
+and dV (2(cp-1) fp32 blocks): the ring's bytes less two fp32 blocks, in six collectives per
+layer (four all-gathers, two reduce-scatters) whatever cp is, where the ring's permutes grow with
+cp, and with no step waiting on a neighbour. The price is memory: the gathered K/V (and, in the
 backward, their fp32 gradients) are the whole sequence's, O(T) per device where the ring holds
 two blocks.
 

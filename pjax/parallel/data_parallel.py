@@ -80,9 +80,9 @@ def can_reduce_once(mesh: Any, zero: int, cfg: LlamaConfig | None = None) -> boo
     """Whether this step accumulates per data replica and reduces once.
 
     Needs a data split (dp or cp > 1) and replicated parameters (zero < 3); a pipeline does the
-    same in its own shard_map (`pipeline_parallel._run`). Not for MoE models yet: their layers exchange tokens over dp
-    themselves, and their load-balancing loss needs the statistics of the whole batch, which
-    this per-replica accumulation would have to sum first.
+    same in its own shard_map (`pipeline_parallel._run`). Not for MoE models yet: their layers
+    exchange tokens over dp themselves, and their load-balancing loss needs the statistics of the
+    whole batch, which this per-replica accumulation would have to sum first.
     """
     shape = {} if mesh.empty else dict(mesh.shape)
     moe = cfg is not None and cfg.num_local_experts > 0  # MoE layers are their own shard_map over dp (EP)
@@ -113,17 +113,17 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
     axes = data_axes(jax.sharding.get_abstract_mesh())
     if not split_dp:
         return lax.psum(grads, axes)
-    grads = jax.tree.map(_scatter_over_dp, grads, embed_dims(cfg), llama.param_logical_axes(cfg))
+    grads = jax.tree.map(_scatter_over_dp, grads, llama.param_logical_axes(cfg))
     return lax.psum(grads, CP) if CP in axes else grads
 
 
-def _scatter_over_dp(g: jax.Array, dim: int, names: tuple[str | None, ...]) -> jax.Array:
-    """Reduce-scatter one gradient over dp along `dim`, in a shard_map nested manual over tp.
+def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Reduce-scatter one gradient over dp along its 'embed' dimension, in a shard_map nested manual over tp.
 
     Left automatic, tp would be gathered first: XLA's partitioner replicates a reduce-scatter's
     operand over the axes a shard_map leaves to it (an all-reduce it keeps split)."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
-    scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=dim, tiled=True)  # noqa: E731
+    scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
     return rules.per_device(scatter, jax.sharding.get_abstract_mesh(), tp_only, tp_only)(g)
 
 
