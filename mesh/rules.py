@@ -26,6 +26,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # by `flatten_tokens` so that a (dp, cp) split of the merged dim is exactly "batch over dp,
     # sequence over cp" and merging never moves data between devices.
     "tokens": (DP, CP),
+    # Sequence parallelism (`train.sequence_parallel`, models/sequence_parallel.py): between the
+    # tensor-parallel regions the residual stream's tokens are split over tp too, inside each
+    # device's (dp, cp) block, so gathering them over tp gives back exactly the 'tokens' block.
+    "sp_tokens": (DP, CP, TP),
     "embed": None,
     "heads": TP,
     "kv_heads": TP,
@@ -119,7 +123,10 @@ def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
         return P(*(tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in todo) or None for e in spec))
 
     in_specs, out_specs = (jax.tree.map(keep, s, is_leaf=is_spec) for s in (in_specs, out_specs))
-    return jax.shard_map(fn, mesh=ref, in_specs=in_specs, out_specs=out_specs, axis_names=todo)
+    # Axes of size 1 go manual too (they split nothing): left automatic, JAX pins the reduction
+    # inside a reduce-scatter to a sharding, which XLA:CPU's bf16 promotion of it cannot clone.
+    ones = {a for a in ref.axis_names if a not in ref.manual_axes and ref.shape[a] == 1}
+    return jax.shard_map(fn, mesh=ref, in_specs=in_specs, out_specs=out_specs, axis_names=todo | ones)
 
 
 def flatten_tokens(x: jax.Array) -> jax.Array:

@@ -38,6 +38,7 @@ from models.attention import reference_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, moe_mlp
 from models.projection import ProjectFn, plain_projection, select_projection
+from models import sequence_parallel as seqpar
 
 Params = dict[str, Any]
 
@@ -89,6 +90,7 @@ class DecoderLayer(nn.Module):
     attention_fn: Callable[..., jax.Array] = reference_attention
     project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
     moe: MoeConfig = MoeConfig()  # how MoE layers route (when cfg.num_local_experts > 0)
+    sequence_parallel: bool = False  # the residual stream split over tp too (models/sequence_parallel.py)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]
@@ -111,19 +113,24 @@ class DecoderLayer(nn.Module):
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
         cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
         b, t = positions.shape
+        sp = seqpar.active(self.sequence_parallel)
+        column = seqpar.column if sp else self.project_fn
+        row = (lambda y, w: seqpar.row(y, w)) if sp else (lambda y, w: self.project_fn(y, [w])[0])
+        residual = ("sp_tokens" if sp else "tokens", "embed")
+        x = constrain(x, residual)
 
         # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
         # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand.
         y = rms_norm(x, attn_norm, c.rms_norm_eps)
         # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
-        q, k, v = self.project_fn(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)])
+        q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)])
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
-        (o,) = self.project_fn(o.reshape(o.shape[0], -1), [cast(wo).reshape(-1, wo.shape[-1])])
-        x = x + constrain(o, ("tokens", "embed"))
+        o = row(o.reshape(o.shape[0], -1), cast(wo).reshape(-1, wo.shape[-1]))
+        x = x + constrain(o, residual)
 
         # SwiGLU MLP: gate/up column-parallel, down row-parallel. MoE: routed to experts (models/moe.py).
         y = rms_norm(x, mlp_norm, c.rms_norm_eps)
@@ -131,14 +138,18 @@ class DecoderLayer(nn.Module):
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
                 return x, None
+            # Under sequence parallelism the experts see every token of the (dp, cp) block; their
+            # down projection's partial sums are still all-reduced over tp (by XLA, inside the
+            # experts' shard_map), and the residual stream takes its slice of the result.
+            y = constrain(y, ("tokens", "embed"))
             down, stats = moe_mlp(y, {"router": router, "w_gate": w_gate, "w_up": w_up, "w_down": w_down},
                                   top_k=c.num_experts_per_tok, routing=self.moe.routing,
                                   capacity_factor=self.moe.capacity_factor)
-            return x + constrain(down, ("tokens", "embed")), stats
-        gate, up = self.project_fn(y, [cast(w_gate), cast(w_up)])
+            return x + constrain(down, residual), stats
+        gate, up = column(y, [cast(w_gate), cast(w_up)])
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
-        (down,) = self.project_fn(gated, [cast(w_down)])
-        return x + constrain(down, ("tokens", "embed")), None
+        down = row(gated, cast(w_down))
+        return x + constrain(down, residual), None
 
 
 class Embed(nn.Module):
@@ -206,19 +217,26 @@ def init_params(cfg: LlamaConfig, rng: jax.Array) -> Params:
     return nn.meta.unbox(_boxed_init(cfg, rng))
 
 
-def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32) -> jax.Array:
-    """Token ids [B, T] -> 2-D activations [B*T, D] (`flatten_tokens` order) in the compute dtype."""
-    x = Embed(cfg).apply({"params": params["embed"]}, flatten_tokens(tokens)).astype(dtype)
+def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32,
+          sequence_parallel: bool = False) -> jax.Array:
+    """Token ids [B, T] -> 2-D activations [B*T, D] (`flatten_tokens` order) in the compute dtype;
+    with `sequence_parallel` (and tp > 1) their tokens split over tp too."""
+    ids = flatten_tokens(tokens)
+    if seqpar.active(sequence_parallel):
+        return constrain(seqpar.lookup(params["embed"]["embedding"], ids, dtype), ("sp_tokens", "embed"))
+    x = Embed(cfg).apply({"params": params["embed"]}, ids).astype(dtype)
     return constrain(x, ("tokens", "embed"))
 
 
 def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
                dtype=jnp.float32, remat: str = "none", scan: bool = True,
                attention_fn: Callable[..., jax.Array] = reference_attention,
-               moe: MoeConfig = MoeConfig()) -> tuple[jax.Array, RouterStats | None]:
+               moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False
+               ) -> tuple[jax.Array, RouterStats | None]:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
     Returns the output and, for MoE layers, their router statistics summed over the layers."""
-    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe)
+    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
+                         sequence_parallel=sequence_parallel)
     tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
     def body(h, p):
@@ -242,8 +260,8 @@ def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: L
                  ) -> tuple[jax.Array, RouterStats | None]:
     """Embedding, all decoder layers and the final norm: [B, T] ids -> [B*T, D] hidden states, and
     the MoE layers' router statistics summed over the layers (None for a dense model)."""
-    dtype = kw.get("dtype", jnp.float32)
-    x, stats = run_layers(params["layers"], embed(params, tokens, cfg, dtype), positions, cfg, **kw)
+    x0 = embed(params, tokens, cfg, kw.get("dtype", jnp.float32), kw.get("sequence_parallel", False))
+    x, stats = run_layers(params["layers"], x0, positions, cfg, **kw)
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), stats
 
 

@@ -77,10 +77,17 @@ def _fwd(x, ws):
     return plain_projection(x, ws), (x, ws)
 
 
+def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """dW_i = x^T @ g_i in each w_i's dtype; on XLA:CPU from one materialised x^T (see the module doc)."""
+    if jax.default_backend() != "cpu":
+        return tuple(jnp.einsum("nd,nf->df", x, g).astype(w.dtype) for g, w in zip(gs, ws))
+    xt = jax.lax.optimization_barrier(x.T)  # [D, N], once for all weights that share x
+    return tuple((xt @ g).astype(w.dtype) for g, w in zip(gs, ws))
+
+
 def _bwd(res, gs):
     x, ws = res
-    xt = jax.lax.optimization_barrier(x.T)  # [D, N], once for all weights that share x
-    d_ws = tuple((xt @ g).astype(w.dtype) for g, w in zip(gs, ws))
+    d_ws = weight_grads(x, gs, ws)
     tp = _tp()
     if tp > 1 and len(ws) > 1:  # one dot, so one all-reduce of its partial sum over tp
         d_x = jnp.einsum("nf,df->nd", merge_over_tp(gs, tp), merge_over_tp(ws, tp))

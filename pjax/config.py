@@ -58,6 +58,9 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
     remat: str = "none"  # none | full | dots | dots_no_batch | offload
     zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
+    # Megatron's sequence parallelism (tp > 1): the residual stream, norms and embedding output
+    # split over tp along the tokens; each TP all-reduce becomes a reduce-scatter + all-gather.
+    sequence_parallel: bool = False
     scan_layers: bool = True  # lax.scan over layers (fast compile; what makes remat bound memory) or unrolled
     attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | chunked | cudnn
     loss_chunk: int = 0  # tokens per block of the fused output layer + loss (0: the whole micro-batch)

@@ -60,9 +60,10 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig, atten
     dtype = compute_dtype(tc.dtype)
     hidden, stats = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
                                        scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention),
-                                       moe=moe)
+                                       moe=moe, sequence_parallel=tc.sequence_parallel)
     loss, count = vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg),
-                                               flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size)
+                                               flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size,
+                                               tc.sequence_parallel)
     if stats is None:
         return loss, (count, {})
     extra, router = router_loss(stats, count, cfg)
@@ -212,9 +213,23 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
         pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
     if mc.cp > 1:
         context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
+    if tc.sequence_parallel and mc.tp > 1:
+        validate_sequence_parallel(mc, tc)
     if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
         raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
                           f"expert parallelism gives each dp device the same number of experts.")
+
+
+def validate_sequence_parallel(mc: MeshConfig, tc: TrainConfig) -> None:
+    """A one-line ConfigError unless each device's tokens of a micro-batch split over tp."""
+    tokens = tc.batch_size // tc.grad_accum // mc.dp * (tc.seq_len // mc.cp)
+    if tokens % mc.tp:
+        raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "
+                          f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, train.batch_size "
+                          f"or train.grad_accum, or set train.sequence_parallel=false.")
+    if tc.loss_chunk:
+        raise ConfigError(f"train.loss_chunk={tc.loss_chunk} does not combine with train.sequence_parallel; "
+                          f"set train.loss_chunk=0 or train.sequence_parallel=false.")
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,

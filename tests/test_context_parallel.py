@@ -165,11 +165,12 @@ def test_ulysses_heads_that_do_not_split_over_cp_are_a_config_error():
 # -- training ---------------------------------------------------------------------------------
 
 @functools.cache
-def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3, strategy: str = "ring"
+def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3, strategy: str = "ring", sp: bool = False
               ) -> tuple[tuple[float, ...], frozenset, str]:
     """Losses of `steps` training steps on the zigzag data pipeline, the step's collectives and its HLO."""
     mesh = cp_mesh(cp, dp, tp)
-    trainer = build_trainer(mesh, CFG, TC, context=ContextConfig(strategy=strategy))
+    trainer = build_trainer(mesh, CFG, dataclasses.replace(TC, sequence_parallel=sp),
+                            context=ContextConfig(strategy=strategy))
     data = DataIterator(TOKENS, TC.seq_len, TC.batch_size, TC.grad_accum, TC.seed, mesh,
                         sequence_layout=zigzag_layout(cp))
     state, batch, losses = trainer.init(jax.random.key(0)), next(data), []
@@ -182,7 +183,8 @@ def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3, strategy: s
 
 
 TRAIN_LAYOUTS = [dict(cp=2), dict(dp=2, cp=2, tp=2), dict(dp=2, cp=2, tp=2, strategy="all_gather"),
-                 dict(cp=4, tp=2, strategy="all_gather"), dict(dp=2, cp=2, tp=2, strategy="ulysses")]
+                 dict(cp=4, tp=2, strategy="all_gather"), dict(dp=2, cp=2, tp=2, strategy="ulysses"),
+                 dict(dp=2, cp=2, tp=2, sp=True), dict(cp=2, tp=2, strategy="ulysses", sp=True)]
 
 
 @pytest.mark.parametrize("layout", TRAIN_LAYOUTS, ids=["_".join(f"{k}{v}" for k, v in layout.items())

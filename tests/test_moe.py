@@ -168,9 +168,10 @@ def text_batch():
 
 
 @functools.cache
-def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1):
+def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
+                sequence_parallel: bool = False):
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
-    return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero),
+    return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel),
                          moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
 
@@ -194,8 +195,9 @@ def step_metrics(*layout):
     return jax.tree.map(float, metrics)
 
 
-@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity"), (2, 2, 0, "dropless", 2)],
-                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity", "dp2_cp2_tp2"])
+@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity"), (2, 2, 0, "dropless", 2),
+                                    (2, 2, 0, "capacity", 1, 1, True)],
+                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity", "dp2_cp2_tp2", "dp2_tp2_sequence_parallel"])
 def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layout):
     ref_loss, ref_grads = step_loss_and_grads(1)
     loss, grads = step_loss_and_grads(*layout)

@@ -156,11 +156,13 @@ def init_params(cfg: LlamaConfig = CFG):
 
 @functools.cache
 def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False,
-        cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False, strategy: str = "ring"):
+        cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False, strategy: str = "ring",
+        sequence_parallel: bool = False):
     """(loss, gradients in model order, temporary bytes[, eval loss][, HLO text]) of `trainer.grads` on one layout."""
     v = V if schedule == "interleaved" else 1
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
-    tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero)
+    tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero,
+                             sequence_parallel=sequence_parallel)
     tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v),
                        context=ContextConfig(strategy=strategy))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
@@ -247,6 +249,18 @@ def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layo
     (ZeRO-3)."""
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _ = run(4, pp=2, schedule=schedule, **layout)
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("schedule,layout", [("1f1b", dict(tp=2)), ("interleaved", dict(dp=2, tp=2, zero=3)),
+                                             ("afab", dict(cp=2, tp=2, strategy="all_gather"))],
+                         ids=["1f1b_tp2", "interleaved_dp2_tp2_zero3", "afab_cp2_tp2_all_gather"])
+def test_pipeline_with_sequence_parallelism_equals_one_device(schedule, layout):
+    """Stages hand each other activations split over tp along the tokens (and the embedding and
+    loss run sequence-parallel on the first and last stage)."""
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _ = run(4, pp=2, schedule=schedule, sequence_parallel=True, **layout)
     assert abs(loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 

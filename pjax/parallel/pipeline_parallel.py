@@ -179,7 +179,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
         layout = VjpLayout.trace(lambda w, act: stage.layers(w, act, batch["positions"][0]), chunk(0), nothing)
         slots = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
-        inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, "tokens", "embed")), slots(nothing[1], n_slots + 1))
+        inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, stage.tokens, "embed")), slots(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
@@ -209,7 +209,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 # Both branches sharded alike; the router statistics start at zero on the first stage.
                 embed = _scoped("embed", lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()))
                 act = lax.cond(first, embed,
-                               lambda: (constrain(buf.inbox[0][slot], ("tokens", "embed")), _at(buf.inbox[1], slot)))
+                               lambda: (constrain(buf.inbox[0][slot], (stage.tokens, "embed")), _at(buf.inbox[1], slot)))
                 out, vjp_fn = jax.vjp(lambda w, act: stage.layers(w, act, micro["positions"]), w, act)
                 residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
                 return (residuals, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))

@@ -23,6 +23,7 @@ from jax import lax
 from mesh.mesh import CP, DP
 from mesh.rules import flatten_tokens, logical_to_spec
 from models import llama
+from models import sequence_parallel as seqpar
 from models.attention import select_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, router_loss
@@ -52,6 +53,7 @@ class Stage(NamedTuple):
     layers: Callable[[Any, Activation, jax.Array], Activation]  # (chunk weights, activation, positions)
     loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
     head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
+    tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
 
 
 def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
@@ -77,14 +79,14 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
     def layers(w, act, positions):
         x, stats = act
         y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, scan=scan,
-                                  attention_fn=attention_fn, moe=moe)
+                                  attention_fn=attention_fn, moe=moe, sequence_parallel=tc.sequence_parallel)
         return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
 
     def loss(shared, act, labels):
         y, stats = act
         h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
         total, count = vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels),
-                                                    tc.loss_chunk, cfg.vocab_size)
+                                                    tc.loss_chunk, cfg.vocab_size, tc.sequence_parallel)
         if not experts:
             return total * scale, {}
         extra, metrics = router_loss(stats, count, cfg)
@@ -94,11 +96,12 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
     return Stage(
         dtype=dtype,
         shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
-        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype),
+        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype, tc.sequence_parallel),
         no_stats=no_stats,
         layers=layers,
         loss=loss,
         head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
+        tokens=seqpar.residual_axis(tc.sequence_parallel),
     )
 
 

@@ -33,35 +33,44 @@ import jax.numpy as jnp
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP
 from mesh.rules import auto_size, constrain
+from models import sequence_parallel as seqpar
 from models.llama import mask_padded_vocab
 
 
 def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
-                                 chunk: int = 0, vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                                 chunk: int = 0, vocab_size: int | None = None,
+                                 sequence_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and token count.
 
     hidden: [N, D] final hidden states; kernel: [D, V] output layer (vocab split over tp);
     labels: [N] int. Logits and softmax statistics are fp32 whatever the compute dtype.
     chunk: tokens per block of the fused output layer + loss (0: all N at once; see the module doc).
     vocab_size: the real vocabulary when the kernel's V is padded: the padded logits are masked out.
+    sequence_parallel: hidden's tokens are split over tp too; the output layer gathers them
+    (`models.sequence_parallel.column`). It does not combine with `chunk`.
     """
     vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
     n = hidden.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
+    sp = seqpar.active(sequence_parallel)
+    if sp and 0 < chunk < n:
+        raise ConfigError(f"train.loss_chunk={chunk} does not combine with train.sequence_parallel; "
+                          f"set one of them off (train.loss_chunk=0 or train.sequence_parallel=false).")
     if 0 < chunk < n and auto_size(mesh, DP) == auto_size(mesh, CP) == 1:
         if n % chunk:
             raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n} tokens of a device's micro-batch; "
                               f"choose a divisor of {n} (or 0 to turn chunking off).")
         return _fused(hidden, kernel, labels, chunk, vocab_size), count
-    return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False)[0], count
+    return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False, sp=sp)[0], count
 
 
 def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int,
-                      with_grad: bool) -> tuple[jax.Array, jax.Array | None]:
+                      with_grad: bool, sp: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """Summed loss of [N, D] hidden states and, if `with_grad`, d(loss)/d(logits) [N, V] in fp32."""
-    logits = constrain(output_logits(hidden, kernel), ("tokens", "vocab"))
+    logits = seqpar.column(hidden, [kernel], jnp.float32)[0] if sp else output_logits(hidden, kernel)
+    logits = constrain(logits, ("tokens", "vocab"))
     logits = mask_padded_vocab(logits, vocab_size)  # -inf: exp gives exactly 0, so nothing else changes
     # logsumexp over a split axis: a max and a sum, each reduced across tp as [N]-sized partials.
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))

@@ -1,0 +1,151 @@
+"""Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022; `train.sequence_parallel`).
+
+Plain tensor parallelism leaves everything between two tensor-parallel regions replicated over
+tp: the residual stream, both RMSNorms and the embedding's output are [N, D] on every tp device,
+and each row-parallel matmul (o, down, the vocab-parallel embedding) ends in an all-reduce.
+Sequence parallelism splits those stretches over tp along the tokens instead: [N/tp, D] per
+device, so the activations a layer keeps there shrink by tp. The communication changes shape:
+
+    column-parallel (q/k/v, gate/up, the output layer):  all-gather the tokens over tp, then x @ W
+    row-parallel (o, down, the embedding):               x @ W (a partial sum), then reduce-scatter
+
+An all-gather plus a reduce-scatter moves what one all-reduce does, so the forward costs the same.
+In the backward the roles swap (the all-gather's transpose is a reduce-scatter and vice versa),
+and the column-parallel weight gradient needs the gathered input again: like Megatron, it is
+gathered a second time rather than kept, which is what makes the memory saving real. That is one
+all-gather more per column-parallel matmul and step.
+
+The tokens are split over tp inside their (dp, cp) block (logical axis 'sp_tokens' -> (dp, cp, tp)
+in `mesh/rules.py`), so a gather over tp gives each device exactly its 'tokens' block.
+
+Why `custom_vjp`s with the matmuls inside: under automatic partitioning the partial sum of a
+row-parallel matmul cannot be named, so XLA would all-reduce it before any reduce-scatter could
+see it, and XLA:CPU writes a reduce-scatter as all-reduce + slice. The partial sums are therefore
+formed inside shard_maps manual over tp, where `psum_scatter` is what runs. Those shard_maps are
+manual over the automatic token axes (dp, cp) too, or XLA would replicate the operand of the
+collectives over them; and they are never transposed by autodiff (each direction is written out),
+since a shard_map nested in the step's own and differentiated fails Shardy's verifier. The weight
+gradients are taken outside them, so the usual gradient reduction over dp (once per step, ZeRO)
+applies to them unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mesh.mesh import TP
+from mesh.rules import auto_size, logical_to_spec, per_device
+from models.projection import weight_grads
+
+TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",))
+
+
+def active(enabled: bool) -> bool:
+    """Sequence parallelism is on and tp splits something here."""
+    return enabled and auto_size(jax.sharding.get_abstract_mesh(), TP) > 1
+
+
+def residual_axis(enabled: bool) -> str:
+    """The logical name of the residual stream's token dimension."""
+    return "sp_tokens" if active(enabled) else "tokens"
+
+
+def _per_device(fn, in_specs, out_specs):
+    return per_device(fn, jax.sharding.get_abstract_mesh(), in_specs, out_specs)
+
+
+def gather(x: jax.Array) -> jax.Array:
+    """[N, ...] split over (dp, cp, tp) -> split over (dp, cp): all-gather over tp (pure data movement)."""
+    return _per_device(lambda a: lax.all_gather(a, TP, axis=0, tiled=True, to="invarying"), (SP_TOKENS,), TOKENS)(x)
+
+
+def _reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype) -> jax.Array:
+    """sum_i g_i @ w_i^T, reduce-scattered over tp along the tokens: the input gradient of a
+    column-parallel matmul (g_i [N, F_i], w_i [D, F_i], F split over tp)."""
+    def local(gs, ws):
+        g = jnp.concatenate([g.astype(dtype) for g in gs], axis=-1)
+        w = jnp.concatenate([w.astype(dtype) for w in ws], axis=-1)
+        d = jnp.einsum("nf,df->nd", g, w, preferred_element_type=jnp.float32).astype(dtype)
+        return lax.psum_scatter(d, TP, scatter_dimension=0, tiled=True)
+
+    specs = ([P(TOKENS[0], TP)] * len(gs), [P(None, TP)] * len(ws))
+    return _per_device(local, specs, SP_TOKENS)(list(gs), list(ws))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def column(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
+    """x [N, D] split over (dp, cp, tp) times each column-parallel w [D, F_i] (F split over tp):
+    the products [N, F_i], tokens split over (dp, cp). out_dtype: the products' dtype (x's if None)."""
+    full = gather(x)
+    return tuple(jnp.matmul(full, w, preferred_element_type=out_dtype) for w in ws)
+
+
+def _column_fwd(x, ws, out_dtype):
+    return column(x, ws, out_dtype), (x, ws)
+
+
+def _column_bwd(out_dtype, res, gs):
+    x, ws = res
+    full = gather(x)  # again, as Megatron does: keeping it would undo the memory saving
+    gs = [g.astype(x.dtype) for g in gs]
+    return _reduce_scatter_product(gs, ws, x.dtype), type(ws)(weight_grads(full, gs, ws))
+
+
+column.defvjp(_column_fwd, _column_bwd)
+
+
+@jax.custom_vjp
+def row(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, F] (F split over tp) times the row-parallel w [F, D]: [N, D] reduce-scattered over tp,
+    its tokens split over (dp, cp, tp)."""
+    def local(x, w):
+        return lax.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)
+
+    return _per_device(local, (P(TOKENS[0], TP), P(TP, None)), SP_TOKENS)(x, w)
+
+
+def _row_fwd(x, w):
+    return row(x, w), (x, w)
+
+
+def _row_bwd(res, g):
+    x, w = res
+    full = gather(g.astype(x.dtype))
+    (d_w,) = weight_grads(x, [full], [w])
+    return jnp.matmul(full, w.T).astype(x.dtype), d_w
+
+
+row.defvjp(_row_fwd, _row_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """The vocab-parallel embedding: rows `ids` [N] of `table` [V, D] (V split over tp), in `dtype`,
+    reduce-scattered over tp: [N, D] with the tokens split over (dp, cp, tp)."""
+    def local(table, ids):
+        v = table.shape[0]
+        rows = ids - lax.axis_index(TP) * v  # this device's slice of the vocabulary
+        hit = (rows >= 0) & (rows < v)
+        x = jnp.where(hit[:, None], jnp.take(table, jnp.clip(rows, 0, v - 1), axis=0), 0).astype(dtype)
+        return lax.psum_scatter(x, TP, scatter_dimension=0, tiled=True)
+
+    return _per_device(local, (P(TP, None), TOKENS), SP_TOKENS)(table, ids)
+
+
+def _lookup_fwd(table, ids, dtype):
+    return lookup(table, ids, dtype), (table, ids)
+
+
+def _lookup_bwd(dtype, res, g):
+    table, ids = res
+    _, take_vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0).astype(dtype), table)
+    (d_table,) = take_vjp(gather(g))
+    return d_table, None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
