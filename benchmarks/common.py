@@ -7,7 +7,8 @@ from typing import Any
 def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
     """'dp2-tp2-zero3' -> ({'dp': 2, 'pp': 1, 'cp': 1, 'tp': 2}, ['train.zero=3']); '1' is one device.
 
-    A `remat` part (as in 'pp2-remat') runs the layer scan with remat='full'.
+    A `remat` part (as in 'pp2-remat') runs the layer scan with remat='full'; an `sp` part
+    (as in 'dp2-tp4-sp') turns on sequence parallelism.
     """
     mesh = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
     extra = []
@@ -21,6 +22,8 @@ def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
                 extra.append(f"train.zero={part[4:]}")
             elif part == "remat":  # keep only each layer's input, recompute the rest (needs the layer scan)
                 extra += ["train.remat=full", "train.scan_layers=true"]
+            elif part == "sp":  # sequence parallelism (with tp > 1)
+                extra.append("train.sequence_parallel=true")
             else:
                 raise SystemExit(f"cannot parse layout part {part!r} in {name!r}")
     return mesh, extra

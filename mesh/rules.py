@@ -104,8 +104,8 @@ def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
     Axes an enclosing shard_map has made manual already (the step's over dp and cp, a pipeline
     stage's over pp) are local blocks as they stand, and so are axes of size 1: they are dropped
     from the specs, and when none is left `fn` runs as it is. Otherwise it runs in a shard_map
-    over the rest, on the context mesh where there is one (inside another shard_map, shard_map
-    insists on the mesh that knows which axes are manual).
+    manual over the rest and the axes of size 1, on the context mesh where there is one (inside
+    another shard_map, shard_map insists on the mesh that knows which axes are manual).
     """
     context = jax.sharding.get_abstract_mesh()
     ref = mesh if context.empty else context

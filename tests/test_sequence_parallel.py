@@ -58,15 +58,15 @@ def test_no_activation_is_all_reduced_over_tp():
     """Each TP all-reduce became a reduce-scatter and an all-gather. Per micro-batch (m = 2) with L
     layers: reduce-scatters 2L forward (o, down) + 2L backward (the q/k/v and gate/up input
     gradients) + the embedding's + the output layer's input gradient; all-gathers 2L forward, 2L
-    backward (o's and down's output gradients), 2L again for the column-parallel weight gradients
-    (Megatron's re-gather: the gathered input is not kept), the output layer's forward and the
-    embedding's gradient (the output layer's re-gather is its forward one, which XLA reuses).
+    backward (o's and down's output gradients), 2L + 1 again for the column-parallel weight
+    gradients (Megatron's re-gather: the gathered input is not kept), the output layer's forward
+    and the embedding's gradient.
     What tp still all-reduces is [D]-sized norm-scale gradients and [N]-sized softmax statistics."""
     m, layers = TC.grad_accum, CFG.num_hidden_layers
     hlo = sp_trainer(dp=2, tp=4).compile_step().as_text()
     rows = collectives_by_axis(hlo, dict(dp=2, pp=1, cp=1, tp=4))
     assert rows["tp"]["kinds"]["reduce-scatter"] == m * (4 * layers + 2), rows["tp"]
-    assert rows["tp"]["kinds"]["all-gather"] == m * (6 * layers + 2), rows["tp"]
+    assert rows["tp"]["kinds"]["all-gather"] == m * (6 * layers + 3), rows["tp"]
     tokens = TC.batch_size // m // 2 * TC.seq_len  # a micro-batch's tokens on one dp replica
     largest = max(tokens, CFG.hidden_size) * 4
 

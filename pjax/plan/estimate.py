@@ -83,7 +83,11 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
           gathers the parameters per micro-batch in forward and backward (2 k P);
       tp  per micro-batch and layer, 2 activation all-reduces forward and 2 backward, plus the
           vocab-parallel embedding's forward one and the output layer's backward one (on the
-          first and last pipeline stage: 2 / pp per device on average);
+          first and last pipeline stage: 2 / pp per device on average); with sequence parallelism
+          each becomes an all-gather and a reduce-scatter (the result: a whole activation and a
+          1/tp slice), and the backward gathers each column-parallel input again: per layer 6
+          gathers and 4 scatters, and for the embedding and the output layer 3 / pp gathers and
+          2 / pp scatters;
       cp  per micro-batch and layer, K and V passed cp - 1 times forward, K, V and their
           gradients 4 (cp - 1) times backward, and dK, dV returned to their owner;
       pp  each micro-batch's activation across each of the pp v - 1 stage boundaries (v chunks
@@ -101,7 +105,9 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     if dp * cp > 1:
         out["dp"] = params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
         out["dp"] += 2 * k * params if layout.zero >= 3 and dp > 1 else 0
-    if tp > 1:
+    if tp > 1 and layout.sequence_parallel:
+        out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
+    elif tp > 1:
         out["tp"] = k * (4 * layers + 2 / pp) * act
     if cp > 1:
         kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * act_bytes
@@ -138,7 +144,10 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
         gathers = payload["dp"] - params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
         count = layers * 9 + 3 + (2 * k * layers if gathers else 0)
         rows["dp+cp" if cp > 1 else "dp"] = (count, params * ring(n) + gathers * (n - 1) / n)
-    if tp > 1:
+    if tp > 1 and layout.sequence_parallel:  # every gathered or scattered activation crosses (tp - 1) / tp
+        act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
+        rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)
+    elif tp > 1:
         rows["tp"] = (round(k * (4 * layers + 2 / pp)), payload["tp"] * ring(tp))
     if cp > 1:
         rows["cp"] = (k * layers * 6 * (cp - 1), payload["cp"])

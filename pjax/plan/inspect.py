@@ -41,7 +41,8 @@ def parameter_table(params: Any, logical_axes: Any) -> str:
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
     """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per
     mesh axes (`comm`, read from the compiled HLO unless the caller already has it)."""
-    layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero)
+    layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero,
+                    sequence_parallel=config.train.sequence_parallel)
     state = state_bytes(config, layout)
     m = compiled.memory_analysis()
     need = step_memory_bytes(compiled)

@@ -47,6 +47,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     grad_accum: int = 1  # micro-batches per step (the pipeline's micro-batches when pp > 1)
+    sequence_parallel: bool = False  # train.sequence_parallel (the search does not try it yet)
 
     @property
     def mesh(self) -> MeshConfig:
@@ -59,6 +60,7 @@ class Layout:
         parts = [f"{axis}{size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp)) if size > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
+        parts += ["sp"] if self.sequence_parallel else []
         if self.pp > 1 and self.schedule != "1f1b":
             parts += [f"{self.schedule}{self.virtual_stages if self.virtual_stages > 1 else ''}"]
         return "-".join((parts or ["1"]) + [f"m{self.grad_accum}"])
@@ -75,8 +77,9 @@ class Layout:
                 fields[{"m": "grad_accum"}.get(key, key)] = int(part[len(key):])
             elif part.startswith("remat_"):
                 fields["remat"] = part[len("remat_"):]
-            elif part in ("remat", "1f1b", "afab", "1"):
-                fields.update({"remat": {"remat": "full"}, "1f1b": {}, "afab": {"schedule": "afab"}, "1": {}}[part])
+            elif part in ("remat", "sp", "1f1b", "afab", "1"):
+                fields.update({"remat": {"remat": "full"}, "sp": {"sequence_parallel": True}, "1f1b": {},
+                               "afab": {"schedule": "afab"}, "1": {}}[part])
             else:
                 raise ValueError(f"cannot read {part!r} in layout {name!r}; write it like dp2-pp2-tp2-zero1-remat-m4")
         return cls(**{"dp": 1, **fields})
@@ -84,7 +87,8 @@ class Layout:
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give `pjax.train` this layout."""
         keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp))]
-        keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}"]
+        keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
+                 f"train.sequence_parallel={str(self.sequence_parallel).lower()}"]
         keys += ["train.scan_layers=true"] if self.remat == "full" else []
         if self.pp > 1:
             keys += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
@@ -107,7 +111,7 @@ def apply(config: Config, layout: Layout) -> Config:
     forward and the memory stays what it was without remat (measured on smollm-1.7b)."""
     scan = config.train.scan_layers or layout.remat == "full"
     train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, grad_accum=layout.grad_accum,
-                                scan_layers=scan)
+                                scan_layers=scan, sequence_parallel=layout.sequence_parallel)
     pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
     return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline)
 
