@@ -47,7 +47,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     1, except inside a pipeline tick's conditional parts (found by their named scope, the
     innermost one in the op name), and for permutes whose pairs leave some devices out."""
     from pjax.hlo import device_groups
-    from pjax.parallel.pipeline_table import SCOPES, make_schedule, scope_runs
+    from pjax.parallel.pipeline_table import make_schedule, scope_name, scope_runs
 
     mesh, cfg = built["mesh"], built["cfg"]
     devices, pp = mesh.devices.size, mesh.shape["pp"]
@@ -55,7 +55,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     if pp > 1:
         lockstep = mesh.shape["cp"] > 1
         sched = make_schedule(cfg.pipeline, pp, cfg.train.grad_accum, lockstep)
-        weights = {SCOPES[part]: runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
+        weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
 
     def runs(kind: str, line: str) -> float:
         name = re.search(r'op_name="([^"]*)"', line)

@@ -296,12 +296,29 @@ def test_ticks_transfer_only_when_some_device_sends():
     for m in (2, 4, 8):
         sched = ps.one_f_one_b(2, m)
         runs = scope_runs(sched)
-        assert runs["send_x"] == runs["send_dy"] == m and sched.ticks == 2 * (m + 1), (runs, sched.ticks)
+        sends = lambda kind: sum(r for part, r in runs.items() if part.startswith(kind))  # noqa: E731
+        assert sends("send_x") == sends("send_dy") == m and sched.ticks == 2 * (m + 1), (runs, sched.ticks)
         assert runs["forward"] == runs["backward"] == m  # an average device: m of each
         assert runs["embed"] == runs["loss"] == m / 2  # on one device of two
     interleaved = ps.interleaved_1f1b(4, 8, 2)
     runs = scope_runs(interleaved)
-    assert runs["forward"] == runs["backward"] == 16 and runs["send_x"] < interleaved.ticks, runs
+    assert runs["forward"] == runs["backward"] == 16, runs
+    assert sum(r for part, r in runs.items() if part.startswith("send_x")) < interleaved.ticks, runs
+
+
+def test_each_transfer_permutes_only_the_stages_that_send():
+    """One permute per set of sending stages, holding exactly their pairs: in 1F1B's warm-up only
+    the first stages send. (One permute over every stage, on any tick where some stage sends,
+    moved 1.54 times the minimum pp traffic on pp = 4.)"""
+    from pjax.parallel.pipeline_table import send_patterns
+
+    x_sets, dy_sets = send_patterns(ps.one_f_one_b(4, 8))
+    assert x_sets[:3] == [(1,), (1, 2), (1, 2, 3)], x_sets  # the warm-up: stage 0, then 0 and 1, ...
+    want = {frozenset((d - 1, d) for d in s) for s in x_sets} | {frozenset((d + 1, d) for d in s) for s in dy_sets}
+    hlo = run(8, 4, "1f1b", hlo=True)[-1]
+    found = {frozenset(tuple(map(int, pair)) for pair in re.findall(r"\{(\d+),(\d+)\}", m))
+             for m in re.findall(r"collective-permute(?:-start)?\(.*source_target_pairs=(\{.*?\}\})", hlo)}
+    assert found == want, (found, want)
 
 
 @pytest.mark.parametrize("pp", [2, 4])

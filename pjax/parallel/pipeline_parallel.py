@@ -2,7 +2,8 @@
 
 The schedule is data (`pipeline_schedules.py`: tick x device -> forward / backward / idle), the
 executor is a `lax.scan` over ticks inside `jax.shard_map`, and the transfer is one `ppermute`
-per direction on each tick where some device sends (`pipeline_table.py`). AFAB, 1F1B and
+per direction on each tick where some device sends, holding only the pairs that carry something
+that tick (`pipeline_table.py`). AFAB, 1F1B and
 interleaved 1F1B are the same program with different tables. The shard_map is manual over pp,
 and over the data axes dp and cp too unless parameters are ZeRO-3 split or the model is MoE
 (`data_parallel.can_reduce_once`): then each device accumulates its own rows' gradients through
@@ -67,7 +68,7 @@ from pjax.config import PipelineConfig, TrainConfig
 from pjax.parallel import data_parallel
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, make_stage, varying
-from pjax.parallel.pipeline_table import SCOPES, executor_table, make_schedule, needs_lockstep
+from pjax.parallel.pipeline_table import executor_table, make_schedule, needs_lockstep, scope_name, send_patterns
 
 Batch = dict[str, jax.Array]
 
@@ -138,10 +139,10 @@ def _send(tree: Any, perm: list[tuple[int, int]]) -> Any:
 
 
 def _scoped(part: str, fn: Callable) -> Callable:
-    """`fn` under the name `pipeline_table.SCOPES[part]`, which XLA keeps in the op names of its
-    collectives (for `scope_runs`' accounting)."""
+    """`fn` under the name `pipeline_table.scope_name(part)`, which XLA keeps in the op names of
+    its collectives (for `scope_runs`' accounting)."""
     def scoped(*args):
-        with jax.named_scope(SCOPES[part]):
+        with jax.named_scope(scope_name(part)):
             return fn(*args)
     return scoped
 
@@ -161,6 +162,10 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
     ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
     to_prev = [(s, (s - 1) % p) for s in range(p) if ring or s > 0]
+    # One permute per set of receiving devices, holding only the pairs that carry something.
+    x_sets, dy_sets = send_patterns(sched, lockstep)
+    x_pairs = [[(s, d) for s, d in to_next if d in receivers] for receivers in x_sets]
+    dy_pairs = [[(s, d) for s, d in to_prev if d in receivers] for receivers in dy_sets]
 
     def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any, dict]:
         device = lax.axis_index(PP)
@@ -233,10 +238,13 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             grad_layers, d_embedded, send_cot = _run_if(
                 op == ps.BACKWARD, _scoped("backward", backward), (buf.grad_layers, buf.d_embedded, nothing))
             # The transfers: activations one device on, cotangents one device back, on the ticks
-            # where some device sends (a flag every device agrees on; the others receive into the
-            # "nothing came" slot whatever arrives).
-            send_act = _run_if(send_x > 0, _scoped("send_x", lambda a: _send(a, to_next)), send_act)
-            send_cot = _run_if(send_dy > 0, _scoped("send_dy", lambda a: _send(a, to_prev)), send_cot)
+            # where some device sends, by the permute of that tick's set of senders (a number every
+            # device agrees on; a device nothing reaches receives into the "nothing came" slot).
+            for k, pairs in enumerate(x_pairs, 1):
+                send_act = _run_if(send_x == k, _scoped(f"send_x_{k}", lambda a, pairs=pairs: _send(a, pairs)), send_act)
+            for k, pairs in enumerate(dy_pairs, 1):
+                send_cot = _run_if(send_dy == k, _scoped(f"send_dy_{k}", lambda a, pairs=pairs: _send(a, pairs)),
+                                   send_cot)
             return Buffers(inbox=_put(buf.inbox, recv_x, send_act), cotangents=_put(cotangents, recv_dy, send_cot),
                            residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
                            router=router, d_embedded=d_embedded), None

@@ -3,10 +3,13 @@ table, and how often each conditional part of a tick really runs.
 
 The executor (`pipeline_parallel.py`) scans over the rows of `executor_table`; each row holds,
 per device, the op to run, its micro-batch, chunk and slot, the slots the arriving activation
-and cotangent go to, whether the device has real work, and two flags that are the same on every
-device: whether any device sends an activation on, or a cotangent back, this tick. A tick
-without a sender skips that transfer altogether; one `ppermute` spans every stage, so only a
-flag every device agrees on may skip it.
+and cotangent go to, whether the device has real work, and two numbers that are the same on
+every device: which devices send an activation on, and which a cotangent back, this tick (0:
+none; k: the k-th distinct set of senders, `send_patterns`). Every device must take part in a
+collective, so only a number every device agrees on may choose one: the executor holds one
+`ppermute` per set of senders, with exactly their pairs, and runs the one the tick names (in
+1F1B's warm-up, only the first stages send; a single permute over every stage would send a
+useless block from each of the others).
 
 A tick's forward, backward, embedding, loss and transfers are loops of zero or one trip, which
 XLA counts as one trip of unknown length: a collective inside them appears once per tick in the
@@ -25,8 +28,13 @@ from pjax.config import PipelineConfig
 from pjax.parallel import pipeline_schedules as ps
 
 COLUMNS = ("op", "mb", "chunk", "slot", "recv_x", "recv_dy", "active", "send_x", "send_dy")
-SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "embed": "pp_embed", "loss": "pp_loss",
-          "send_x": "pp_send_x", "send_dy": "pp_send_dy"}
+SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "embed": "pp_embed", "loss": "pp_loss"}
+
+
+def scope_name(part: str) -> str:
+    """The named scope of a tick's part: SCOPES, or 'pp_send_x_3_' for `send_x_3`, the transfer of
+    the third set of senders (no name is a prefix of another)."""
+    return SCOPES.get(part, f"pp_{part}_")
 
 
 def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
@@ -66,11 +74,31 @@ def executor_table(sched: ps.Schedule, lockstep: bool = False) -> np.ndarray:
     if lockstep:
         op = np.broadcast_to(ps.tick_ops(sched)[:, None], sched.op.shape)
         slot = np.where(active, plan.slot, plan.slots)  # the discard slot, shared with "nothing came"
-    # Slot `plan.slots` means "nothing came": a tick sends when some device receives into a real slot.
-    send_x, send_dy = ((recv != plan.slots).any(axis=1, keepdims=True) for recv in (plan.recv_x, plan.recv_dy))
+    send_x, send_dy = (_pattern_ids(recv, plan.slots)[0] for recv in (plan.recv_x, plan.recv_dy))
     columns = [op, sched.mb, sched.chunk, slot, plan.recv_x, plan.recv_dy, active,
-               np.broadcast_to(send_x, op.shape), np.broadcast_to(send_dy, op.shape)]
+               np.broadcast_to(send_x[:, None], op.shape), np.broadcast_to(send_dy[:, None], op.shape)]
     return np.stack(columns, axis=-1).astype(np.int32)
+
+
+def _pattern_ids(recv: np.ndarray, nothing: int) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    """Per tick the id of its set of receiving devices (0: none; k >= 1: the k-th distinct set in
+    the order they first occur), and the sets. Slot `nothing` means "nothing came"."""
+    sets: list[tuple[int, ...]] = []
+    ids = np.zeros(recv.shape[0], np.int32)
+    for t, row in enumerate(recv):
+        receivers = tuple(int(d) for d in np.flatnonzero(row != nothing))
+        if receivers:
+            if receivers not in sets:
+                sets.append(receivers)
+            ids[t] = sets.index(receivers) + 1
+    return ids, sets
+
+
+def send_patterns(sched: ps.Schedule, lockstep: bool = False) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The distinct sets of devices that receive an activation, and a cotangent, on some tick (the
+    send columns of `executor_table` number them from 1)."""
+    plan = ps.buffer_plan(sched)
+    return _pattern_ids(plan.recv_x, plan.slots)[1], _pattern_ids(plan.recv_dy, plan.slots)[1]
 
 
 def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
@@ -82,6 +110,8 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
     forward, backward = col["op"] == ps.FORWARD, col["op"] == ps.BACKWARD
     first = (col["chunk"] == 0) & (device == 0)
     last = (col["chunk"] == sched.v - 1) & (device == sched.p - 1)
-    runs = {"forward": forward, "backward": backward, "embed": forward & first, "loss": forward & last,
-            "send_x": col["send_x"] > 0, "send_dy": col["send_dy"] > 0}
+    runs = {"forward": forward, "backward": backward, "embed": forward & first, "loss": forward & last}
+    x_sets, dy_sets = send_patterns(sched, lockstep)
+    runs |= {f"send_x_{k}": col["send_x"] == k for k in range(1, len(x_sets) + 1)}
+    runs |= {f"send_dy_{k}": col["send_dy"] == k for k in range(1, len(dy_sets) + 1)}
     return {name: float(r.sum()) / sched.p for name, r in runs.items()}
