@@ -219,10 +219,13 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
                 return (residuals, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
 
-            def backward(state):  # adds the chunk's weight gradients; the activation's cotangent goes one stage back
-                # (A tick runs one op, so the buffers a forward of this tick would write are not read here.)
+            def backward(state, residuals, cotangents):  # adds the chunk's weight gradients; the
+                # activation's cotangent goes one stage back. A tick runs one op, so the forward's
+                # writes are never what is read here; but reading the buffers as the forward left
+                # them lets XLA update them in place (the buffers from before the forward would have
+                # to be kept: XLA copied the residual slots every tick, benchmarks/README.md).
                 grad_layers, d_embedded, _ = state
-                dw, dact = layout.unpack(w, [r[slot] for r in buf.residuals])(_at(buf.cotangents, slot))
+                dw, dact = layout.unpack(w, [r[slot] for r in residuals])(_at(cotangents, slot))
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
@@ -236,7 +239,8 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 op == ps.FORWARD, _scoped("forward", forward),
                 (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
             grad_layers, d_embedded, send_cot = _run_if(
-                op == ps.BACKWARD, _scoped("backward", backward), (buf.grad_layers, buf.d_embedded, nothing))
+                op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, residuals, cotangents)),
+                (buf.grad_layers, buf.d_embedded, nothing))
             # The transfers: activations one device on, cotangents one device back, on the ticks
             # where some device sends, by the permute of that tick's set of senders (a number every
             # device agrees on; a device nothing reaches receives into the "nothing came" slot).
