@@ -171,12 +171,13 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     d, f, v, tp = mc.hidden_size, mc.intermediate_size, mc.vocab_size, layout.tp
     heads = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     tokens = tc.batch_size // layout.grad_accum // layout.dp * tc.seq_len // layout.cp
-    layer = tokens * _KEPT_PER_ELEMENT[act_bytes] * (d + (heads + 3 * f) // tp)
+    between = d // tp if layout.sequence_parallel else d  # the residual stream and norms, between TP regions
+    layer = tokens * _KEPT_PER_ELEMENT[act_bytes] * (between + (heads + 3 * f) // tp)
     if attention in ("auto", "blocked", "reference"):  # probabilities kept for the backward (fp32)
         layer += tokens * mc.num_attention_heads // tp * tc.seq_len // 2 * 4
     layers = mc.num_hidden_layers // layout.pp
     # remat=full keeps each layer's fp32 input and works on about three layers' worth at a time
-    saved = layers * tokens * d * 4 + 3 * layer if layout.remat == "full" else layers * layer
+    saved = layers * tokens * between * 4 + 3 * layer if layout.remat == "full" else layers * layer
     if layout.pp > 1:  # the executor's slots: up to pp micro-batches in flight, plus a spare
         saved *= layout.pp + 1
     logits = 2 * tokens * v // tp * 4 if not tc.loss_chunk else 2 * tc.loss_chunk * v // tp * 4

@@ -47,7 +47,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     grad_accum: int = 1  # micro-batches per step (the pipeline's micro-batches when pp > 1)
-    sequence_parallel: bool = False  # train.sequence_parallel (the search does not try it yet)
+    sequence_parallel: bool = False  # train.sequence_parallel
 
     @property
     def mesh(self) -> MeshConfig:
@@ -132,17 +132,19 @@ def micro_batch_counts(config: Config, dp: int) -> list[int]:
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
     """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, and the
-    interleaved schedule with 2 chunks per device where the layers and micro-batches allow it);
-    the remat policies are `remats` and the config's own."""
+    interleaved schedule with 2 chunks per device where the layers and micro-batches allow it;
+    tp > 1: with and without sequence parallelism); the remat policies are `remats` and the
+    config's own."""
     remats = tuple(dict.fromkeys((*remats, config.train.remat)))
     found = []
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
         schedules = [("1f1b", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
-        for zero, remat, (schedule, v), accum in itertools.product(zeros, remats, schedules,
-                                                                  micro_batch_counts(config, dp)):
+        sequence_parallel = (False, True) if tp > 1 else (False,)
+        for zero, remat, (schedule, v), accum, sp in itertools.product(zeros, remats, schedules,
+                                                                      micro_batch_counts(config, dp), sequence_parallel):
             if zero and dp == 1:  # ZeRO splits over dp: nothing to split, the same program as zero=0
                 continue
-            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum)
+            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp)
             try:
                 check(config, layout)
             except ConfigError:
