@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
+from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, moe_mlp
 from models.projection import ProjectFn, plain_projection, select_projection
-from models import sequence_parallel as seqpar
 
 Params = dict[str, Any]
 
@@ -115,12 +115,13 @@ class DecoderLayer(nn.Module):
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
         column = seqpar.column if sp else self.project_fn
-        row = (lambda y, w: seqpar.row(y, w)) if sp else (lambda y, w: self.project_fn(y, [w])[0])
+        row = seqpar.row if sp else (lambda y, w: self.project_fn(y, [w])[0])
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
         # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
-        # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand.
+        # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand (under
+        # sequence parallelism the ops write their all-gather and reduce-scatter themselves).
         y = rms_norm(x, attn_norm, c.rms_norm_eps)
         # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
         q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)])
