@@ -339,6 +339,21 @@ def test_afab_memory_grows_with_micro_batches_and_1f1b_memory_does_not():
     assert one_f_one_b[1] < afab[1]
 
 
+def test_the_executor_holds_each_micro_batchs_residuals_once():
+    """AFAB keeps every micro-batch's VJP residuals: 4 more micro-batches add 4 x the bytes a stage's
+    VJP keeps, not 8 (when the tick's backward read the slots from before its forward, XLA copied
+    them every tick, and the slots were held twice)."""
+    from pjax.parallel.pipeline_stage import VjpLayout
+
+    weights = jax.tree.map(lambda a: a[: CFG.num_hidden_layers // 2], init_params()["layers"])
+    x = jnp.zeros((MICRO * SEQ, CFG.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(SEQ), (MICRO, SEQ))
+    stage = lambda w, act: (llama.run_layers(w, act[0], positions, CFG, scan=TC.scan_layers)[0], ())  # noqa: E731
+    residuals = sum(s.size * s.dtype.itemsize for s in VjpLayout.trace(stage, weights, (x, ())).stored)
+    afab = [run(m, 2, "afab")[2] for m in (4, 8)]
+    assert 0.8 * 4 * residuals <= afab[1] - afab[0] <= 1.2 * 4 * residuals, (afab, residuals)
+
+
 def test_pipelined_fsdp_train_step_and_eval_loss_match_one_device():
     """Interleaved 1F1B with ZeRO-3 over dp, tp and remat='full' (residuals: the layers' inputs)."""
     ref_loss = run(4)[0]
