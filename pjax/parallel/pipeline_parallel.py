@@ -245,10 +245,11 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             # where some device sends, by the permute of that tick's set of senders (a number every
             # device agrees on; a device nothing reaches receives into the "nothing came" slot).
             for k, pairs in enumerate(x_pairs, 1):
-                send_act = _run_if(send_x == k, _scoped(f"send_x_{k}", lambda a, pairs=pairs: _send(a, pairs)), send_act)
+                send = _scoped(f"send_x_{k}", lambda a, pairs=pairs: _send(a, pairs))
+                send_act = _run_if(send_x == k, send, send_act)
             for k, pairs in enumerate(dy_pairs, 1):
-                send_cot = _run_if(send_dy == k, _scoped(f"send_dy_{k}", lambda a, pairs=pairs: _send(a, pairs)),
-                                   send_cot)
+                send = _scoped(f"send_dy_{k}", lambda a, pairs=pairs: _send(a, pairs))
+                send_cot = _run_if(send_dy == k, send, send_cot)
             return Buffers(inbox=_put(buf.inbox, recv_x, send_act), cotangents=_put(cotangents, recv_dy, send_cot),
                            residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
                            router=router, d_embedded=d_embedded), None

@@ -102,8 +102,9 @@ def send_patterns(sched: ps.Schedule, lockstep: bool = False) -> tuple[list[tupl
 
 
 def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
-    """Times per step an average device runs each part of a tick (keys of SCOPES), by the
-    executor's own predicates on its table."""
+    """Times per step an average device runs each part of a tick (the keys of SCOPES, and
+    `send_x_k` / `send_dy_k` for the transfer of the k-th set of senders), by the executor's own
+    predicates on its table."""
     table = executor_table(sched, lockstep)
     col = {name: table[..., i] for i, name in enumerate(COLUMNS)}
     device = np.arange(sched.p)[None, :]

@@ -140,8 +140,8 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
         schedules = [("1f1b", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
         sequence_parallel = (False, True) if tp > 1 else (False,)
-        for zero, remat, (schedule, v), accum, sp in itertools.product(zeros, remats, schedules,
-                                                                      micro_batch_counts(config, dp), sequence_parallel):
+        for zero, remat, (schedule, v), accum, sp in itertools.product(
+                zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel):
             if zero and dp == 1:  # ZeRO splits over dp: nothing to split, the same program as zero=0
                 continue
             layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp)
