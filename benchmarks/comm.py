@@ -38,7 +38,8 @@ def analytic_minimum(cfg, mesh) -> dict[str, float]:
 
     sizes = {a: mesh.shape[a] for a in ("dp", "pp", "cp", "tp")}
     layout = Layout(**sizes, zero=cfg.train.zero, grad_accum=cfg.train.grad_accum, schedule=cfg.pipeline.schedule,
-                    virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=cfg.train.sequence_parallel)
+                    virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=cfg.train.sequence_parallel,
+                    context=cfg.context.strategy)
     return minimum_bytes(cfg, layout, act_bytes=4)
 
 

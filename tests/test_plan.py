@@ -109,3 +109,25 @@ def test_explain_shows_shardings_memory_and_collectives_per_axis(capsys):
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("tp ", "dp "))}
     assert set(rows) == {"tp", "dp"} and "reduce-scatter" in rows["dp"]  # ZeRO-1: the gradient in dp slices
     assert "MFU" in out and "fits" in out
+
+
+@pytest.mark.parametrize("name", ["dp2-cp2-tp2-m2", "dp2-cp2-tp2-all_gather-m2", "dp2-cp2-tp2-ulysses-m2",
+                                  "dp4-tp2-sp-m2"])
+def test_analytic_link_bytes_of_cp_strategies_and_sequence_parallelism_are_the_compiled_steps(name):
+    """The planner scores layouts before compiling them by `analytic_comm`: its cp row (per
+    context strategy) and its tp row under sequence parallelism are what XLA's step moves."""
+    import jax
+
+    from mesh import make_mesh
+    from pjax.hlo import collectives_by_axis
+    from pjax.plan.estimate import analytic_comm
+    from pjax.step import build_trainer
+
+    layout = Layout.parse(name)
+    config = load_config("debug", layout.overrides())
+    trainer = build_trainer(make_mesh(config.mesh, jax.devices()[:8]), config.model, config.train, config.pipeline,
+                            context=config.context)
+    rows = collectives_by_axis(trainer.compile_step().as_text(), dict(dp=layout.dp, pp=1, cp=layout.cp, tp=layout.tp))
+    predicted = analytic_comm(config, layout, act_bytes=4, per_host=8)
+    axis = "cp" if layout.cp > 1 else "tp"
+    assert rows[axis]["link_bytes"] == pytest.approx(predicted[axis]["link_bytes"], rel=0.01), (rows[axis], predicted)

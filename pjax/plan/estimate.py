@@ -88,8 +88,7 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
           1/tp slice), and the backward gathers each column-parallel input again: per layer 6
           gathers and 4 scatters, and for the embedding and the output layer 3 / pp gathers and
           2 / pp scatters;
-      cp  per micro-batch and layer, K and V passed cp - 1 times forward, K, V and their
-          gradients 4 (cp - 1) times backward, and dK, dV returned to their owner;
+      cp  per micro-batch and layer, by `context.strategy` (`cp_bytes`);
       pp  each micro-batch's activation across each of the pp v - 1 stage boundaries (v chunks
           per device when interleaved) and its gradient back (2 k (pp v - 1) / pp activations
           per device), and one reduction over pp of the embedding,
@@ -110,11 +109,35 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     elif tp > 1:
         out["tp"] = k * (4 * layers + 2 / pp) * act
     if cp > 1:
-        kv_block = tokens * (mc.num_key_value_heads // tp) * mc.head_dim * act_bytes
-        out["cp"] = k * layers * (6 * (cp - 1) + 2) * kv_block
+        out["cp"] = k * layers * cp_bytes(config, layout, tokens, act_bytes)[0]
     if pp > 1:
         out["pp"] = 2 * k * (pp * layout.virtual_stages - 1) / pp * act + shared
     return out
+
+
+def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
+    """(payload, link bytes, collectives) per device, micro-batch and layer of `layout.context`,
+    with a block = one device's K (or V): tokens x kv-heads/tp x head_dim.
+      ring:       K and V passed cp - 1 times forward, K, V and their gradients 4 (cp - 1) times
+                  backward, and dK, dV returned to their owner (permutes: payload = link bytes);
+      all_gather: K and V gathered forward and again backward (results of cp blocks each), dK and
+                  dV reduce-scattered home (one block each): link (cp - 1)/cp of every result,
+                  (cp - 1) of every slice;
+      ulysses:    q, k, v and the output all-to-all forward, their gradients backward, k and v with
+                  their kv-heads repeated up to cp on a tp device with fewer: link (cp - 1)/cp."""
+    mc, cp, tp = config.model, layout.cp, layout.tp
+    kv_tp = mc.num_key_value_heads // tp
+    block = tokens * kv_tp * mc.head_dim * act_bytes
+    if layout.context == "all_gather":
+        payload = (4 * cp + 2) * block
+        return payload, (4 * cp * (cp - 1) / cp + 2 * (cp - 1)) * block, 6
+    if layout.context == "ulysses":
+        q = tokens * (mc.num_attention_heads // tp) * mc.head_dim * act_bytes
+        kv = block * max(1, cp // kv_tp)
+        payload = 4 * (q + kv)
+        return payload, payload * (cp - 1) / cp, 8
+    payload = (6 * (cp - 1) + 2) * block
+    return payload, payload, 6 * (cp - 1)
 
 
 def shared_bytes(config: Config, layout: Layout) -> float:
@@ -150,7 +173,9 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
     elif tp > 1:
         rows["tp"] = (round(k * (4 * layers + 2 / pp)), payload["tp"] * ring(tp))
     if cp > 1:
-        rows["cp"] = (k * layers * 6 * (cp - 1), payload["cp"])
+        tokens = config.train.batch_size // k // dp * config.train.seq_len // cp
+        _, link, count = cp_bytes(config, layout, tokens, act_bytes)
+        rows["cp"] = (k * layers * count, k * layers * link)
     if pp > 1:  # a boundary device sends every micro-batch's activation (and receives its gradient)
         shared = shared_bytes(config, layout)
         sends = (payload["pp"] - shared) * pp / (pp * layout.virtual_stages - 1) * layout.virtual_stages

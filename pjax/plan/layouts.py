@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, AxisType
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
 from models import llama
-from pjax.config import Config
+from pjax.config import CONTEXT_STRATEGIES, Config
 from pjax.parallel import data_parallel
 from pjax.step import validate_run
 
@@ -36,7 +36,8 @@ REMATS = ("none", "full")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a config: the mesh, the ZeRO stage, remat, and (pp > 1) the pipeline schedule."""
+    """One way to run a config: the mesh, the ZeRO stage, remat, sequence parallelism, (pp > 1) the
+    pipeline schedule and (cp > 1) the context-parallel strategy."""
 
     dp: int
     pp: int = 1
@@ -48,6 +49,7 @@ class Layout:
     virtual_stages: int = 1
     grad_accum: int = 1  # micro-batches per step (the pipeline's micro-batches when pp > 1)
     sequence_parallel: bool = False  # train.sequence_parallel
+    context: str = "ring"  # context.strategy (cp > 1)
 
     @property
     def mesh(self) -> MeshConfig:
@@ -61,6 +63,7 @@ class Layout:
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
+        parts += [self.context] if self.cp > 1 and self.context != "ring" else []
         if self.pp > 1 and self.schedule != "1f1b":
             parts += [f"{self.schedule}{self.virtual_stages if self.virtual_stages > 1 else ''}"]
         return "-".join((parts or ["1"]) + [f"m{self.grad_accum}"])
@@ -75,6 +78,8 @@ class Layout:
                 fields.update(schedule="interleaved", virtual_stages=int(part[len(key):]))
             elif key is not None:
                 fields[{"m": "grad_accum"}.get(key, key)] = int(part[len(key):])
+            elif part in CONTEXT_STRATEGIES:
+                fields["context"] = part
             elif part.startswith("remat_"):
                 fields["remat"] = part[len("remat_"):]
             elif part in ("remat", "sp", "1f1b", "afab", "1"):
@@ -92,7 +97,7 @@ class Layout:
         keys += ["train.scan_layers=true"] if self.remat == "full" else []
         if self.pp > 1:
             keys += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
-        return keys
+        return keys + ([f"context.strategy={self.context}"] if self.cp > 1 else [])
 
 
 def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int, int, int]]:
@@ -113,7 +118,8 @@ def apply(config: Config, layout: Layout) -> Config:
     train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, grad_accum=layout.grad_accum,
                                 scan_layers=scan, sequence_parallel=layout.sequence_parallel)
     pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
-    return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline)
+    context = dataclasses.replace(config.context, strategy=layout.context)
+    return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline, context=context)
 
 
 def check(config: Config, layout: Layout) -> None:
@@ -133,8 +139,10 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
     """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, and the
     interleaved schedule with 2 chunks per device where the layers and micro-batches allow it;
-    tp > 1: with and without sequence parallelism); the remat policies are `remats` and the
-    config's own."""
+    tp > 1: with and without sequence parallelism); cp > 1 with the config's context.strategy
+    (choosing among strategies needs a memory estimate that tells them apart: Ulysses holds the
+    most, and the rough one here would rank layouts that do not fit above those that do); the
+    remat policies are `remats` and the config's own."""
     remats = tuple(dict.fromkeys((*remats, config.train.remat)))
     found = []
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
@@ -144,7 +152,7 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
                 zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel):
             if zero and dp == 1:  # ZeRO splits over dp: nothing to split, the same program as zero=0
                 continue
-            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp)
+            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy)
             try:
                 check(config, layout)
             except ConfigError:
