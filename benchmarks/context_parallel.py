@@ -60,28 +60,20 @@ def collective_bytes(hlo: str, cp: int) -> dict[str, float]:
     return out
 
 
-def analytic_cp_bytes(strategy: str, cp: int, layers: int, grad_accum: int, micro_batch: int, seq_len: int,
-                      heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
-    """Link bytes per device per step of one strategy, with a block = one device's K (or V):
-    micro_batch * seq/cp * kv_heads * head_dim elements.
-      ring:       forward 2(cp-1) K/V block sends; backward 2(cp-1) again plus 2cp fp32 dK/dV sends.
-      all_gather: forward an all-gather of K and V, (cp-1)/cp of 2cp blocks; backward the same plus
-                  a reduce-scatter of fp32 dK and dV, (cp-1) blocks each.
-      ulysses:    (cp-1)/cp of q, k, v and the output forward and of their gradients backward (k, v
-                  with kv-heads repeated up to cp where there are fewer). The positions' gather
-                  is dropped by XLA: the CPU's blocked attention does not read them.
-    """
+def analytic_cp_bytes(cfg: Any, cp: int, strategy: str, dtype_bytes: int) -> float:
+    """Link bytes per device per step of one strategy: the planner's formula
+    (`pjax.plan.estimate.cp_bytes`, whose docstring says what each strategy sends), over the
+    layers and micro-batches. On the CPU, Ulysses' gather of the positions is dropped by XLA:
+    the blocked attention does not read them."""
+    from pjax.plan.estimate import cp_bytes
+    from pjax.plan.layouts import Layout
+
     if cp == 1:
         return 0
-    block = micro_batch * (seq_len // cp) * kv_heads * head_dim
-    if strategy == "ring":
-        per_layer = 4 * (cp - 1) * block * dtype_bytes + 2 * cp * block * 4
-    elif strategy == "all_gather":
-        per_layer = 4 * (cp - 1) * block * dtype_bytes + 2 * (cp - 1) * block * 4
-    else:
-        q, kv = micro_batch * (seq_len // cp) * heads * head_dim, block * max(1, cp // kv_heads)
-        per_layer = 4 * (cp - 1) / cp * (q + kv) * dtype_bytes
-    return layers * grad_accum * per_layer
+    tc = cfg.train
+    tokens = tc.batch_size // tc.grad_accum * tc.seq_len // cp
+    per_layer = cp_bytes(cfg, Layout(dp=1, cp=cp, context=strategy), tokens, dtype_bytes)[1]
+    return cfg.model.num_hidden_layers * tc.grad_accum * per_layer
 
 
 def measure(seq_len: int, cp: int, strategy: str, batch_size: int, steps: int, overrides: list[str]) -> dict[str, Any]:
@@ -118,8 +110,7 @@ def measure(seq_len: int, cp: int, strategy: str, batch_size: int, steps: int, o
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
     traffic = collective_bytes(compiled.as_text(), cp)
-    analytic = analytic_cp_bytes(strategy, cp, mc.num_hidden_layers, tc.grad_accum, batch_size, seq_len,
-                                 mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, dtype_bytes=4)
+    analytic = analytic_cp_bytes(cfg, cp, strategy, dtype_bytes=4)
     mb = lambda n: round(n / 2**20, 3)
     return {
         **row,

@@ -221,7 +221,8 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
 
 
 def validate_sequence_parallel(mc: MeshConfig, tc: TrainConfig) -> None:
-    """A one-line ConfigError unless each device's tokens of a micro-batch split over tp."""
+    """A one-line ConfigError unless each device's tokens of a micro-batch split over tp and the
+    loss is not chunked (its fused blocks would all-reduce their input gradients over tp)."""
     tokens = tc.batch_size // tc.grad_accum // mc.dp * (tc.seq_len // mc.cp)
     if tokens % mc.tp:
         raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "

@@ -47,7 +47,9 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     chunk: tokens per block of the fused output layer + loss (0: all N at once; see the module doc).
     vocab_size: the real vocabulary when the kernel's V is padded: the padded logits are masked out.
     sequence_parallel: hidden's tokens are split over tp too; the output layer gathers them
-    (`models.sequence_parallel.column`). It does not combine with `chunk`.
+    (`models.sequence_parallel.column`). With `chunk` the fused blocks take the hidden states as
+    they are (right, but XLA all-reduces each block's input gradient over tp: `pjax.step` refuses
+    the combination).
     """
     vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
     count = jnp.asarray(labels.size, jnp.float32)
@@ -55,9 +57,6 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     n = hidden.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     sp = seqpar.active(sequence_parallel)
-    if sp and 0 < chunk < n:
-        raise ConfigError(f"train.loss_chunk={chunk} does not combine with train.sequence_parallel; "
-                          f"set one of them off (train.loss_chunk=0 or train.sequence_parallel=false).")
     if 0 < chunk < n and auto_size(mesh, DP) == auto_size(mesh, CP) == 1:
         if n % chunk:
             raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n} tokens of a device's micro-batch; "

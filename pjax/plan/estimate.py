@@ -117,26 +117,26 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
 
 def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
     """(payload, link bytes, collectives) per device, micro-batch and layer of `layout.context`,
-    with a block = one device's K (or V): tokens x kv-heads/tp x head_dim.
-      ring:       K and V passed cp - 1 times forward, K, V and their gradients 4 (cp - 1) times
-                  backward, and dK, dV returned to their owner (permutes: payload = link bytes);
-      all_gather: K and V gathered forward and again backward (results of cp blocks each), dK and
-                  dV reduce-scattered home (one block each): link (cp - 1)/cp of every result,
-                  (cp - 1) of every slice;
+    with a block = one device's K (or V): tokens x kv-heads/tp x head_dim, in the compute dtype
+    (`act_bytes`) except the dK and dV that are accumulated in fp32.
+      ring:       K and V passed cp - 1 times forward and cp - 1 times again backward, and the
+                  fp32 dK, dV travelling with them, cp times (permutes: payload = link bytes);
+      all_gather: K and V gathered forward and again backward (results of cp blocks each), the
+                  fp32 dK and dV reduce-scattered home (one block each): link (cp - 1)/cp of every
+                  result, (cp - 1) of every slice;
       ulysses:    q, k, v and the output all-to-all forward, their gradients backward, k and v with
                   their kv-heads repeated up to cp on a tp device with fewer: link (cp - 1)/cp."""
     mc, cp, tp = config.model, layout.cp, layout.tp
     kv_tp = mc.num_key_value_heads // tp
-    block = tokens * kv_tp * mc.head_dim * act_bytes
+    elements = tokens * kv_tp * mc.head_dim
+    block, grad_block = elements * act_bytes, elements * 4
     if layout.context == "all_gather":
-        payload = (4 * cp + 2) * block
-        return payload, (4 * cp * (cp - 1) / cp + 2 * (cp - 1)) * block, 6
+        return 4 * cp * block + 2 * grad_block, 4 * (cp - 1) * block + 2 * (cp - 1) * grad_block, 6
     if layout.context == "ulysses":
         q = tokens * (mc.num_attention_heads // tp) * mc.head_dim * act_bytes
-        kv = block * max(1, cp // kv_tp)
-        payload = 4 * (q + kv)
+        payload = 4 * (q + block * max(1, cp // kv_tp))
         return payload, payload * (cp - 1) / cp, 8
-    payload = (6 * (cp - 1) + 2) * block
+    payload = 4 * (cp - 1) * block + 2 * cp * grad_block
     return payload, payload, 6 * (cp - 1)
 
 
