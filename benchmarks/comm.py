@@ -15,6 +15,11 @@ as the average over devices of what arrives (a pipeline's last stage receives no
 A layout is flagged when XLA moves more than 10% above that (e.g. gathered logits or weights,
 or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
 shapes on 8 forced CPU devices: no data, seconds per layout.
+
+On a machine with one GPU, `--mock-gpus 8` compiles the same steps for 8 GPUs of one host
+(JAX's mock GPU topology: XLA:GPU's passes and scheduler, NCCL mocked, nothing runs), and
+`--dump DIR` keeps each compiled module's text; `--from-hlo DIR` reads such texts back (on
+any machine) instead of compiling.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import Callable
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from common import compile_step  # noqa: E402
+from common import compile_step, layout_config  # noqa: E402
 
 
 def analytic_minimum(cfg, mesh) -> dict[str, float]:
@@ -68,11 +73,24 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     return runs
 
 
-def measure(config: str, layout: str, overrides: list[str]) -> dict:
+def measure(config: str, layout: str, overrides: list[str], dump: str | None = None,
+            from_hlo: str | None = None) -> dict:
+    """One layout's row: compiled here, or read from `from_hlo`/<layout>.hlo.txt (a `--dump`)."""
     from pjax.hlo import collective_stats
 
-    built = compile_step(config, layout, overrides)
-    stats = collective_stats(built["compiled"].as_text(), scale=runs_per_appearance(built))
+    if from_hlo:
+        cfg, mesh = layout_config(config, layout, overrides)
+        built = {"cfg": cfg, "mesh": mesh}
+        with open(os.path.join(from_hlo, f"{layout}.hlo.txt")) as f:
+            text = f.read()
+    else:
+        built = compile_step(config, layout, overrides)
+        text = built["compiled"].as_text()
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, f"{layout}.hlo.txt"), "w") as f:
+            f.write(text)
+    stats = collective_stats(text, scale=runs_per_appearance(built))
     stats = {kind: {"count": round(s["count"], 2), "bytes": round(s["bytes"])} for kind, s in stats.items()}
     minimum = analytic_minimum(built["cfg"], built["mesh"])
     total = sum(s["bytes"] for s in stats.values())
@@ -94,11 +112,20 @@ def main() -> None:
     ap.add_argument("--layouts", default="1,dp8,dp2-tp4,dp8-zero1,dp8-zero3,dp2-cp2-tp2,dp2-pp2-tp2")
     ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"],
                     help="config overrides (default train.grad_accum=2, so that dp=8 divides the batch of 16)")
+    ap.add_argument("--mock-gpus", type=int, default=0,
+                    help="compile for this many GPUs of one host on a machine with one GPU (mock NCCL)")
+    ap.add_argument("--dump", help="folder to write each layout's compiled HLO text to")
+    ap.add_argument("--from-hlo", help="read each layout's HLO from this folder (a --dump) instead of compiling")
     args = ap.parse_args()
+    if args.mock_gpus:  # before JAX starts its backend
+        import jax
+        os.environ["JAX_PLATFORMS"] = "cuda"
+        # slices x hosts x GPUs per host; the local host must have as many GPUs as the machine
+        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_gpus}x1")
     results = []
     for layout in args.layouts.split(","):
         try:
-            result = measure(args.config, layout, args.overrides)
+            result = measure(args.config, layout, args.overrides, args.dump, args.from_hlo)
         except Exception as e:  # one broken layout should not hide the others' figures
             result = {"layout": layout, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(json.dumps(result), flush=True)

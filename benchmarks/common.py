@@ -42,6 +42,20 @@ def use_layout_devices(layout: str) -> None:
     spare_cpu_thread(MeshConfig(**sizes))
 
 
+def layout_config(config: str, layout: str, overrides: list[str], devices: Any = None) -> tuple[Any, Any]:
+    """(config, mesh) of `layout`: the named config with the layout's overrides, and its mesh over
+    `devices` (default: the first mesh-size devices)."""
+    import jax
+
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+
+    sizes, extra = parse_layout(layout)
+    cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
+    n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
+    return cfg, make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
+
+
 def compile_step(config: str, layout: str, overrides: list[str], devices: Any = None) -> dict[str, Any]:
     """Build the trainer for `layout` and compile its step from shapes alone (no data, no params).
 
@@ -50,16 +64,9 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     """
     import time
 
-    import jax
-
-    from mesh.mesh import make_mesh
-    from pjax.config_io import load_config
     from pjax.step import build_trainer
 
-    sizes, extra = parse_layout(layout)
-    cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
-    n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
+    cfg, mesh = layout_config(config, layout, overrides, devices)
     kwargs = {k: getattr(cfg, k) for k in ("pipeline", "moe", "context") if k in build_trainer.__code__.co_varnames}
     trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
     t0 = time.perf_counter()
