@@ -16,10 +16,11 @@ A layout is flagged when XLA moves more than 10% above that (e.g. gathered logit
 or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
 shapes on 8 forced CPU devices: no data, seconds per layout.
 
-On a machine with one GPU, `--mock-gpus 8` compiles the same steps for 8 GPUs of one host
-(JAX's mock GPU topology: XLA:GPU's passes and scheduler, NCCL mocked, nothing runs), and
-`--dump DIR` keeps each compiled module's text; `--from-hlo DIR` reads such texts back (on
-any machine) instead of compiling.
+On a machine with one GPU, `--mock-gpus 8` compiles the same steps for 8 mocked one-GPU hosts
+(JAX's mock GPU topology: XLA:GPU's passes and scheduler, NCCL mocked). Loading the program onto
+mocked devices hangs, so take the HLO from XLA's dump (benchmarks/README.md says how).
+`--dump DIR` keeps each compiled module's text; `--from-hlo DIR` reads such texts back (on any
+machine) instead of compiling.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
 def measure(config: str, layout: str, overrides: list[str], dump: str | None = None,
             from_hlo: str | None = None) -> dict:
     """One layout's row: compiled here, or read from `from_hlo`/<layout>.hlo.txt (a `--dump`)."""
-    from pjax.hlo import collective_stats
+    from pjax.hlo import async_overlap, collective_stats
 
     if from_hlo:
         cfg, mesh = layout_config(config, layout, overrides)
@@ -103,6 +104,8 @@ def measure(config: str, layout: str, overrides: list[str], dump: str | None = N
             a: round(v) for a, v in minimum.items() if v},
         "ratio": None if ratio is None else round(ratio, 2),
         "flag": bool(ratio is not None and ratio > 1.10) or (floor == 0 and total > 0),
+        # collective sites run asynchronously around other work (GPU schedules; none on CPU)
+        "overlapped_sites": {k: f"{v['overlapped']}/{v['sites']}" for k, v in async_overlap(text).items()},
     }
 
 

@@ -186,3 +186,48 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
         row["inter_host"] |= inter
         row["kinds"][kind] = row["kinds"].get(kind, 0) + stats["count"]
     return out
+
+
+_ANY_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .+? ([\w\-]+)\((.*)$")
+_WORK = ("fusion", "custom-call", "convolution", "dot")
+
+
+def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
+    """How a scheduled module (XLA:GPU's, `is_scheduled=true`) overlaps its collectives: per kind,
+    {'sites': instructions in the text, 'overlapped': those run as `async-start`/`async-done`
+    with at least one fusion, custom call or dot scheduled between the two}.
+
+    Counts places in the program, not executions (a site inside a scan is one site). XLA:GPU wraps
+    an asynchronous collective in `async-start(..., calls=%comp)` whose `comp` holds the op; a
+    collective anywhere else runs synchronously.
+    """
+    body: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMP_HEADER.match(line)
+        if header:
+            current = header.group(1)
+            continue
+        m = _ANY_INSTR.match(line) if current else None
+        if m:
+            body[current].append(m.groups())
+    holds = {comp: op for comp, instrs in body.items() for _, op, _ in instrs if op in KINDS}
+    out = {kind: {"sites": 0, "overlapped": 0} for kind in KINDS}
+    wrapped = set()
+    for instrs in body.values():
+        for i, (name, op, rest) in enumerate(instrs):
+            callee = re.search(r"calls=%([\w.\-]+)", rest) if op == "async-start" else None
+            if not callee or callee.group(1) not in holds:
+                continue
+            wrapped.add(callee.group(1))
+            done = next((j for j in range(i + 1, len(instrs)) if instrs[j][1] == "async-done"
+                         and re.match(rf"%{re.escape(name)}(?![\w.\-])", instrs[j][2])), len(instrs))
+            row = out[holds[callee.group(1)]]
+            row["sites"] += 1
+            row["overlapped"] += any(op2 in _WORK for _, op2, _ in instrs[i + 1:done])
+    for comp, instrs in body.items():
+        if comp not in wrapped:
+            for _, op, _ in instrs:
+                if op in KINDS:
+                    out[op]["sites"] += 1
+    return {kind: row for kind, row in out.items() if row["sites"]}

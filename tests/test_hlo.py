@@ -68,3 +68,41 @@ def test_collectives_by_axis_names_the_axes_and_counts_ring_link_bytes():
     assert by_axis["dp"] == {"count": 1, "bytes": 64, "link_bytes": 64.0, "inter_host": True,
                              "kinds": {"collective-permute": 1}}
     assert by_axis["dp+tp"]["link_bytes"] == 2 * 7 / 8 * 64 and by_axis["dp+tp"]["inter_host"]
+
+
+# The shape of XLA:GPU's scheduled HLO (cut down from a dp2 x tp4 step compiled for 8 mocked
+# GPUs): asynchronous collectives are `async-start` ops calling a computation that holds the op.
+_GPU_SCHEDULED = """HloModule jit_train_step, is_scheduled=true
+
+%async_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %all-reduce.1 = f32[8]{0} all-reduce(%param_0), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+%async_computation.1 (param_0.1: f32[8]) -> f32[8] {
+  %param_0.1 = f32[8]{0} parameter(0)
+  ROOT %all-reduce.2 = f32[8]{0} all-reduce(%param_0.1), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+ENTRY %main (p: f32[8], q: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %q = f32[8]{0} parameter(1)
+  %all-reduce-start = ((f32[8]{0}), f32[8]{0}) async-start(%p), calls=%async_computation
+  %all-reduce-start.1 = ((f32[8]{0}), f32[8]{0}) async-start(%q), calls=%async_computation.1
+  %all-reduce-done.1 = f32[8]{0} async-done(%all-reduce-start.1)
+  %fusion.3 = f32[8]{0} fusion(%q), kind=kLoop, calls=%fused
+  %all-reduce-done = f32[8]{0} async-done(%all-reduce-start)
+  %all-reduce.3 = f32[8]{0} all-reduce(%fusion.3), channel_id=3, replica_groups=[2,4]<=[8], to_apply=%add
+  ROOT %add.1 = f32[8]{0} add(%all-reduce-done, %all-reduce.3)
+}
+"""
+
+
+def test_async_overlap_counts_collectives_with_work_scheduled_inside_them():
+    from pjax.hlo import async_overlap
+
+    # Three sites: one asynchronous with a fusion between its start and done, one asynchronous
+    # with nothing between (`.1`, whose name extends the first one's), one synchronous.
+    assert async_overlap(_GPU_SCHEDULED) == {"all-reduce": {"sites": 3, "overlapped": 1}}
+    # Each async-start's computation is counted once, where it is called.
+    assert collective_stats(_GPU_SCHEDULED)["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 4}
