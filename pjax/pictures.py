@@ -62,16 +62,15 @@ def draw_sharding(sharding: Any, shape: Sequence[int], title: str = "", ax: Any 
 
 def draw_schedule(sched: Any, ax: Any = None) -> Any:
     """Draw a pipeline table: devices top to bottom, ticks left to right, one box per item
-    (blue forward, green backward, darker = later chunk), the micro-batch written in it."""
+    (blue forward, green backward, orange weight gradients when split from it, darker = later
+    chunk), the micro-batch written in it."""
     import matplotlib.pyplot as plt
 
-    from pjax.parallel.pipeline_schedules import FORWARD
-
     fig, ax = _axes(ax, (max(6.0, 0.32 * sched.ticks), 0.5 * sched.p + 1.0))
-    blues, greens = plt.get_cmap("Blues"), plt.get_cmap("Greens")
+    maps = [None, plt.get_cmap("Blues"), plt.get_cmap("Greens"), plt.get_cmap("Oranges")]  # by op
     for t, s in zip(*np.nonzero(sched.op)):
         shade = 0.45 + 0.4 * sched.chunk[t, s] / max(sched.v - 1, 1)
-        color = (blues if sched.op[t, s] == FORWARD else greens)(shade)
+        color = maps[sched.op[t, s]](shade)
         ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=color, edgecolor="white"))
         ax.text(t + 0.5, s + 0.5, str(sched.mb[t, s]), ha="center", va="center", fontsize=7, color="white")
     ax.set(xlim=(0, sched.ticks), ylim=(sched.p, 0), xlabel="tick", ylabel="device",

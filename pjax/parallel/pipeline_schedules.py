@@ -17,6 +17,13 @@ memory: a device holds at most p micro-batches' activations instead of m. Interl
 gives each device v chunks of 1/v of the layers (model stage `j = c*p + s` is chunk `c` on device
 `s`); an item is 1/v as long and the bubble shrinks to (p - 1)/(v*m + p - 1).
 
+Zero-bubble schedules (Qi et al., 2024) split each backward in two: B, the input gradient, which
+the previous stage waits for, and W, the weight gradients, which nothing waits for. ZB-H1 is
+1F1B with device s holding back s of its W's and running them where 1F1B's cool-down idles;
+with F, B and W one tick each it takes 3m + p - 1 ticks, a bubble of (p - 1)/(3m + p - 1): the
+papers' (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W). Every op then costs about the
+same, so an SPMD tick wastes little on its slowest device.
+
 In one SPMD program every device finishes a tick before the next starts, so a tick costs its
 slowest item (`Schedule.span`). Lockstep 1F1B keeps 1F1B's bounded memory (2p - 1 in flight)
 but lines up all forwards and all backwards, so it takes AFAB's time, which on separate devices
@@ -34,8 +41,8 @@ import numpy as np
 
 from mesh.errors import ConfigError
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-Item = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk on the device)
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+Item = tuple[int, int, int]  # (FORWARD, BACKWARD or WEIGHT, micro-batch, chunk on the device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +65,32 @@ class Schedule:
         """The model stage that `chunk` on `device` holds (interleaved: round robin over devices)."""
         return chunk * self.p + device
 
-    def span(self, forward: float = 1.0, backward: float = 2.0) -> float:
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradients) items."""
+        return bool(np.any(self.op == WEIGHT))
+
+    def span(self, forward: float = 1.0, backward: float = 2.0, weight: float | None = None) -> float:
         """Time of the table when every tick lasts as long as its slowest device, as in one SPMD
-        program on devices of their own (a backward costs about twice a forward)."""
-        cost = np.array([0.0, forward, backward])
+        program on devices of their own (a whole backward costs about twice a forward). In a
+        table with W items, `weight` of the backward (default half) is the W's and the rest B's."""
+        weight = backward / 2 if weight is None else weight
+        cost = np.array([0.0, forward, backward - weight, weight] if self.split_backward
+                        else [0.0, forward, backward, 0.0])
         return float(cost[self.op].max(axis=1).sum())
 
     def bubble_fraction(self) -> float:
-        """Idle (device, tick) cells over all cells, counting a forward and a backward as one tick each."""
+        """Idle (device, tick) cells over all cells, counting every item as one tick."""
         return float(np.mean(self.op == IDLE))
 
     def render(self) -> str:
-        """The table as text: one row per device, `F3`/`B3` = forward/backward of micro-batch 3
-        (with a chunk letter a, b, ... when v > 1), `.` = idle."""
+        """The table as text: one row per device, `F3`/`B3`/`W3` = forward/backward/weight
+        gradients of micro-batch 3 (with a chunk letter a, b, ... when v > 1), `.` = idle."""
         def cell(t: int, s: int) -> str:
             if self.op[t, s] == IDLE:
                 return "."
             letter = chr(ord("a") + self.chunk[t, s]) if self.v > 1 else ""
-            return ("F" if self.op[t, s] == FORWARD else "B") + str(self.mb[t, s]) + letter
+            return ".FBW"[self.op[t, s]] + str(self.mb[t, s]) + letter
         width = max(len(cell(t, s)) for t in range(self.ticks) for s in range(self.p))
         title = (f"{self.name}: p={self.p} m={self.m} v={self.v}, {self.ticks} ticks, "
                  f"bubble {self.bubble_fraction():.3f}")
@@ -100,6 +115,8 @@ def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alter
         deps = [(FORWARD, i, j - 1)] if op == FORWARD and j > 0 else []
         if op == BACKWARD:
             deps = [(FORWARD, i, j)] + ([(BACKWARD, i, j + 1)] if j < last else [])
+        if op == WEIGHT:
+            deps = [(BACKWARD, i, j)]
         return all(done.get(d, t) < t for d in deps)
 
     while any(pos[s] < len(orders[s]) for s in range(p)):
@@ -180,6 +197,27 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return _timeline("interleaved" if v > 1 else "1f1b", p, m, v, orders)
 
 
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2024): 1F1B's order with each backward split into B and W, device s
+    running each W once it holds s + 1 W's (device 0 at once, the last device only when
+    p are pending), the rest after its last B. The W's held back fill the ticks where 1F1B's
+    cool-down waits for cotangents: 3m + p - 1 ticks with every item one tick long, and a device
+    holds 1F1B's p - s micro-batches' residuals between F and B."""
+    orders = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        order, pending = [(FORWARD, i, 0) for i in range(warmup)], []
+        for k in range(m):
+            if k + warmup < m:
+                order.append((FORWARD, k + warmup, 0))
+            order.append((BACKWARD, k, 0))
+            pending.append(k)
+            if len(pending) > s:
+                order.append((WEIGHT, pending.pop(0), 0))
+        orders.append(order + [(WEIGHT, i, 0) for i in pending])
+    return _timeline("zb_h1", p, m, 1, orders)
+
+
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     """Forwards only (evaluation): the loss without gradients, in the training layout."""
     order = [(FORWARD, i, c) for i, c in _forward_order(p, m, v)]
@@ -187,13 +225,16 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
 
 
 def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Schedule:
-    """A table from your own program orders: `orders[s]` lists device s's items (FORWARD or
-    BACKWARD, micro-batch, chunk) in the order it runs them; each is placed at the earliest tick
-    its inputs are ready. Every item must appear exactly once on its device, and an order whose
-    items wait on each other forever is reported as a deadlock."""
+    """A table from your own program orders: `orders[s]` lists device s's items (FORWARD,
+    BACKWARD or WEIGHT, micro-batch, chunk) in the order it runs them; each is placed at the
+    earliest tick its inputs are ready. Every item must appear exactly once on its device (W items
+    for every backward, or none: a backward then computes the weight gradients too), and an order
+    whose items wait on each other forever is reported as a deadlock."""
     if len(orders) != p:
         raise ValueError(f"schedule {name}: {len(orders)} program orders for p={p} devices; give one per device.")
-    want = sorted((op, i, c) for op in (FORWARD, BACKWARD) for i in range(m) for c in range(v))
+    split = any(int(item[0]) == WEIGHT for order in orders for item in order)
+    ops = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
+    want = sorted((op, i, c) for op in ops for i in range(m) for c in range(v))
     for s, order in enumerate(orders):
         got = sorted(tuple(int(x) for x in item) for item in order)
         if got != want:
@@ -253,42 +294,61 @@ class BufferPlan:
     `recv_x[t, s]`, `recv_dy[t, s]`: the slot for the activation / cotangent that arrives at the
     end of tick t (sent by the device before / after s in the ring), or `slots`, a spare discard
     slot, if none arrives: every tick writes its arrivals unconditionally.
+    `wslots`, `wslot[t, s]`: with B and W split, where a device keeps what a B leaves for its W,
+    from the B's tick to the W's (the same slot on both ticks; 0 elsewhere, and `wslots` = 0
+    without W items).
     """
 
     slots: int
     slot: np.ndarray
     recv_x: np.ndarray
     recv_dy: np.ndarray
+    wslots: int = 0
+    wslot: np.ndarray | None = None
 
 
-def buffer_plan(sched: Schedule) -> BufferPlan:
-    """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its last use.
-
-    A slot is free again from the tick of its last use (reads come before writes within a tick).
-    Interval colouring in order of arrival is optimal, so `slots` is the most micro-batches a
-    device ever holds: p for 1F1B whatever m is, m for AFAB.
-    """
-    p, v = sched.p, sched.v
-    tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
-    for t, s in zip(*np.nonzero(sched.op)):
-        tick[(int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])))] = int(t)
-    lives = {}  # (device, mb, stage) -> (arrival tick, last-use tick)
-    for (op, i, j), t in tick.items():
-        if op == FORWARD:
-            arrival = tick[(FORWARD, i, j - 1)] if j > 0 else t
-            lives[(j % p, i, j)] = (arrival, tick.get((BACKWARD, i, j), t))
+def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple[dict, int]:
+    """Slots for (device, mb, stage) -> (first tick, last tick) intervals, per device, a slot free
+    again from its last tick (reads come before writes within a tick); and the most any device needs.
+    Interval colouring in order of start is optimal."""
     slot_of, free_at = {}, {s: [] for s in range(p)}  # per device: tick at which each slot frees
     for key, (start, end) in sorted(lives.items(), key=lambda kv: kv[1]):
         frees = free_at[key[0]]
         k = next((k for k, f in enumerate(frees) if f <= start), len(frees))
         frees[k:k + 1] = [end]
         slot_of[key] = k
-    slots = max(len(f) for f in free_at.values())
-    plan = BufferPlan(slots, np.zeros(sched.op.shape, np.int32), *(np.full(sched.op.shape, slots, np.int32)
-                                                                   for _ in range(2)))
+    return slot_of, max(len(f) for f in free_at.values())
+
+
+def buffer_plan(sched: Schedule) -> BufferPlan:
+    """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its
+    backward (B), and with B and W split a `wslot` from its B to its W.
+
+    `slots` is the most micro-batches a device ever holds between arrival and backward: p for
+    1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p.
+    """
+    p, v = sched.p, sched.v
+    tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
+    for t, s in zip(*np.nonzero(sched.op)):
+        tick[(int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])))] = int(t)
+    lives, wlives = {}, {}  # (device, mb, stage) -> (first tick, last tick)
+    for (op, i, j), t in tick.items():
+        if op == FORWARD:
+            arrival = tick[(FORWARD, i, j - 1)] if j > 0 else t
+            lives[(j % p, i, j)] = (arrival, tick.get((BACKWARD, i, j), t))
+        if op == WEIGHT:
+            wlives[(j % p, i, j)] = (tick[(BACKWARD, i, j)], t)
+    slot_of, slots = _colour(lives, p)
+    wslot_of, wslots = _colour(wlives, p) if wlives else ({}, 0)
+    shape = sched.op.shape
+    plan = BufferPlan(slots, np.zeros(shape, np.int32), np.full(shape, slots, np.int32),
+                      np.full(shape, slots, np.int32), wslots, np.zeros(shape, np.int32))
     for t, s in zip(*np.nonzero(sched.op)):
         op, i, j = int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s]))
-        plan.slot[t, s] = slot_of[(s, i, j)]
+        if op != WEIGHT:
+            plan.slot[t, s] = slot_of[(s, i, j)]
+        if op != FORWARD and (s, i, j) in wslot_of:
+            plan.wslot[t, s] = wslot_of[(s, i, j)]
         if op == FORWARD and j < p * v - 1:  # the activation goes on to stage j + 1
             plan.recv_x[t, (s + 1) % p] = slot_of[((j + 1) % p, i, j + 1)]
         if op == BACKWARD and j > 0:  # the cotangent goes back to stage j - 1

@@ -1,0 +1,92 @@
+"""Zero-bubble pipeline tables (ZB-H1): B and W items, their order, bubble and buffers."""
+import itertools
+
+import numpy as np
+import pytest
+
+from pjax.parallel import pipeline_schedules as ps
+
+SHAPES = [(p, m) for p, m in itertools.product(range(1, 9), range(1, 17))]
+
+
+def ticks_of(sched):
+    tick = {}
+    for t, s in zip(*np.nonzero(sched.op)):
+        key = (int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(int(s), int(sched.chunk[t, s])))
+        assert key not in tick, f"{sched.name} p={sched.p} m={sched.m}: {key} runs twice"
+        tick[key] = int(t)
+    return tick
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zb_h1_runs_every_f_b_and_w_once_in_dependency_order(p, m):
+    sched = ps.zb_h1(p, m)
+    tick = ticks_of(sched)
+    assert len(tick) == 3 * m * p, sched.render()
+    for (op, i, j), t in tick.items():
+        if op == ps.FORWARD and j > 0:
+            assert tick[(ps.FORWARD, i, j - 1)] < t
+        if op == ps.BACKWARD:
+            assert tick[(ps.FORWARD, i, j)] < t
+            if j < p - 1:
+                assert tick[(ps.BACKWARD, i, j + 1)] < t
+        if op == ps.WEIGHT:
+            assert tick[(ps.BACKWARD, i, j)] < t
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zb_h1_bubble_and_in_flight_limits_are_the_papers(p, m):
+    sched = ps.zb_h1(p, m)
+    # Qi et al.: ZB-H1's bubble is (p - 1)(F + B - W), 1F1B's (p - 1)(F + B + W); here F = B = W = 1
+    # tick. With fewer micro-batches than stages the first micro-batch's way there and back is longer.
+    ticks = 3 * m + p - 1 if m >= p else 2 * (m + p) - 1
+    assert sched.ticks == ticks, sched.render()
+    assert sched.bubble_fraction() == pytest.approx(1 - 3 * m / ticks, abs=1e-12)
+    assert sched.span(1.0, 2.0) == ticks  # every tick costs one F, B or W on every device
+    if m >= p:
+        assert sched.bubble_fraction() == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    if p > 1:  # in one SPMD program 1F1B's mixed ticks cost a whole backward; ZB-H1's cost one item
+        assert sched.span(1.0, 2.0) < ps.one_f_one_b(p, m).span(1.0, 2.0)
+    # Between F and B a device holds what 1F1B holds: p - s micro-batches on device s.
+    for s in range(p):
+        ops = sched.op[:, s]
+        in_flight = np.cumsum(ops == ps.FORWARD) - np.cumsum(ops == ps.BACKWARD)
+        assert in_flight.max() <= min(p - s, m)
+        held = np.cumsum(ops == ps.BACKWARD) - np.cumsum(ops == ps.WEIGHT)
+        assert held.max() <= min(s + 1, m)  # W's held back: s, plus the B just run
+    plan = ps.buffer_plan(sched)
+    assert plan.slots == ps.buffer_plan(ps.one_f_one_b(p, m)).slots
+    assert plan.wslots == min(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 9)])
+def test_w_slots_keep_each_b_for_its_w(p, m):
+    """Replay: a B writes its W slot, nothing overwrites it before its W reads it back."""
+    sched, plan = ps.zb_h1(p, m), None
+    plan = ps.buffer_plan(sched)
+    held = {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            op, i = int(sched.op[t, s]), int(sched.mb[t, s])
+            if op == ps.WEIGHT:
+                assert held.pop((s, int(plan.wslot[t, s]))) == i
+        for s in range(p):
+            if int(sched.op[t, s]) == ps.BACKWARD:
+                key = (s, int(plan.wslot[t, s]))
+                assert key not in held, f"tick {t} device {s} overwrites W slot {key[1]}"
+                held[key] = int(sched.mb[t, s])
+    assert not held
+
+
+def test_zb_h1_renders_with_w_cells_and_orders_with_w_items_are_checked():
+    text = ps.zb_h1(2, 4).render()
+    assert text.splitlines()[0] == "zb_h1: p=2 m=4 v=1, 13 ticks, bubble 0.077"
+    assert text.splitlines()[1] == "device 0 | F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"
+    assert text.splitlines()[2] == "device 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"
+    f, b, w = ps.FORWARD, ps.BACKWARD, ps.WEIGHT
+    orders = [[(f, 0, 0), (b, 0, 0), (w, 0, 0)]] * 2
+    assert ps.from_orders("mine", 2, 1, 1, orders).ticks == 5
+    with pytest.raises(ValueError, match=r"missing \[\(3, 0, 0\)\]"):
+        ps.from_orders("mine", 2, 1, 1, [orders[0], [(f, 0, 0), (b, 0, 0)]])
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        ps.from_orders("mine", 2, 1, 1, [[(f, 0, 0), (w, 0, 0), (b, 0, 0)]] * 2)
