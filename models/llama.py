@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
+from models import deferred_grads
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
@@ -93,10 +94,12 @@ class DecoderLayer(nn.Module):
     sequence_parallel: bool = False  # the residual stream split over tp too (models/sequence_parallel.py)
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array]
-                 ) -> tuple[jax.Array, RouterStats | None]:
-        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`.
-        Returns the new x and, for an MoE layer, its router statistics (None for a dense one)."""
+    def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array],
+                 taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
+        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`;
+        taps: per projection, a zero tap that takes its weight gradients out of the backward
+        (`models/deferred_grads.py`). Returns the new x and, for an MoE layer, its router
+        statistics (None for a dense one)."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -114,8 +117,15 @@ class DecoderLayer(nn.Module):
         cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
-        column = seqpar.column if sp else self.project_fn
-        row = seqpar.row if sp else (lambda y, w: self.project_fn(y, [w])[0])
+        # Projections by site (models/deferred_grads.py: SITES); `taps` (zero-bubble pipelines,
+        # dense layers without SP) leave their weight gradients to the pipeline's W item.
+        if taps is not None:
+            column = lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])
+        else:
+            column = (lambda y, ws, site: seqpar.column(y, ws)) if sp else (lambda y, ws, site: self.project_fn(y, ws))
+        row = lambda y, w, site: column(y, [w], site)[0]
+        if sp and taps is None:
+            row = lambda y, w, site: seqpar.row(y, w)
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
@@ -124,13 +134,13 @@ class DecoderLayer(nn.Module):
         # sequence parallelism the ops write their all-gather and reduce-scatter themselves).
         y = rms_norm(x, attn_norm, c.rms_norm_eps)
         # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
-        q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)])
+        q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
-        o = row(o.reshape(o.shape[0], -1), cast(wo).reshape(-1, wo.shape[-1]))
+        o = row(o.reshape(o.shape[0], -1), cast(wo).reshape(-1, wo.shape[-1]), "o")
         x = x + constrain(o, residual)
 
         # SwiGLU MLP: gate/up column-parallel, down row-parallel. MoE: routed to experts (models/moe.py).
@@ -147,9 +157,9 @@ class DecoderLayer(nn.Module):
                                   top_k=c.num_experts_per_tok, routing=self.moe.routing,
                                   capacity_factor=self.moe.capacity_factor)
             return x + constrain(down, residual), stats
-        gate, up = column(y, [cast(w_gate), cast(w_up)])
+        gate, up = column(y, [cast(w_gate), cast(w_up)], "gate_up")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
-        down = row(gated, cast(w_down))
+        down = row(gated, cast(w_down), "down")
         return x + constrain(down, residual), None
 
 
@@ -232,27 +242,29 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
 def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
                dtype=jnp.float32, remat: str = "none", scan: bool = True,
                attention_fn: Callable[..., jax.Array] = reference_attention,
-               moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False
+               moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False, taps: dict | None = None
                ) -> tuple[jax.Array, RouterStats | None]:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
-    Returns the output and, for MoE layers, their router statistics summed over the layers."""
+    Returns the output and, for MoE layers, their router statistics summed over the layers.
+    `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients."""
     layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
                          sequence_parallel=sequence_parallel)
     tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
-    def body(h, p):
-        return layer.apply({"params": p}, h, positions, tables)
+    def body(h, p_taps):
+        p, t = p_taps
+        return layer.apply({"params": p}, h, positions, tables, t)
 
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
-        x, stats = jax.lax.scan(body, x, layer_params)  # stats: stacked per layer (None: dense)
+        x, stats = jax.lax.scan(body, x, (layer_params, taps))  # stats: stacked per layer (None: dense)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
     n, stats = jax.tree.leaves(layer_params)[0].shape[0], []
     for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
-        x, s = body(x, jax.tree.map(lambda p: p[i], layer_params))
+        x, s = body(x, jax.tree.map(lambda p: p[i], (layer_params, taps)))
         stats.append(s)
     return x, (jax.tree.map(lambda *s: sum(s), *stats) if cfg.num_local_experts else None)
 

@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
-SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved")
+SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1")
 CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses")
 ON_NONFINITE = ("stop", "skip")
 
@@ -134,7 +134,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved
+    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved | zb_h1
     virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule's v)
 
     def __post_init__(self) -> None:

@@ -189,7 +189,7 @@ def assert_grads_close(grads, ref, rtol=1e-5):
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
 
 
-LAYOUTS = [(pp, k * pp, s) for pp in (2, 4) for k in (1, 2, 4) for s in ("afab", "1f1b", "interleaved")]
+LAYOUTS = [(pp, k * pp, s) for pp in (2, 4) for k in (1, 2, 4) for s in ("afab", "1f1b", "interleaved", "zb_h1")]
 
 
 @pytest.mark.parametrize("pp,m,schedule", LAYOUTS, ids=[f"pp{pp}_m{m}_{s}" for pp, m, s in LAYOUTS])
@@ -217,7 +217,7 @@ def test_tied_embeddings_collect_both_gradients_across_the_pipeline():
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb_h1"])
 def test_pipeline_with_data_and_tensor_parallelism_equals_one_device(schedule):
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _ = run(4, pp=2, schedule=schedule, dp=2, tp=2)

@@ -90,3 +90,48 @@ def test_zb_h1_renders_with_w_cells_and_orders_with_w_items_are_checked():
         ps.from_orders("mine", 2, 1, 1, [orders[0], [(f, 0, 0), (b, 0, 0)]])
     with pytest.raises(RuntimeError, match="deadlocks"):
         ps.from_orders("mine", 2, 1, 1, [[(f, 0, 0), (w, 0, 0), (b, 0, 0)]] * 2)
+
+
+def test_a_tapped_projection_leaves_its_weight_gradients_to_the_tap():
+    import jax
+    import jax.numpy as jnp
+
+    from models.deferred_grads import tapped_projection
+    from models.projection import plain_projection
+
+    kx, k1, k2, kg = jax.random.split(jax.random.key(0), 4)
+    x, ws = jax.random.normal(kx, (6, 4)), [jax.random.normal(k1, (4, 3)), jax.random.normal(k2, (4, 5))]
+    tap = (jnp.zeros_like(x), (jnp.zeros((6, 3)), jnp.zeros((6, 5))))
+    gs = (jax.random.normal(kg, (6, 3)), jax.random.normal(kg, (6, 5)) * 2)
+    dx, dws = jax.vjp(plain_projection, x, ws)[1](gs)
+    tdx, tdws, (tx, tgs) = jax.vjp(tapped_projection, x, ws, tap)[1](gs)
+    np.testing.assert_allclose(tdx, dx, rtol=1e-6)
+    assert all(not np.any(d) for d in tdws)  # B: no weight gradient
+    np.testing.assert_array_equal(tx, x)
+    for g, tg, dw in zip(gs, tgs, dws):  # W: x^T g from what the tap carried
+        np.testing.assert_array_equal(tg, g)
+        np.testing.assert_allclose(tx.T @ tg, dw, rtol=1e-5)
+
+
+def test_zb_h1_with_remat_and_scanned_layers_equals_one_device_and_refuses_cp():
+    import dataclasses
+
+    import jax
+
+    from mesh import MeshConfig, make_mesh
+    from mesh.errors import ConfigError
+    from pjax.config import PipelineConfig
+    from pjax.step import build_trainer
+    from test_pipeline_parallel import CFG, MICRO, TC, assert_grads_close, init_params, make_batch, run
+
+    ref_loss, ref_grads, _ = run(4)
+    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
+    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4, remat="full", scan_layers=True)
+    tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule="zb_h1"))
+    params = jax.device_put(init_params(), tr.state_sharding.params)
+    with jax.set_mesh(mesh):
+        loss, grads = tr.grads(params, jax.device_put(make_batch(4), tr.batch_sharding))
+    assert abs(float(loss) - ref_loss) <= 1e-5
+    assert_grads_close(jax.device_get(grads), ref_grads)
+    with pytest.raises(ConfigError, match="pipeline.schedule=zb_h1 does not run with mesh.cp=2"):
+        build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))

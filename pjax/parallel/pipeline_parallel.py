@@ -26,7 +26,9 @@ One tick on one device: run the forward if the table says so (the embedding firs
 first stage, the loss and the start of the backward on the last), then the backward if it says
 so, then pass activations one device on and cotangents one device back (an activation is the
 hidden states and, for a Mixture-of-Experts model, the router statistics so far:
-`pipeline_stage.py` says why they travel). A forward keeps its
+`pipeline_stage.py` says why they travel). A zero-bubble table (`ps.zb_h1`) also has W items:
+its backward (B) then leaves the projections' weight gradients to a later W, storing what W
+needs in a W slot (`models/deferred_grads.py` says how). A forward keeps its
 VJP residuals (the leaves of `jax.vjp`'s function, minus the weights) in a slot buffer until its
 backward, so a device holds as many micro-batches as the schedule keeps in flight: p for 1F1B,
 2p - 1 for lockstep 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full' keeps
@@ -62,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP
 from mesh.rules import constrain
+from models import deferred_grads
 from models.config import LlamaConfig
 from models.moe import ROUTER_METRICS, MoeConfig
 from pjax.config import PipelineConfig, TrainConfig
@@ -124,6 +127,7 @@ class Buffers(NamedTuple):
     loss: jax.Array           # []: the losses computed here
     router: dict              # MoE: the router metrics of the micro-batches whose loss ran here, summed
     d_embedded: jax.Array     # [m + 1, B*T, D]: the embedding's cotangent per micro-batch (+ a discard row)
+    wstash: Any = ()          # B and W split: per W slot, what a B leaves its W (the taps' (x, g) per layer)
 
 
 def _at(tree: Any, i: jax.Array) -> Any:
@@ -158,6 +162,10 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
     None: a forwards-only table, whose body returns no gradients (`{}`) and reduces none.
     """
     p, v, n_slots = sched.p, sched.v, ps.buffer_plan(sched).slots
+    split = sched.split_backward  # zero-bubble: B computes input gradients, W the projections' dW
+    if split and lockstep:
+        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 yet; "
+                          f"use pipeline.schedule=1f1b.")
     table = executor_table(sched, lockstep)
     ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
@@ -182,7 +190,9 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         m, b, t = batch["inputs"].shape
         x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
         nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
-        layout = VjpLayout.trace(lambda w, act: stage.layers(w, act, batch["positions"][0]), chunk(0), nothing)
+        taps = (varying(stage.taps(chunk(0), b * t)),) if split else ()  # models/deferred_grads.py
+        layout = VjpLayout.trace(lambda w, act, *taps: stage.layers(w, act, batch["positions"][0], *taps),
+                                 chunk(0), nothing, *taps)
         slots = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
         inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, stage.tokens, "embed")), slots(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
@@ -191,10 +201,11 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         start = Buffers(inbox=inbox(), cotangents=inbox(), residuals=[slots(a, res_slots) for a in layout.stored],
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
-                        router=f32_zeros(router0), d_embedded=slots(x0, m + 1))
+                        router=f32_zeros(router0), d_embedded=slots(x0, m + 1),
+                        wstash=slots(taps[0], ps.buffer_plan(sched).wslots) if split else ())
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
-            op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy = row
+            op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy, wslot = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
             w = chunk(c)
@@ -215,7 +226,8 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 embed = _scoped("embed", lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()))
                 act = lax.cond(first, embed,
                                lambda: (constrain(buf.inbox[0][slot], (stage.tokens, "embed")), _at(buf.inbox[1], slot)))
-                out, vjp_fn = jax.vjp(lambda w, act: stage.layers(w, act, micro["positions"]), w, act)
+                out, vjp_fn = jax.vjp(lambda w, act, *taps: stage.layers(w, act, micro["positions"], *taps),
+                                      w, act, *taps)
                 residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
                 return (residuals, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
 
@@ -224,13 +236,19 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 # writes are never what is read here; but reading the buffers as the forward left
                 # them lets XLA update them in place (the buffers from before the forward would have
                 # to be kept: XLA copied the residual slots every tick, benchmarks/README.md).
-                grad_layers, d_embedded, _ = state
-                dw, dact = layout.unpack(w, [r[slot] for r in residuals])(_at(cotangents, slot))
+                grad_layers, d_embedded, wstash, _ = state
+                dw, dact, *dtaps = layout.unpack(w, [r[slot] for r in residuals])(_at(cotangents, slot))
+                if split:  # the projections' dW in `dw` are zeros: W computes them from the taps
+                    wstash = _put(wstash, wslot, dtaps[0])
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
                 d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dact[0])
-                return grad_layers, d_embedded, dact
+                return grad_layers, d_embedded, wstash, dact
+
+            def weight(grad_layers):  # W: the projections' weight gradients from what B left
+                dw = deferred_grads.tap_weight_grads(_at(wstash, wslot), w)  # as the backward left it
+                return {k: g.at[c].add(dw[k]) if k in dw else g for k, g in grad_layers.items()}
 
             # A collective inside these loops runs only where every device of its group takes the
             # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
@@ -238,9 +256,11 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             residuals, cotangents, grad_head, loss, router, send_act = _run_if(
                 op == ps.FORWARD, _scoped("forward", forward),
                 (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
-            grad_layers, d_embedded, send_cot = _run_if(
+            grad_layers, d_embedded, wstash, send_cot = _run_if(
                 op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, residuals, cotangents)),
-                (buf.grad_layers, buf.d_embedded, nothing))
+                (buf.grad_layers, buf.d_embedded, buf.wstash, nothing))
+            if split:
+                grad_layers = _run_if(op == ps.WEIGHT, _scoped("weight", weight), grad_layers)
             # The transfers: activations one device on, cotangents one device back, on the ticks
             # where some device sends, by the permute of that tick's set of senders (a number every
             # device agrees on; a device nothing reaches receives into the "nothing came" slot).
@@ -252,7 +272,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 send_cot = _run_if(send_dy == k, send, send_cot)
             return Buffers(inbox=_put(buf.inbox, recv_x, send_act), cotangents=_put(cotangents, recv_dy, send_cot),
                            residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
-                           router=router, d_embedded=d_embedded), None
+                           router=router, d_embedded=d_embedded, wstash=wstash), None
 
         end, _ = lax.scan(tick, start, table[:, 0])
         data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)

@@ -282,6 +282,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
     "1f1b_lockstep": lambda p, m, v: one_f_one_b_lockstep(p, m),
     "interleaved": interleaved_1f1b,
+    "zb_h1": lambda p, m, v: zb_h1(p, m),
 }
 
 

@@ -22,7 +22,7 @@ from jax import lax
 
 from mesh.mesh import CP, DP
 from mesh.rules import flatten_tokens, logical_to_spec
-from models import llama
+from models import deferred_grads, llama
 from models import sequence_parallel as seqpar
 from models.attention import select_attention
 from models.config import LlamaConfig
@@ -50,10 +50,11 @@ class Stage(NamedTuple):
     shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see the executor)
     embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
     no_stats: Callable[[], Any]  # the router statistics before the first layer (zeros; () when dense)
-    layers: Callable[[Any, Activation, jax.Array], Activation]  # (chunk weights, activation, positions)
+    layers: Callable[..., Activation]  # (chunk weights, activation, positions[, taps: models/deferred_grads.py])
     loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
     head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
+    taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
 
 
 def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
@@ -76,10 +77,11 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
             return ()
         return RouterStats(*(varying(jnp.zeros(shape, jnp.float32)) for shape in [(), (experts,), (experts,), (), ()]))
 
-    def layers(w, act, positions):
+    def layers(w, act, positions, taps=None):
         x, stats = act
         y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, scan=scan,
-                                  attention_fn=attention_fn, moe=moe, sequence_parallel=tc.sequence_parallel)
+                                  attention_fn=attention_fn, moe=moe, sequence_parallel=tc.sequence_parallel,
+                                  taps=taps)
         return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
 
     def loss(shared, act, labels):
@@ -102,6 +104,7 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
         loss=loss,
         head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
         tokens=seqpar.residual_axis(tc.sequence_parallel),
+        taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, dtype),
     )
 
 
@@ -116,10 +119,10 @@ class VjpLayout:
     stored: tuple[jax.ShapeDtypeStruct, ...]
 
     @classmethod
-    def trace(cls, fn: Callable, w: Any, act: Any) -> "VjpLayout":
+    def trace(cls, fn: Callable, w: Any, *args: Any) -> "VjpLayout":
         # Traced inside the shard_map body with pp-varying inputs: a treedef traced outside
         # carries invariant types and fails on the varying cotangent later.
-        _, vjp_fn = jax.vjp(fn, w, act)
+        _, vjp_fn = jax.vjp(fn, w, *args)
         leaves, treedef = jax.tree.flatten(vjp_fn)
         w_leaves = jax.tree.leaves(w)
         index = tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None) for leaf in leaves)

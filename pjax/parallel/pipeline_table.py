@@ -5,7 +5,8 @@ The executor (`pipeline_parallel.py`) scans over the rows of `executor_table`; e
 per device, the op to run, its micro-batch, chunk and slot, the slots the arriving activation
 and cotangent go to, whether the device has real work, and two numbers that are the same on
 every device: which devices send an activation on, and which a cotangent back, this tick (0:
-none; k: the k-th distinct set of senders, `send_patterns`). Every device must take part in a
+none; k: the k-th distinct set of senders, `send_patterns`), and the W slot a B fills and its W
+reads (zero-bubble tables). Every device must take part in a
 collective, so only a number every device agrees on may choose one: the executor holds one
 `ppermute` per set of senders, with exactly their pairs, and runs the one the tick names (in
 1F1B's warm-up, only the first stages send; a single permute over every stage would send a
@@ -27,8 +28,9 @@ from mesh.mesh import CP, MeshConfig
 from pjax.config import PipelineConfig
 from pjax.parallel import pipeline_schedules as ps
 
-COLUMNS = ("op", "mb", "chunk", "slot", "recv_x", "recv_dy", "active", "send_x", "send_dy")
-SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "embed": "pp_embed", "loss": "pp_loss"}
+COLUMNS = ("op", "mb", "chunk", "slot", "recv_x", "recv_dy", "active", "send_x", "send_dy", "wslot")
+SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "weight": "pp_weight", "embed": "pp_embed",
+          "loss": "pp_loss"}
 
 
 def scope_name(part: str) -> str:
@@ -49,6 +51,18 @@ def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: in
     if pipeline.schedule == "interleaved" and grad_accum % pp:
         raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of mesh.pp={pp}; the interleaved "
                           f"schedule needs micro-batches in groups of pp.")
+
+
+def validate_split_backward(mesh: MeshConfig, pipeline: PipelineConfig, sequence_parallel: bool,
+                            experts: int) -> None:
+    """Zero-bubble schedules (B and W items) run dense layers, without sequence parallelism, and
+    without cp (whose lockstep ticks would split every W from the B beside it)."""
+    if pipeline.schedule != "zb_h1":
+        return
+    for bad, what in [(mesh.cp > 1, f"mesh.cp={mesh.cp}"), (sequence_parallel and mesh.tp > 1, "train.sequence_parallel"),
+                      (experts > 0, "a Mixture-of-Experts model")]:
+        if bad:
+            raise ConfigError(f"pipeline.schedule=zb_h1 does not run with {what} yet; use pipeline.schedule=1f1b.")
 
 
 def make_schedule(pipeline: PipelineConfig, pp: int, m: int, lockstep: bool = False) -> ps.Schedule:
@@ -76,7 +90,7 @@ def executor_table(sched: ps.Schedule, lockstep: bool = False) -> np.ndarray:
         slot = np.where(active, plan.slot, plan.slots)  # the discard slot, shared with "nothing came"
     send_x, send_dy = (_pattern_ids(recv, plan.slots)[0] for recv in (plan.recv_x, plan.recv_dy))
     columns = [op, sched.mb, sched.chunk, slot, plan.recv_x, plan.recv_dy, active,
-               np.broadcast_to(send_x[:, None], op.shape), np.broadcast_to(send_dy[:, None], op.shape)]
+               np.broadcast_to(send_x[:, None], op.shape), np.broadcast_to(send_dy[:, None], op.shape), plan.wslot]
     return np.stack(columns, axis=-1).astype(np.int32)
 
 
@@ -111,7 +125,8 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
     forward, backward = col["op"] == ps.FORWARD, col["op"] == ps.BACKWARD
     first = (col["chunk"] == 0) & (device == 0)
     last = (col["chunk"] == sched.v - 1) & (device == sched.p - 1)
-    runs = {"forward": forward, "backward": backward, "embed": forward & first, "loss": forward & last}
+    runs = {"forward": forward, "backward": backward, "weight": col["op"] == ps.WEIGHT,
+            "embed": forward & first, "loss": forward & last}
     x_sets, dy_sets = send_patterns(sched, lockstep)
     runs |= {f"send_x_{k}": col["send_x"] == k for k in range(1, len(x_sets) + 1)}
     runs |= {f"send_dy_{k}": col["send_dy"] == k for k in range(1, len(dy_sets) + 1)}
