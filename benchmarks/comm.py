@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"],
                     help="config overrides (default train.grad_accum=2, so that dp=8 divides the batch of 16)")
     ap.add_argument("--mock-gpus", type=int, default=0,
-                    help="compile for this many GPUs of one host on a machine with one GPU (mock NCCL)")
+                    help="compile for this many mocked one-GPU hosts on a machine with one GPU (mock NCCL)")
     ap.add_argument("--dump", help="folder to write each layout's compiled HLO text to")
     ap.add_argument("--from-hlo", help="read each layout's HLO from this folder (a --dump) instead of compiling")
     args = ap.parse_args()

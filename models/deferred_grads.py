@@ -9,9 +9,9 @@ input gradient. So B must hand W each (x, g) and skip the dW products itself.
 `tapped_projection(x, ws, tap)` does that through autodiff: it is the layer's projection, with
 one more input, the *tap*, that its output does not depend on. Its backward returns the input
 gradient, zeros for the weights, and (x, g) as the tap's "cotangent". Differentiating a stage
-with respect to its input and a zero tap per projection (`layer_taps`) is then B: XLA drops the
-products whose result is zero, and the taps' cotangents come out stacked per layer, through the
-layer scan and remat alike. W (`tap_weight_grads`) multiplies them out. The other weights (the
+with respect to its input and a zero tap per projection (`layer_taps`) is then B: no dW product
+is computed, and the taps' cotangents come out stacked per layer, through the layer scan and
+remat alike. W (`tap_weight_grads`) multiplies them out. The other weights (the
 norms' scales) are small and keep their gradients in B.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import LlamaConfig
-from models.projection import merge_over_tp, plain_projection, weight_grads, _tp
+from models.projection import input_grad, plain_projection, weight_grads
 
 Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like the input x [N, D_in], like each output [N, F_i])
 SITES = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
@@ -42,13 +42,7 @@ def _fwd(x, ws, tap):
 
 def _bwd(res, gs):
     x, ws = res
-    tp = _tp()
-    if tp > 1 and len(ws) > 1:  # one dot, so one all-reduce of its partial sum over tp
-        d_x = jnp.einsum("nf,df->nd", merge_over_tp(gs, tp), merge_over_tp(ws, tp))
-    else:
-        d_x = sum(jnp.einsum("nf,df->nd", g, w) for g, w in zip(gs, ws))
-    zeros = type(ws)(jnp.zeros_like(w) for w in ws)
-    return d_x.astype(x.dtype), zeros, (x, tuple(gs))
+    return input_grad(x, gs, ws), type(ws)(jnp.zeros_like(w) for w in ws), (x, tuple(gs))
 
 
 tapped_projection.defvjp(_fwd, _bwd)
@@ -69,6 +63,7 @@ def tap_weight_grads(taps: dict[str, Tap], w: Any) -> dict[str, jax.Array]:
     out = {}
     for site, names in SITES.items():
         x, gs = taps[site]
-        dws = jax.vmap(lambda x, gs: weight_grads(x, gs, [jnp.zeros((), jnp.float32)] * len(gs)))(x, gs)
+        f32 = [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
+        dws = jax.vmap(lambda x, gs: weight_grads(x, gs, f32))(x, gs)
         out.update({n: dw.reshape(w[n].shape) for n, dw in zip(names, dws)})
     return out

@@ -85,15 +85,20 @@ def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array])
     return tuple((xt @ g).astype(w.dtype) for g, w in zip(gs, ws))
 
 
-def _bwd(res, gs):
-    x, ws = res
-    d_ws = weight_grads(x, gs, ws)
+def input_grad(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array]) -> jax.Array:
+    """dx = sum_i g_i @ w_i^T in x's dtype; under tp one dot over the merged operands, so one
+    all-reduce of its partial sum (see the module doc)."""
     tp = _tp()
-    if tp > 1 and len(ws) > 1:  # one dot, so one all-reduce of its partial sum over tp
+    if tp > 1 and len(ws) > 1:
         d_x = jnp.einsum("nf,df->nd", merge_over_tp(gs, tp), merge_over_tp(ws, tp))
     else:
         d_x = sum(jnp.einsum("nf,df->nd", g, w) for g, w in zip(gs, ws))
-    return d_x.astype(x.dtype), type(ws)(d_ws)
+    return d_x.astype(x.dtype)
+
+
+def _bwd(res, gs):
+    x, ws = res
+    return input_grad(x, gs, ws), type(ws)(weight_grads(x, gs, ws))
 
 
 transposed_projection.defvjp(_fwd, _bwd)

@@ -62,7 +62,7 @@ def test_zb_h1_bubble_and_in_flight_limits_are_the_papers(p, m):
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 9)])
 def test_w_slots_keep_each_b_for_its_w(p, m):
     """Replay: a B writes its W slot, nothing overwrites it before its W reads it back."""
-    sched, plan = ps.zb_h1(p, m), None
+    sched = ps.zb_h1(p, m)
     plan = ps.buffer_plan(sched)
     held = {}
     for t in range(sched.ticks):

@@ -161,11 +161,12 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
     `reduce` sums the gradients over the data axes at the end when they are manual (see `_run`);
     None: a forwards-only table, whose body returns no gradients (`{}`) and reduces none.
     """
-    p, v, n_slots = sched.p, sched.v, ps.buffer_plan(sched).slots
+    plan = ps.buffer_plan(sched)
+    p, v, n_slots = sched.p, sched.v, plan.slots
     split = sched.split_backward  # zero-bubble: B computes input gradients, W the projections' dW
-    if split and lockstep:
-        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 yet; "
-                          f"use pipeline.schedule=1f1b.")
+    if split and (lockstep or stage.tokens != "tokens"):  # tables of your own (the config's: validate_split_backward)
+        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 or "
+                          f"train.sequence_parallel yet; use pipeline.schedule=1f1b.")
     table = executor_table(sched, lockstep)
     ring = v > 1  # interleaved: device p-1's chunk c feeds device 0's chunk c+1
     to_next = [(s, (s + 1) % p) for s in range(p) if ring or s < p - 1]
@@ -202,7 +203,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
                         router=f32_zeros(router0), d_embedded=slots(x0, m + 1),
-                        wstash=slots(taps[0], ps.buffer_plan(sched).wslots) if split else ())
+                        wstash=slots(taps[0], plan.wslots) if split else ())
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
             op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy, wslot = row
