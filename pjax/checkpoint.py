@@ -51,7 +51,7 @@ from models import llama
 from models.config import SHAPE_KEYS, LlamaConfig
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
-from pjax.parallel.pipeline_parallel import layer_order
+from pjax.parallel.pipeline_layout import layer_order
 from pjax.step import TrainState, Trainer
 
 T = TypeVar("T")

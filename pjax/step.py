@@ -32,7 +32,7 @@ from models.moe import MoeConfig, router_loss
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import context_parallel, data_parallel, pipeline_parallel, pipeline_table
+from pjax.parallel import context_parallel, data_parallel, pipeline_layout, pipeline_parallel, pipeline_table
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -255,7 +255,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:  # interleaved: reorder the layer stack so each device's block holds its v chunks
-            params = pipeline_parallel.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages)
+            params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
     # cp > 1: attention over the sequence split (batches must come in the zigzag layout).
@@ -297,7 +297,7 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
         raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
                           f"set those model keys to the checkpoint's values.")
     if trainer.pipeline is not None:  # checkpoints are in model order; the state in pipeline order
-        params = jax.jit(functools.partial(pipeline_parallel.to_pipeline_layout, pp=trainer.mesh.shape[PP],
+        params = jax.jit(functools.partial(pipeline_layout.to_pipeline_layout, pp=trainer.mesh.shape[PP],
                                            v=trainer.pipeline.virtual_stages),
                          out_shardings=trainer.state_sharding.params)(params)
     opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)

@@ -20,7 +20,8 @@ from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama
 from models.config import LlamaConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
-from pjax.parallel import pipeline_parallel as ppl
+from pjax.parallel import pipeline_layout as ppl
+from pjax.parallel import pipeline_parallel
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.context_parallel import zigzag_layout
 from pjax.step import add_positions, build_trainer
@@ -410,5 +411,5 @@ def test_program_orders_that_miss_repeat_or_deadlock_are_refused(orders, message
 def test_a_schedule_for_another_shape_is_refused_by_the_executor():
     mesh = make_mesh(MeshConfig(dp=1, pp=2), jax.devices()[:2])
     with jax.set_mesh(mesh), pytest.raises(ConfigError, match="is for p=2 m=3 v=1; this run has p=2 m=2"):
-        ppl.loss_and_grads(init_params(), make_batch(2), CFG, TC, pipeline=PipelineConfig(), dtype=jnp.float32,
+        pipeline_parallel.loss_and_grads(init_params(), make_batch(2), CFG, TC, pipeline=PipelineConfig(), dtype=jnp.float32,
                            schedule=ps.one_f_one_b(2, 3))

@@ -54,27 +54,33 @@ def test_zb_h1_bubble_and_in_flight_limits_are_the_papers(p, m):
         assert in_flight.max() <= min(p - s, m)
         held = np.cumsum(ops == ps.BACKWARD) - np.cumsum(ops == ps.WEIGHT)
         assert held.max() <= min(s + 1, m)  # W's held back: s, plus the B just run
-    plan = ps.buffer_plan(sched)
-    assert plan.slots == ps.buffer_plan(ps.one_f_one_b(p, m)).slots
-    assert plan.wslots == min(p, m)
+    # A slot holds a micro-batch from its arrival to its W (residuals, then what B leaves W):
+    # still no more slots than 1F1B's, the paper's "same memory as 1F1B".
+    assert ps.buffer_plan(sched).slots == ps.buffer_plan(ps.one_f_one_b(p, m)).slots
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 9)])
-def test_w_slots_keep_each_b_for_its_w(p, m):
-    """Replay: a B writes its W slot, nothing overwrites it before its W reads it back."""
+def test_a_slot_holds_its_micro_batch_from_arrival_to_w(p, m):
+    """Replay: an arrival takes a free slot, which its F, B and W all name, and W frees it."""
     sched = ps.zb_h1(p, m)
     plan = ps.buffer_plan(sched)
-    held = {}
+    held = {}  # (device, slot) -> micro-batch
     for t in range(sched.ticks):
         for s in range(p):
             op, i = int(sched.op[t, s]), int(sched.mb[t, s])
+            key = (s, int(plan.slot[t, s]))
+            if op == ps.FORWARD and s == 0:  # the first stage's input comes from the embedding
+                assert key not in held, f"tick {t}: device 0 overwrites slot {key[1]}"
+                held[key] = i
+            if op != ps.IDLE:
+                assert held.get(key) == i, f"tick {t} device {s}: slot {key[1]} holds {held.get(key)}, not {i}"
             if op == ps.WEIGHT:
-                assert held.pop((s, int(plan.wslot[t, s]))) == i
-        for s in range(p):
-            if int(sched.op[t, s]) == ps.BACKWARD:
-                key = (s, int(plan.wslot[t, s]))
-                assert key not in held, f"tick {t} device {s} overwrites W slot {key[1]}"
-                held[key] = int(sched.mb[t, s])
+                del held[key]
+        for s in range(1, p):  # arrivals land at the end of the tick, after its reads
+            if plan.recv_x[t, s] != plan.slots:
+                key = (s, int(plan.recv_x[t, s]))
+                assert key not in held, f"tick {t}: an arrival on device {s} overwrites slot {key[1]}"
+                held[key] = int(sched.mb[t, s - 1])
     assert not held
 
 
@@ -135,3 +141,33 @@ def test_zb_h1_with_remat_and_scanned_layers_equals_one_device_and_refuses_cp():
     assert_grads_close(jax.device_get(grads), ref_grads)
     with pytest.raises(ConfigError, match="pipeline.schedule=zb_h1 does not run with mesh.cp=2"):
         build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))
+
+
+def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
+    import jax
+    import jax.numpy as jnp
+
+    from pjax.parallel.slot_pool import SlotPool
+
+    residuals = (jax.ShapeDtypeStruct((3, 4), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.float32),
+                 jax.ShapeDtypeStruct((5,), jnp.bfloat16))
+    stash = (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((7,), jnp.float32))
+    pool = SlotPool((residuals, stash))
+    assert pool.flat and pool.widths() == {"float32": 12, "bfloat16": 5}  # max(12, 11) and 5
+    bufs = pool.zeros(3)
+    assert {k: a.shape for k, a in bufs.items()} == {"float32": (3, 12), "bfloat16": (3, 5)}
+    r = [jnp.arange(12.0).reshape(3, 4), jnp.zeros((0,)), jnp.ones(5, jnp.bfloat16)]
+    bufs = pool.write(bufs, jnp.int32(1), 0, r)
+    bufs = pool.write(bufs, jnp.int32(2), 0, [-a for a in r])
+    for got, want in zip(pool.read(bufs, jnp.int32(1), 0), r):
+        np.testing.assert_array_equal(got, want)
+    w = [jnp.full((2, 2), 9.0), jnp.arange(7.0)]
+    bufs = pool.write(bufs, jnp.int32(1), 1, w)  # slot 1 now holds the other kind; slot 2 is untouched
+    for got, want in zip(pool.read(bufs, jnp.int32(1), 1), w):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(pool.read(bufs, jnp.int32(2), 0), r):
+        np.testing.assert_array_equal(got, -want)
+    one = SlotPool((residuals, ()))  # one kind: a buffer per leaf
+    assert not one.flat and [a.shape for a in one.zeros(2).values()] == [(2, 3, 4), (2, 0), (2, 5)]
+    got = one.read(one.write(one.zeros(2), jnp.int32(1), 0, r), jnp.int32(1), 0)
+    np.testing.assert_array_equal(got[0], r[0])

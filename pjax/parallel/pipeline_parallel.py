@@ -12,10 +12,8 @@ reduces each tick's gradients. tp shardings keep working inside a stage either w
 
 Where things live
 * Device s holds the stacked 'layers' parameters [s*L/p, (s+1)*L/p): the 'layers' dim is split
-  over pp (`mesh.rules.param_rules(pipelined=True)`). With v chunks per device (interleaved),
-  model stage j = c*p + s is chunk c of device s, so a device's layers are not contiguous in the
-  model; the stored stack is then kept in *pipeline order* (`layer_order`): each device's block
-  holds its v chunks, and nothing is re-laid-out per step. `to_model_layout` converts back.
+  over pp (`mesh.rules.param_rules(pipelined=True)`); with v chunks per device the stack is kept
+  in pipeline order (`pipeline_layout.py`).
 * The embedding, final norm and output layer are replicated over pp (the parameter tree does not
   change with pp) and used only by the first / last model stage. The last stage's forward adds
   to the final norm and output layer gradients; the first stage keeps each micro-batch's
@@ -28,7 +26,8 @@ so, then pass activations one device on and cotangents one device back (an activ
 hidden states and, for a Mixture-of-Experts model, the router statistics so far:
 `pipeline_stage.py` says why they travel). A zero-bubble table (`ps.zb_h1`) also has W items:
 its backward (B) then leaves the projections' weight gradients to a later W, storing what W
-needs in a W slot (`models/deferred_grads.py` says how). A forward keeps its
+needs in the micro-batch's slot over the residuals B has read (`models/deferred_grads.py` says
+what, `slot_pool.py` how). A forward keeps its
 VJP residuals (the leaves of `jax.vjp`'s function, minus the weights) in a slot buffer until its
 backward, so a device holds as many micro-batches as the schedule keeps in flight: p for 1F1B,
 2p - 1 for lockstep 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full' keeps
@@ -72,30 +71,9 @@ from pjax.parallel import data_parallel
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, make_stage, varying
 from pjax.parallel.pipeline_table import executor_table, make_schedule, needs_lockstep, scope_name, send_patterns
+from pjax.parallel.slot_pool import SlotPool
 
 Batch = dict[str, jax.Array]
-
-
-# --- The stored layer order ---------------------------------------------------------------------
-
-def layer_order(num_layers: int, pp: int, v: int) -> np.ndarray:
-    """The model layer held by each row of the stored layer stack (the identity unless v > 1)."""
-    per_chunk = num_layers // (pp * v)
-    row = np.arange(num_layers)
-    device, chunk, k = row // (v * per_chunk), (row // per_chunk) % v, row % per_chunk
-    return (chunk * pp + device) * per_chunk + k
-
-
-def to_pipeline_layout(params: Any, pp: int, v: int) -> Any:
-    """Model-ordered parameters -> the stored order of a pp x v pipeline."""
-    rows = layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v)
-    return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
-
-
-def to_model_layout(params: Any, pp: int, v: int) -> Any:
-    """Pipeline-ordered parameters (or gradients) -> model order."""
-    rows = np.argsort(layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v))
-    return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
 
 
 # --- One tick: a forward and a backward that run or not ---------------------------------------------
@@ -121,13 +99,13 @@ class Buffers(NamedTuple):
 
     inbox: Activation         # arriving activations by slot: ([S + 1, B*T, D], stats [S + 1, ...]); S = "nothing came"
     cotangents: Activation    # arriving cotangents by slot, the same shapes
-    residuals: list           # each forward's VJP residuals by slot ([S (+ 1 in lockstep), ...] each)
+    slots: dict               # by slot, each forward's VJP residuals, then (B and W split) what B leaves its W (`slot_pool.py`)
     grad_layers: Any          # fp32 [v, layers per chunk, ...]: this device's layer gradients
     grad_head: Any            # fp32: final norm and output layer gradients (the last stage's)
     loss: jax.Array           # []: the losses computed here
     router: dict              # MoE: the router metrics of the micro-batches whose loss ran here, summed
     d_embedded: jax.Array     # [m + 1, B*T, D]: the embedding's cotangent per micro-batch (+ a discard row)
-    wstash: Any = ()          # B and W split: per W slot, what a B leaves its W (the taps' (x, g) per layer)
+    staged: Any = ()          # B and W split: what the tick's B leaves its W, before it goes to the slot
 
 
 def _at(tree: Any, i: jax.Array) -> Any:
@@ -161,8 +139,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
     `reduce` sums the gradients over the data axes at the end when they are manual (see `_run`);
     None: a forwards-only table, whose body returns no gradients (`{}`) and reduces none.
     """
-    plan = ps.buffer_plan(sched)
-    p, v, n_slots = sched.p, sched.v, plan.slots
+    p, v, n_slots = sched.p, sched.v, ps.buffer_plan(sched).slots
     split = sched.split_backward  # zero-bubble: B computes input gradients, W the projections' dW
     if split and (lockstep or stage.tokens != "tokens"):  # tables of your own (the config's: validate_split_backward)
         raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 or "
@@ -198,15 +175,20 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, stage.tokens, "embed")), slots(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
+        # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
+        # layer (kind 1) until its W: one buffer per dtype as large as the larger (slot_pool.py).
+        stash = jax.tree.leaves(taps)
+        pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)))
+        tap_tree = jax.tree.structure(taps[0]) if split else None
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
-        start = Buffers(inbox=inbox(), cotangents=inbox(), residuals=[slots(a, res_slots) for a in layout.stored],
+        start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
                         router=f32_zeros(router0), d_embedded=slots(x0, m + 1),
-                        wstash=slots(taps[0], plan.wslots) if split else ())
+                        staged=[varying(jnp.zeros(a.shape, a.dtype)) for a in stash])
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
-            op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy, wslot = row
+            op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
             w = chunk(c)
@@ -222,45 +204,47 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 return _put(cotangents, slot, dact), add(grad_head, dhead), loss + keep(l), add(router, metrics), act
 
             def forward(state):  # keeps the VJP residuals at the slot; stage 0 embeds first
-                residuals, cotangents, grad_head, loss, router, _ = state
+                pooled, cotangents, grad_head, loss, router, _ = state
                 # Both branches sharded alike; the router statistics start at zero on the first stage.
                 embed = _scoped("embed", lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()))
                 act = lax.cond(first, embed,
                                lambda: (constrain(buf.inbox[0][slot], (stage.tokens, "embed")), _at(buf.inbox[1], slot)))
                 out, vjp_fn = jax.vjp(lambda w, act, *taps: stage.layers(w, act, micro["positions"], *taps),
                                       w, act, *taps)
-                residuals = [r.at[slot].set(o) for r, o in zip(residuals, layout.pack(vjp_fn))]
-                return (residuals, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
+                pooled = pool.write(pooled, slot, 0, layout.pack(vjp_fn))
+                return (pooled, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
 
-            def backward(state, residuals, cotangents):  # adds the chunk's weight gradients; the
+            def backward(state, cotangents):  # adds the chunk's weight gradients; the
                 # activation's cotangent goes one stage back. A tick runs one op, so the forward's
                 # writes are never what is read here; but reading the buffers as the forward left
                 # them lets XLA update them in place (the buffers from before the forward would have
                 # to be kept: XLA copied the residual slots every tick, benchmarks/README.md).
-                grad_layers, d_embedded, wstash, _ = state
-                dw, dact, *dtaps = layout.unpack(w, [r[slot] for r in residuals])(_at(cotangents, slot))
+                grad_layers, d_embedded, staged, _ = state
+                dw, dact, *dtaps = layout.unpack(w, pool.read(pooled, slot, 0))(_at(cotangents, slot))
                 if split:  # the projections' dW in `dw` are zeros: W computes them from the taps
-                    wstash = _put(wstash, wslot, dtaps[0])
+                    staged = jax.tree.leaves(dtaps[0])
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
                 d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dact[0])
-                return grad_layers, d_embedded, wstash, dact
+                return grad_layers, d_embedded, staged, dact
 
             def weight(grad_layers):  # W: the projections' weight gradients from what B left
-                dw = deferred_grads.tap_weight_grads(_at(wstash, wslot), w)  # as the backward left it
+                dw = deferred_grads.tap_weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), w)
                 return {k: g.at[c].add(dw[k]) if k in dw else g for k, g in grad_layers.items()}
 
             # A collective inside these loops runs only where every device of its group takes the
             # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
             # so both transfers run after them (and ring attention's only in lockstep).
-            residuals, cotangents, grad_head, loss, router, send_act = _run_if(
+            pooled, cotangents, grad_head, loss, router, send_act = _run_if(
                 op == ps.FORWARD, _scoped("forward", forward),
-                (buf.residuals, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
-            grad_layers, d_embedded, wstash, send_cot = _run_if(
-                op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, residuals, cotangents)),
-                (buf.grad_layers, buf.d_embedded, buf.wstash, nothing))
-            if split:
+                (buf.slots, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
+            grad_layers, d_embedded, staged, send_cot = _run_if(
+                op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, cotangents)),
+                (buf.grad_layers, buf.d_embedded, buf.staged, nothing))
+            if split:  # what B left goes over the residuals it read, by a loop of its own: inside
+                # B's, XLA cannot order the write after every read of the slot and copies the pool.
+                pooled = _run_if(op == ps.BACKWARD, lambda pooled: pool.write(pooled, slot, 1, staged), pooled)
                 grad_layers = _run_if(op == ps.WEIGHT, _scoped("weight", weight), grad_layers)
             # The transfers: activations one device on, cotangents one device back, on the ticks
             # where some device sends, by the permute of that tick's set of senders (a number every
@@ -272,8 +256,8 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 send = _scoped(f"send_dy_{k}", lambda a, pairs=pairs: _send(a, pairs))
                 send_cot = _run_if(send_dy == k, send, send_cot)
             return Buffers(inbox=_put(buf.inbox, recv_x, send_act), cotangents=_put(cotangents, recv_dy, send_cot),
-                           residuals=residuals, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
-                           router=router, d_embedded=d_embedded, wstash=wstash), None
+                           slots=pooled, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
+                           router=router, d_embedded=d_embedded, staged=staged), None
 
         end, _ = lax.scan(tick, start, table[:, 0])
         data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)

@@ -295,17 +295,12 @@ class BufferPlan:
     `recv_x[t, s]`, `recv_dy[t, s]`: the slot for the activation / cotangent that arrives at the
     end of tick t (sent by the device before / after s in the ring), or `slots`, a spare discard
     slot, if none arrives: every tick writes its arrivals unconditionally.
-    `wslots`, `wslot[t, s]`: with B and W split, where a device keeps what a B leaves for its W,
-    from the B's tick to the W's (the same slot on both ticks; 0 elsewhere, and `wslots` = 0
-    without W items).
     """
 
     slots: int
     slot: np.ndarray
     recv_x: np.ndarray
     recv_dy: np.ndarray
-    wslots: int = 0
-    wslot: np.ndarray | None = None
 
 
 def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple[dict, int]:
@@ -323,33 +318,29 @@ def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple
 
 def buffer_plan(sched: Schedule) -> BufferPlan:
     """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its
-    backward (B), and with B and W split a `wslot` from its B to its W.
+    backward, or with B and W split to its W: the slot holds the forward's residuals until B,
+    then what B leaves its W (`slot_pool.py`).
 
     `slots` is the most micro-batches a device ever holds between arrival and backward: p for
-    1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p.
+    1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p from arrival to W.
     """
     p, v = sched.p, sched.v
     tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
     for t, s in zip(*np.nonzero(sched.op)):
         tick[(int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])))] = int(t)
-    lives, wlives = {}, {}  # (device, mb, stage) -> (first tick, last tick)
+    lives = {}  # (device, mb, stage) -> (first tick, last tick)
     for (op, i, j), t in tick.items():
         if op == FORWARD:
             arrival = tick[(FORWARD, i, j - 1)] if j > 0 else t
-            lives[(j % p, i, j)] = (arrival, tick.get((BACKWARD, i, j), t))
-        if op == WEIGHT:
-            wlives[(j % p, i, j)] = (tick[(BACKWARD, i, j)], t)
+            end = tick.get((WEIGHT, i, j), tick.get((BACKWARD, i, j), t))
+            lives[(j % p, i, j)] = (arrival, end)
     slot_of, slots = _colour(lives, p)
-    wslot_of, wslots = _colour(wlives, p) if wlives else ({}, 0)
     shape = sched.op.shape
     plan = BufferPlan(slots, np.zeros(shape, np.int32), np.full(shape, slots, np.int32),
-                      np.full(shape, slots, np.int32), wslots, np.zeros(shape, np.int32))
+                      np.full(shape, slots, np.int32))
     for t, s in zip(*np.nonzero(sched.op)):
         op, i, j = int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s]))
-        if op != WEIGHT:
-            plan.slot[t, s] = slot_of[(s, i, j)]
-        if op != FORWARD and (s, i, j) in wslot_of:
-            plan.wslot[t, s] = wslot_of[(s, i, j)]
+        plan.slot[t, s] = slot_of[(s, i, j)]
         if op == FORWARD and j < p * v - 1:  # the activation goes on to stage j + 1
             plan.recv_x[t, (s + 1) % p] = slot_of[((j + 1) % p, i, j + 1)]
         if op == BACKWARD and j > 0:  # the cotangent goes back to stage j - 1

@@ -5,8 +5,7 @@ The executor (`pipeline_parallel.py`) scans over the rows of `executor_table`; e
 per device, the op to run, its micro-batch, chunk and slot, the slots the arriving activation
 and cotangent go to, whether the device has real work, and two numbers that are the same on
 every device: which devices send an activation on, and which a cotangent back, this tick (0:
-none; k: the k-th distinct set of senders, `send_patterns`), and the W slot a B fills and its W
-reads (zero-bubble tables). Every device must take part in a
+none; k: the k-th distinct set of senders, `send_patterns`). Every device must take part in a
 collective, so only a number every device agrees on may choose one: the executor holds one
 `ppermute` per set of senders, with exactly their pairs, and runs the one the tick names (in
 1F1B's warm-up, only the first stages send; a single permute over every stage would send a
@@ -28,7 +27,7 @@ from mesh.mesh import CP, MeshConfig
 from pjax.config import PipelineConfig
 from pjax.parallel import pipeline_schedules as ps
 
-COLUMNS = ("op", "mb", "chunk", "slot", "recv_x", "recv_dy", "active", "send_x", "send_dy", "wslot")
+COLUMNS = ("op", "mb", "chunk", "slot", "recv_x", "recv_dy", "active", "send_x", "send_dy")
 SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "weight": "pp_weight", "embed": "pp_embed",
           "loss": "pp_loss"}
 
@@ -90,7 +89,7 @@ def executor_table(sched: ps.Schedule, lockstep: bool = False) -> np.ndarray:
         slot = np.where(active, plan.slot, plan.slots)  # the discard slot, shared with "nothing came"
     send_x, send_dy = (_pattern_ids(recv, plan.slots)[0] for recv in (plan.recv_x, plan.recv_dy))
     columns = [op, sched.mb, sched.chunk, slot, plan.recv_x, plan.recv_dy, active,
-               np.broadcast_to(send_x[:, None], op.shape), np.broadcast_to(send_dy[:, None], op.shape), plan.wslot]
+               np.broadcast_to(send_x[:, None], op.shape), np.broadcast_to(send_dy[:, None], op.shape)]
     return np.stack(columns, axis=-1).astype(np.int32)
 
 

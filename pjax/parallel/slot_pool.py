@@ -1,0 +1,86 @@
+"""Slots that hold one of several kinds of per-micro-batch state, in one buffer per dtype.
+
+A pipeline device keeps each micro-batch it works on in a slot: a forward leaves its VJP
+residuals there for the backward. With zero-bubble tables the backward (B) then leaves what the
+weight-gradient item (W) needs, each projection's input and output cotangent, and the residuals
+are dead. The two never live in one slot at once, so a slot need only be as large as the larger
+of them, as on a device with its own allocator, where B frees the residuals it read and W
+allocates nothing new (Qi et al. count ZB-H1's memory that way: 1F1B's).
+
+JAX arrays cannot share memory, so the slots are flat: per dtype, one [slots, width] buffer,
+width the most elements of that dtype any one kind holds. Each kind lays its leaves out from
+offset 0 (`SlotPool.offsets`); a leaf is written with one dynamic-update-slice at (slot, offset)
+and read with one dynamic-slice, as separate per-leaf buffers would be, and XLA updates the
+buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers of their own,
+[slots, *shape] each: the flat layout costs XLA:CPU a few MB of temporaries more there
+(benchmarks/README.md, "Zero-bubble").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Pool = dict[str, jax.Array]  # dtype name -> [slots, width]; with one kind, leaf index -> [slots, *shape]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPool:
+    """The layout of `kinds`: per kind, the shapes and dtypes of the leaves one slot holds."""
+
+    kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
+
+    def offsets(self, kind: int) -> list[tuple[str, int, int]]:
+        """Per leaf of `kind`: (dtype name, offset, size) in its dtype's row."""
+        at: dict[str, int] = {}
+        out = []
+        for leaf in self.kinds[kind]:
+            name, size = np.dtype(leaf.dtype).name, int(np.prod(leaf.shape))
+            out.append((name, at.get(name, 0), size))
+            at[name] = at.get(name, 0) + size
+        return out
+
+    def widths(self) -> dict[str, int]:
+        """Per dtype, the row width: the most elements of it that any kind holds."""
+        widths: dict[str, int] = {}
+        for kind in range(len(self.kinds)):
+            used: dict[str, int] = {}
+            for name, offset, size in self.offsets(kind):
+                used[name] = offset + size
+            for name, n in used.items():
+                widths[name] = max(widths.get(name, 0), n)
+        return widths
+
+    @property
+    def flat(self) -> bool:
+        return sum(1 for kind in self.kinds if kind) > 1
+
+    def zeros(self, slots: int) -> Pool:
+        if not self.flat:
+            return {str(k): jnp.zeros((slots, *a.shape), a.dtype) for k, a in enumerate(self.kinds[0])}
+        return {name: jnp.zeros((slots, width), name) for name, width in self.widths().items()}
+
+    def write(self, pool: Pool, slot: jax.Array, kind: int, leaves: Sequence[jax.Array]) -> Pool:
+        """`pool` with slot `slot` holding `leaves` (shaped as `kinds[kind]`)."""
+        pool = dict(pool)
+        if not self.flat:
+            return {**pool, **{str(k): pool[str(k)].at[slot].set(leaf) for k, leaf in enumerate(leaves)}}
+        for (name, offset, size), leaf in zip(self.offsets(kind), leaves, strict=True):
+            if size:
+                row = leaf.reshape(1, size)
+                pool[name] = lax.dynamic_update_slice(pool[name], row, (slot, jnp.int32(offset)))
+        return pool
+
+    def read(self, pool: Pool, slot: jax.Array, kind: int) -> list[jax.Array]:
+        """The leaves of `kind` in slot `slot`."""
+        if not self.flat:
+            return [pool[str(k)][slot] for k in range(len(self.kinds[kind]))]
+        out = []
+        for (name, offset, size), leaf in zip(self.offsets(kind), self.kinds[kind]):
+            row = lax.dynamic_slice(pool[name], (slot, jnp.int32(offset)), (1, size)) if size else pool[name][:1, :0]
+            out.append(row.reshape(leaf.shape))
+        return out
