@@ -57,13 +57,18 @@ def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[s
     return {site: (z(x), tuple(z(w) for w in outs)) for site, (x, outs) in widths.items()}
 
 
-def tap_weight_grads(taps: dict[str, Tap], w: Any) -> dict[str, jax.Array]:
+def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any) -> dict[str, jax.Array]:
     """W: the projections' fp32 gradients from the taps' cotangents, shaped like the stacked
-    layer weights `w` ([layers, ...] each); the other weights are not in the result."""
+    layer weights `w` ([layers, ...] each); the other weights are not in the result. `taps` is
+    stacked per layer, or (unrolled layers) a list of one layer's taps each."""
+    f32 = lambda gs: [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
     out = {}
     for site, names in SITES.items():
-        x, gs = taps[site]
-        f32 = [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
-        dws = jax.vmap(lambda x, gs: weight_grads(x, gs, f32))(x, gs)
+        if isinstance(taps, list):
+            per_layer = [weight_grads(t[site][0], t[site][1], f32(t[site][1])) for t in taps]
+            dws = [jnp.stack(d) for d in zip(*per_layer)]
+        else:
+            x, gs = taps[site]
+            dws = jax.vmap(lambda x, gs: weight_grads(x, gs, f32(gs)))(x, gs)
         out.update({n: dw.reshape(w[n].shape) for n, dw in zip(names, dws)})
     return out

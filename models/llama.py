@@ -246,7 +246,9 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
                ) -> tuple[jax.Array, RouterStats | None]:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
     Returns the output and, for MoE layers, their router statistics summed over the layers.
-    `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients."""
+    `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients.
+    Unrolled (`scan=False`), `layer_params` and `taps` may also be lists of per-layer trees: a
+    pipeline stage slices them outside its VJP, so the slices are not kept as residuals."""
     layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
                          sequence_parallel=sequence_parallel)
     tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
@@ -262,9 +264,11 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
     if scan:
         x, stats = jax.lax.scan(body, x, (layer_params, taps))  # stats: stacked per layer (None: dense)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
-    n, stats = jax.tree.leaves(layer_params)[0].shape[0], []
+    layer_i = lambda tree, i: tree[i] if isinstance(tree, list) else jax.tree.map(lambda a: a[i], tree)
+    n = len(layer_params) if isinstance(layer_params, list) else jax.tree.leaves(layer_params)[0].shape[0]
+    stats = []
     for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
-        x, s = body(x, jax.tree.map(lambda p: p[i], (layer_params, taps)))
+        x, s = body(x, (layer_i(layer_params, i), layer_i(taps, i)))
         stats.append(s)
     return x, (jax.tree.map(lambda *s: sum(s), *stats) if cfg.num_local_experts else None)
 

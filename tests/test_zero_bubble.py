@@ -119,7 +119,31 @@ def test_a_tapped_projection_leaves_its_weight_gradients_to_the_tap():
         np.testing.assert_allclose(tx.T @ tg, dw, rtol=1e-5)
 
 
-def test_zb_h1_with_remat_and_scanned_layers_equals_one_device_and_refuses_cp():
+@pytest.mark.parametrize("schedule,remat,scan", [("zb_h1", "full", True), ("zb_h1", "none", False),
+                                                 ("1f1b", "none", False)])
+def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, remat, scan):
+    """Scanned layers with remat, and unrolled layers, whose VJP takes per-layer weight slices."""
+    import dataclasses
+
+    import jax
+
+    from mesh import MeshConfig, make_mesh
+    from pjax.config import PipelineConfig
+    from pjax.step import build_trainer
+    from test_pipeline_parallel import CFG, MICRO, TC, assert_grads_close, init_params, make_batch, run
+
+    ref_loss, ref_grads, _ = run(4)
+    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
+    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4, remat=remat, scan_layers=scan)
+    tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule=schedule))
+    params = jax.device_put(init_params(), tr.state_sharding.params)
+    with jax.set_mesh(mesh):
+        loss, grads = tr.grads(params, jax.device_put(make_batch(4), tr.batch_sharding))
+    assert abs(float(loss) - ref_loss) <= 1e-5
+    assert_grads_close(jax.device_get(grads), ref_grads)
+
+
+def test_zb_h1_refuses_cp():
     import dataclasses
 
     import jax
@@ -128,17 +152,9 @@ def test_zb_h1_with_remat_and_scanned_layers_equals_one_device_and_refuses_cp():
     from mesh.errors import ConfigError
     from pjax.config import PipelineConfig
     from pjax.step import build_trainer
-    from test_pipeline_parallel import CFG, MICRO, TC, assert_grads_close, init_params, make_batch, run
+    from test_pipeline_parallel import CFG, MICRO, TC
 
-    ref_loss, ref_grads, _ = run(4)
-    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
-    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4, remat="full", scan_layers=True)
-    tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule="zb_h1"))
-    params = jax.device_put(init_params(), tr.state_sharding.params)
-    with jax.set_mesh(mesh):
-        loss, grads = tr.grads(params, jax.device_put(make_batch(4), tr.batch_sharding))
-    assert abs(float(loss) - ref_loss) <= 1e-5
-    assert_grads_close(jax.device_get(grads), ref_grads)
+    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4)
     with pytest.raises(ConfigError, match="pipeline.schedule=zb_h1 does not run with mesh.cp=2"):
         build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))
 

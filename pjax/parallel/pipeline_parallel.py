@@ -168,9 +168,9 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         m, b, t = batch["inputs"].shape
         x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
         nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
-        taps = (varying(stage.taps(chunk(0), b * t)),) if split else ()  # models/deferred_grads.py
+        taps = (stage.per_layer(varying(stage.taps(chunk(0), b * t))),) if split else ()  # models/deferred_grads.py
         layout = VjpLayout.trace(lambda w, act, *taps: stage.layers(w, act, batch["positions"][0], *taps),
-                                 chunk(0), nothing, *taps)
+                                 stage.per_layer(chunk(0)), nothing, *taps)
         slots = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
         inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, stage.tokens, "embed")), slots(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
@@ -191,7 +191,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy = row
             first, last = (c == 0) & (device == 0), (c == v - 1) & (device == p - 1)
             micro = {k: a[mb] for k, a in batch.items()}
-            w = chunk(c)
+            w = stage.per_layer(chunk(c))
             # Only lockstep has devices running an op without work: their results are dropped.
             keep = (lambda d: jnp.where(active > 0, d, jnp.zeros_like(d))) if lockstep else (lambda d: d)
             add = lambda acc, d: jax.tree.map(lambda a, x: a + keep(x), acc, d)
@@ -223,14 +223,15 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 dw, dact, *dtaps = layout.unpack(w, pool.read(pooled, slot, 0))(_at(cotangents, slot))
                 if split:  # the projections' dW in `dw` are zeros: W computes them from the taps
                     staged = jax.tree.leaves(dtaps[0])
-                grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers, dw)
+                grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers,
+                                           stage.stacked(dw))
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
                 d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dact[0])
                 return grad_layers, d_embedded, staged, dact
 
             def weight(grad_layers):  # W: the projections' weight gradients from what B left
-                dw = deferred_grads.tap_weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), w)
+                dw = deferred_grads.tap_weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), chunk(c))
                 return {k: g.at[c].add(dw[k]) if k in dw else g for k, g in grad_layers.items()}
 
             # A collective inside these loops runs only where every device of its group takes the

@@ -55,6 +55,19 @@ class Stage(NamedTuple):
     head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
+    scan: bool = True  # layers under lax.scan; unrolled, `layers` takes per-layer lists (`per_layer`)
+
+    def per_layer(self, tree: Any) -> Any:
+        """Stacked per-layer weights (or taps) as the stage's VJP takes them: as they are under the
+        layer scan; unrolled, a list of one layer's each, sliced outside the VJP so that its
+        residuals hold no per-micro-batch copies of the weights."""
+        if self.scan:
+            return tree
+        return [jax.tree.map(lambda a: a[i], tree) for i in range(jax.tree.leaves(tree)[0].shape[0])]
+
+    def stacked(self, tree: Any) -> Any:
+        """`per_layer`'s inverse (for gradients)."""
+        return jax.tree.map(lambda *a: jnp.stack(a), *tree) if isinstance(tree, list) else tree
 
 
 def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
@@ -105,6 +118,7 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
         head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
         tokens=seqpar.residual_axis(tc.sequence_parallel),
         taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, dtype),
+        scan=scan,
     )
 
 
