@@ -171,8 +171,8 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         taps = (stage.per_layer(varying(stage.taps(chunk(0), b * t))),) if split else ()  # models/deferred_grads.py
         layout = VjpLayout.trace(lambda w, act, *taps: stage.layers(w, act, batch["positions"][0], *taps),
                                  stage.per_layer(chunk(0)), nothing, *taps)
-        slots = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
-        inbox = lambda: (constrain(slots(x0, n_slots + 1), (None, stage.tokens, "embed")), slots(nothing[1], n_slots + 1))
+        rows = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
+        inbox = lambda: (constrain(rows(x0, n_slots + 1), (None, stage.tokens, "embed")), rows(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
@@ -184,7 +184,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
-                        router=f32_zeros(router0), d_embedded=slots(x0, m + 1),
+                        router=f32_zeros(router0), d_embedded=rows(x0, m + 1),
                         staged=[varying(jnp.zeros(a.shape, a.dtype)) for a in stash])
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:

@@ -321,8 +321,8 @@ def buffer_plan(sched: Schedule) -> BufferPlan:
     backward, or with B and W split to its W: the slot holds the forward's residuals until B,
     then what B leaves its W (`slot_pool.py`).
 
-    `slots` is the most micro-batches a device ever holds between arrival and backward: p for
-    1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p from arrival to W.
+    `slots` is the most micro-batches a device ever holds between arrival and backward (or W):
+    p for 1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p from arrival to W.
     """
     p, v = sched.p, sched.v
     tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
