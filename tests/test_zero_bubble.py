@@ -183,7 +183,49 @@ def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
         np.testing.assert_array_equal(got, want)
     for got, want in zip(pool.read(bufs, jnp.int32(2), 0), r):
         np.testing.assert_array_equal(got, -want)
+    # A kind-1 leaf kept from kind 0 (a projection's input is a residual) is read where kind 0 left
+    # it, and the others go around it: [0, 12) and [12, 18) are the residuals, the stash fits in 18.
+    residuals += (jax.ShapeDtypeStruct((6,), jnp.float32),)
+    kept = SlotPool((residuals, (jax.ShapeDtypeStruct((2, 3), jnp.float32),) + stash), kept=(3, None, None))
+    assert kept.written(1) == [1, 2] and kept.written(0) == [0, 1, 2, 3]
+    assert kept.offsets(1) == [("float32", 12, 6), ("float32", 0, 4), ("float32", 4, 7)]
+    assert kept.widths() == {"float32": 18, "bfloat16": 5}
+    bufs = kept.write(kept.zeros(2), jnp.int32(1), 0, r + [jnp.arange(6.0) + 100])
+    bufs = kept.write(bufs, jnp.int32(1), 1, w)
+    for got, want in zip(kept.read(bufs, jnp.int32(1), 1), [(jnp.arange(6.0) + 100).reshape(2, 3)] + w):
+        np.testing.assert_array_equal(got, want)
     one = SlotPool((residuals, ()))  # one kind: a buffer per leaf
-    assert not one.flat and [a.shape for a in one.zeros(2).values()] == [(2, 3, 4), (2, 0), (2, 5)]
-    got = one.read(one.write(one.zeros(2), jnp.int32(1), 0, r), jnp.int32(1), 0)
+    assert not one.flat and [a.shape for a in one.zeros(2).values()] == [(2, 3, 4), (2, 0), (2, 5), (2, 6)]
+    got = one.read(one.write(one.zeros(2), jnp.int32(1), 0, r + [jnp.zeros(6)]), jnp.int32(1), 0)
     np.testing.assert_array_equal(got[0], r[0])
+
+
+def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_them():
+    """With unrolled layers each projection's input in B's taps is a residual, passed through
+    unchanged: the slot keeps it in place and the stash holds only the output cotangents."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from mesh import MeshConfig, make_mesh
+    from models.llama import init_params
+    from pjax.parallel.pipeline_stage import VjpLayout, make_stage
+    from test_pipeline_parallel import CFG, TC
+
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])  # make_stage reads the mesh
+    layers = jax.tree.map(lambda a: a[:2], init_params(CFG, jax.random.key(0))["layers"])
+    n = 16
+    with jax.set_mesh(mesh):
+        for scan in (False, True):
+            stage = make_stage(CFG, dataclasses.replace(TC, scan_layers=scan), jnp.float32, None, 1.0)
+            w, taps = stage.per_layer(layers), stage.per_layer(stage.taps(layers, n))
+            act, positions = (jnp.zeros((n, CFG.hidden_size)), ()), jnp.arange(n).reshape(2, 8)
+            layout = VjpLayout.trace(lambda w, act, taps: stage.layers(w, act, positions, taps), w, act, taps)
+            kept = layout.passed_through(lambda res: layout.unpack(w, res)(act)[2])
+            tap_leaves = jax.tree.leaves(taps)
+            assert len(kept) == len(tap_leaves)
+            found = [(tap_leaves[i].shape, layout.stored[k].shape) for i, k in enumerate(kept) if k is not None]
+            # Per layer and site (qkv, o, gate_up, down), the input x; scanned, the stacked x's are the
+            # scan's outputs, not residuals as such, and are stashed.
+            assert len(found) == (0 if scan else 2 * 4) and all(a == b for a, b in found)

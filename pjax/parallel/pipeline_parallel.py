@@ -169,8 +169,9 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
         nothing = (x0, stage.no_stats())  # what a device sends on a tick without that op
         taps = (stage.per_layer(varying(stage.taps(chunk(0), b * t))),) if split else ()  # models/deferred_grads.py
+        w0 = stage.per_layer(chunk(0))
         layout = VjpLayout.trace(lambda w, act, *taps: stage.layers(w, act, batch["positions"][0], *taps),
-                                 stage.per_layer(chunk(0)), nothing, *taps)
+                                 w0, nothing, *taps)
         rows = lambda tree, n: jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
         inbox = lambda: (constrain(rows(x0, n_slots + 1), (None, stage.tokens, "embed")), rows(nothing[1], n_slots + 1))
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
@@ -178,14 +179,16 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
         # layer (kind 1) until its W: one buffer per dtype as large as the larger (slot_pool.py).
         stash = jax.tree.leaves(taps)
-        pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)))
+        # The taps' x's B passes through from the residuals stay where the forward put them.
+        kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if split else ()
+        pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)), kept)
         tap_tree = jax.tree.structure(taps[0]) if split else None
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
                         router=f32_zeros(router0), d_embedded=rows(x0, m + 1),
-                        staged=[varying(jnp.zeros(a.shape, a.dtype)) for a in stash])
+                        staged=[varying(jnp.zeros(stash[i].shape, stash[i].dtype)) for i in pool.written(1)])
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
             op, mb, c, slot, recv_x, recv_dy, active, send_x, send_dy = row
@@ -222,7 +225,7 @@ def _executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 grad_layers, d_embedded, staged, _ = state
                 dw, dact, *dtaps = layout.unpack(w, pool.read(pooled, slot, 0))(_at(cotangents, slot))
                 if split:  # the projections' dW in `dw` are zeros: W computes them from the taps
-                    staged = jax.tree.leaves(dtaps[0])
+                    staged = [jax.tree.leaves(dtaps[0])[i] for i in pool.written(1)]
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers,
                                            stage.stacked(dw))
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,

@@ -149,6 +149,14 @@ class VjpLayout:
         # A residual can be a pp-invariant constant; the slot buffers (and the loops carrying them) are varying.
         return [varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
 
+    def passed_through(self, backward: Callable[[list[jax.Array]], Any]) -> tuple[int | None, ...]:
+        """Per output leaf of `backward(stored residuals)`: the index of the residual it is,
+        unchanged (as a projection's input is in what B leaves W), or None."""
+        stored = [varying(jnp.zeros(s.shape, s.dtype)) for s in self.stored]
+        jaxpr = jax.make_jaxpr(lambda res: jax.tree.leaves(backward(res)))(stored).jaxpr
+        index = {id(v): k for k, v in enumerate(jaxpr.invars)}
+        return tuple(index.get(id(v)) for v in jaxpr.outvars)
+
     def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
         w_leaves, rest = jax.tree.leaves(w), iter(stored)
         return jax.tree.unflatten(self.treedef, [next(rest) if k is None else w_leaves[k] for k in self.weight_index])

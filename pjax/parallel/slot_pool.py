@@ -14,6 +14,11 @@ and read with one dynamic-slice, as separate per-leaf buffers would be, and XLA 
 buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers of their own,
 [slots, *shape] each: the flat layout costs XLA:CPU a few MB of temporaries more there
 (benchmarks/README.md, "Zero-bubble").
+
+Part of what B leaves W is already in the slot: a projection's input x is one of the forward's
+residuals, and B passes it through unchanged (with unrolled layers; scanned, B's stacked x's are
+new arrays). Such a leaf is `kept`: kind 1 reads it where kind 0 wrote it, lays its other leaves
+(the output cotangents) out around it, and B writes only those.
 """
 from __future__ import annotations
 
@@ -30,12 +35,19 @@ Pool = dict[str, jax.Array]  # dtype name -> [slots, width]; with one kind, leaf
 
 @dataclasses.dataclass(frozen=True)
 class SlotPool:
-    """The layout of `kinds`: per kind, the shapes and dtypes of the leaves one slot holds."""
+    """The layout of `kinds`: per kind, the shapes and dtypes of the leaves one slot holds.
+
+    `kept`: per leaf of kind 1, the kind-0 leaf whose value it is, or None. Such a leaf is not
+    written again: kind 1 reads it where kind 0 left it, and lays its other leaves out around it
+    (B's projection inputs are its residuals: the stash then adds only the output cotangents)."""
 
     kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
+    kept: tuple[int | None, ...] = ()
 
     def offsets(self, kind: int) -> list[tuple[str, int, int]]:
         """Per leaf of `kind`: (dtype name, offset, size) in its dtype's row."""
+        if kind == 1 and any(k is not None for k in self.kept):
+            return self._around_kept()
         at: dict[str, int] = {}
         out = []
         for leaf in self.kinds[kind]:
@@ -44,15 +56,39 @@ class SlotPool:
             at[name] = at.get(name, 0) + size
         return out
 
+    def _around_kept(self) -> list[tuple[str, int, int]]:
+        """Kind 1's layout: kept leaves where kind 0 has them, the others first-fit in between."""
+        first = self.offsets(0)
+        taken = {i: first[k] for i, k in enumerate(self.kept) if k is not None}
+        used: dict[str, list[tuple[int, int]]] = {}
+        for name, offset, size in taken.values():
+            used.setdefault(name, []).append((offset, offset + size))
+        out = []
+        for i, leaf in enumerate(self.kinds[1]):
+            if i in taken:
+                out.append(taken[i])
+                continue
+            name, size = np.dtype(leaf.dtype).name, int(np.prod(leaf.shape))
+            at = 0
+            for lo, hi in sorted(used.get(name, [])):
+                if at + size <= lo:
+                    break
+                at = max(at, hi)
+            used.setdefault(name, []).append((at, at + size))
+            out.append((name, at, size))
+        return out
+
+    def written(self, kind: int) -> list[int]:
+        """The leaves of `kind` that `write` stores (kind 1's kept leaves are in the slot already)."""
+        skip = {i for i, k in enumerate(self.kept) if k is not None} if kind == 1 else set()
+        return [i for i in range(len(self.kinds[kind])) if i not in skip]
+
     def widths(self) -> dict[str, int]:
         """Per dtype, the row width: the most elements of it that any kind holds."""
         widths: dict[str, int] = {}
         for kind in range(len(self.kinds)):
-            used: dict[str, int] = {}
             for name, offset, size in self.offsets(kind):
-                used[name] = offset + size
-            for name, n in used.items():
-                widths[name] = max(widths.get(name, 0), n)
+                widths[name] = max(widths.get(name, 0), offset + size)
         return widths
 
     @property
@@ -65,11 +101,13 @@ class SlotPool:
         return {name: jnp.zeros((slots, width), name) for name, width in self.widths().items()}
 
     def write(self, pool: Pool, slot: jax.Array, kind: int, leaves: Sequence[jax.Array]) -> Pool:
-        """`pool` with slot `slot` holding `leaves` (shaped as `kinds[kind]`)."""
+        """`pool` with slot `slot` holding `leaves`: the leaves `written(kind)` lists, shaped as in `kinds[kind]`."""
         pool = dict(pool)
         if not self.flat:
             return {**pool, **{str(k): pool[str(k)].at[slot].set(leaf) for k, leaf in enumerate(leaves)}}
-        for (name, offset, size), leaf in zip(self.offsets(kind), leaves, strict=True):
+        where = self.offsets(kind)
+        for i, leaf in zip(self.written(kind), leaves, strict=True):
+            name, offset, size = where[i]
             if size:
                 row = leaf.reshape(1, size)
                 pool[name] = lax.dynamic_update_slice(pool[name], row, (slot, jnp.int32(offset)))
