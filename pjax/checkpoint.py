@@ -247,10 +247,11 @@ class Checkpointer:
 
 def layer_rows(trainer: Trainer) -> np.ndarray | None:
     """The model layer held by each row of `trainer`'s layer stack; None when that is model order
-    (everything but the interleaved pipeline)."""
+    (everything but pipelines with v chunks per device)."""
     if trainer.pipeline is None:
         return None
-    return layer_order(trainer.cfg.num_hidden_layers, trainer.mesh.shape[PP], trainer.pipeline.virtual_stages)
+    return layer_order(trainer.cfg.num_hidden_layers, trainer.mesh.shape[PP], trainer.pipeline.virtual_stages,
+                       trainer.pipeline.vshape)
 
 
 def saving_in_progress(directory: str | Path) -> list[Path]:

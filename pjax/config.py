@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
-SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1")
+SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1", "zb_v")
 CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses")
 ON_NONFINITE = ("stop", "skip")
 
@@ -134,12 +134,17 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved | zb_h1
-    virtual_stages: int = 1  # model chunks per pipeline stage (the interleaved schedule's v)
+    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved | zb_h1 | zb_v
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved's v; zb_v takes 2)
 
     def __post_init__(self) -> None:
         _require_choice("pipeline.schedule", self.schedule, SCHEDULES)
         _require(self.virtual_stages >= 1, "pipeline.virtual_stages", self.virtual_stages, "use an integer >= 1")
+
+    @property
+    def vshape(self) -> bool:
+        """Whether the schedule places a device's chunks in a V (zb_v), not round robin."""
+        return self.schedule == "zb_v"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,8 +52,8 @@ def open_for_run(cfg: Config) -> Checkpointer | None:
     if cc.dir is None:
         return None
     pp, v, layers = cfg.mesh.pp, cfg.pipeline.virtual_stages, cfg.model.num_hidden_layers
-    # The interleaved pipeline keeps its layer stack in pipeline order (checkpoints hold model order).
-    rows = layer_order(layers, pp, v) if pp > 1 and layers % (pp * v) == 0 else None
+    # A pipeline with v chunks keeps its layer stack in pipeline order (checkpoints hold model order).
+    rows = layer_order(layers, pp, v, cfg.pipeline.vshape) if pp > 1 and layers % (pp * v) == 0 else None
     ckpt = Checkpointer(cc.dir, every=cc.every, keep=cc.keep, layer_rows=rows)
     try:
         latest = ckpt.latest_step()

@@ -254,8 +254,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
-        if mc.pp > 1:  # interleaved: reorder the layer stack so each device's block holds its v chunks
-            params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages)
+        if mc.pp > 1:  # v chunks (interleaved, zb_v): reorder the layer stack so each device's block holds its own
+            params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
     # cp > 1: attention over the sequence split (batches must come in the zigzag layout).
@@ -298,7 +298,7 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
                           f"set those model keys to the checkpoint's values.")
     if trainer.pipeline is not None:  # checkpoints are in model order; the state in pipeline order
         params = jax.jit(functools.partial(pipeline_layout.to_pipeline_layout, pp=trainer.mesh.shape[PP],
-                                           v=trainer.pipeline.virtual_stages),
+                                           v=trainer.pipeline.virtual_stages, vshape=trainer.pipeline.vshape),
                          out_shardings=trainer.state_sharding.params)(params)
     opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params))

@@ -23,6 +23,7 @@ from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.parallel import pipeline_layout as ppl
 from pjax.parallel import pipeline_parallel
 from pjax.parallel import pipeline_schedules as ps
+from pjax.parallel.pipeline_buffers import buffer_plan
 from pjax.parallel.context_parallel import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
@@ -69,33 +70,49 @@ def test_bubble_fraction_is_the_textbook_one():
         assert sched.ticks == 2 * (v * m + p - 1)
 
 
-def test_buffer_plan_never_overwrites_a_micro_batch_in_flight():
-    """Replay the plan's writes and check that every read finds the micro-batch it expects."""
-    for sched in [*table_sweep(), *lockstep_sweep(),
-                  *(ps.forward_only(p, m, v) for p, m, v in [(2, 4, 1), (4, 8, 2), (3, 6, 3)])]:
-        plan, p, last = ps.buffer_plan(sched), sched.p, sched.p * sched.v - 1
-        x_at, res_at, dy_at = ({s: {} for s in range(p)} for _ in range(3))  # device -> slot -> item
-        for t in range(sched.ticks):
-            arrivals = []
-            for s in range(p):
-                if sched.op[t, s] == ps.IDLE:
-                    continue
-                i, j, k = int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])), int(plan.slot[t, s])
-                assert k < plan.slots
-                if sched.op[t, s] == ps.FORWARD:
-                    assert j == 0 or x_at[s].get(k) == (i, j), f"{sched.name}: stale input at tick {t}"
-                    res_at[s][k] = (i, j)
-                    if j == last:
-                        dy_at[s][k] = (i, j)
-                    else:
-                        arrivals.append((x_at, (s + 1) % p, plan.recv_x[t, (s + 1) % p], (i, j + 1)))
+def replay_buffer_plan(sched):
+    """Replay the plan's writes and check that every read finds the micro-batch it expects, that
+    each arrival comes by a lane from the device that sent it, and that a lane never carries two
+    arrivals to one device (or two sends from one) in a tick."""
+    plan, p, last = buffer_plan(sched), sched.p, sched.p * sched.v - 1
+    x_at, res_at, dy_at = ({s: {} for s in range(p)} for _ in range(3))  # device -> slot -> item
+    for t in range(sched.ticks):
+        arrivals = []
+        for s in range(p):
+            if sched.op[t, s] == ps.IDLE or sched.op[t, s] == ps.WEIGHT:
+                continue
+            i, j, k = int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])), int(plan.slot[t, s])
+            assert k < plan.slots
+            if sched.op[t, s] == ps.FORWARD:
+                assert j == 0 or x_at[s].get(k) == (i, j), f"{sched.name}: stale input at tick {t}"
+                res_at[s][k] = (i, j)
+                if j == last:
+                    dy_at[s][k] = (i, j)
                 else:
-                    assert res_at[s].get(k) == (i, j) and dy_at[s].get(k) == (i, j), f"{sched.name}: tick {t}"
-                    if j > 0:
-                        arrivals.append((dy_at, (s - 1) % p, plan.recv_dy[t, (s - 1) % p], (i, j - 1)))
-            for where, s, k, item in arrivals:  # writes land after every read of the tick
-                assert k < plan.slots
-                where[s][int(k)] = item
+                    d = sched.device_of(j + 1)
+                    lane = list(plan.from_x[t, d]).index(s)  # the lane that carries s's activation to d
+                    arrivals.append((x_at, d, plan.recv_x[t, d, lane], (i, j + 1)))
+            else:
+                assert res_at[s].get(k) == (i, j) and dy_at[s].get(k) == (i, j), f"{sched.name}: tick {t}"
+                if j > 0:
+                    d = sched.device_of(j - 1)
+                    lane = list(plan.from_dy[t, d]).index(s)
+                    arrivals.append((dy_at, d, plan.recv_dy[t, d, lane], (i, j - 1)))
+        for senders in (plan.from_x[t], plan.from_dy[t]):
+            for lane in range(plan.lanes):
+                sent = [int(s) for s in senders[:, lane] if s >= 0]
+                assert len(sent) == len(set(sent)), f"{sched.name}: lane {lane} sends twice from a device at {t}"
+        assert sum(int(np.sum(a != plan.slots)) for a in (plan.recv_x[t], plan.recv_dy[t])) == len(arrivals)
+        for where, s, k, item in arrivals:  # writes land after every read of the tick
+            assert k < plan.slots
+            where[s][int(k)] = item
+
+
+def test_buffer_plan_never_overwrites_a_micro_batch_in_flight():
+    for sched in [*table_sweep(), *lockstep_sweep(),
+                  *(ps.forward_only(p, m, v) for p, m, v in [(2, 4, 1), (4, 8, 2), (3, 6, 3)]),
+                  *(ps.forward_only(p, m, 2, vshape=True) for p, m in [(2, 4), (4, 8), (3, 5)])]:
+        replay_buffer_plan(sched)
 
 
 def test_lockstep_tables_run_one_kind_of_op_per_tick_in_each_devices_program_order():
@@ -120,9 +137,9 @@ def test_lockstep_tables_run_one_kind_of_op_per_tick_in_each_devices_program_ord
 
 def test_one_f_one_b_holds_p_micro_batches_and_afab_holds_m():
     for p, m in itertools.product(range(2, 6), range(1, 17)):
-        assert ps.buffer_plan(ps.one_f_one_b(p, m)).slots == min(p, m)
-        assert ps.buffer_plan(ps.one_f_one_b_lockstep(p, m)).slots == min(2 * p - 1, m)
-        assert ps.buffer_plan(ps.afab(p, m)).slots == m
+        assert buffer_plan(ps.one_f_one_b(p, m)).slots == min(p, m)
+        assert buffer_plan(ps.one_f_one_b_lockstep(p, m)).slots == min(2 * p - 1, m)
+        assert buffer_plan(ps.afab(p, m)).slots == m
 
 
 def test_lockstep_one_f_one_b_takes_afab_time_where_one_f_one_b_waits_on_backwards():
@@ -160,14 +177,14 @@ def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, c
         cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False, strategy: str = "ring",
         sequence_parallel: bool = False):
     """(loss, gradients in model order, temporary bytes[, eval loss][, HLO text]) of `trainer.grads` on one layout."""
-    v = V if schedule == "interleaved" else 1
+    v, vshape = (V if schedule in ("interleaved", "zb_v") else 1), schedule == "zb_v"
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero,
                              sequence_parallel=sequence_parallel)
     tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v),
                        context=ContextConfig(strategy=strategy))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.
-    params = jax.device_put(ppl.to_pipeline_layout(init_params(cfg), pp, v), tr.state_sharding.params)
+    params = jax.device_put(ppl.to_pipeline_layout(init_params(cfg), pp, v, vshape), tr.state_sharding.params)
     batch = make_batch(m)
     if pp == 1:  # the reference: the same rows as one big micro-batch
         batch = jax.tree.map(lambda a: a.reshape(1, m * MICRO, SEQ), batch)
@@ -178,7 +195,7 @@ def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, c
     with jax.set_mesh(mesh):
         compiled = tr.grads.jitted.lower(params, batch).compile()
         loss, grads = compiled(params, batch)
-    grads = ppl.to_model_layout(jax.tree.map(np.asarray, grads), pp, v)
+    grads = ppl.to_model_layout(jax.tree.map(np.asarray, grads), pp, v, vshape)
     out = float(loss), grads, compiled.memory_analysis().temp_size_in_bytes
     out = (*out, float(tr.loss(params, batch))) if eval_loss else out
     return (*out, compiled.as_text()) if hlo else out
@@ -190,7 +207,7 @@ def assert_grads_close(grads, ref, rtol=1e-5):
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
 
 
-LAYOUTS = [(pp, k * pp, s) for pp in (2, 4) for k in (1, 2, 4) for s in ("afab", "1f1b", "interleaved", "zb_h1")]
+LAYOUTS = [(pp, k * pp, s) for pp in (2, 4) for k in (1, 2, 4) for s in ("afab", "1f1b", "interleaved", "zb_h1", "zb_v")]
 
 
 @pytest.mark.parametrize("pp,m,schedule", LAYOUTS, ids=[f"pp{pp}_m{m}_{s}" for pp, m, s in LAYOUTS])
@@ -218,12 +235,14 @@ def test_tied_embeddings_collect_both_gradients_across_the_pipeline():
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb_h1", "zb_v"])
 def test_pipeline_with_data_and_tensor_parallelism_equals_one_device(schedule):
     ref_loss, ref_grads, _ = run(4)
-    loss, grads, _ = run(4, pp=2, schedule=schedule, dp=2, tp=2)
-    assert abs(loss - ref_loss) <= 1e-5
-    assert_grads_close(grads, ref_grads)
+    out = run(4, pp=2, schedule=schedule, dp=2, tp=2, eval_loss=schedule == "zb_v")
+    assert abs(out[0] - ref_loss) <= 1e-5
+    assert_grads_close(out[1], ref_grads)
+    if schedule == "zb_v":  # evaluation runs the V's own forwards-only table
+        assert abs(out[3] - ref_loss) <= 1e-5
 
 
 @pytest.mark.parametrize("schedule,layout", [("afab", dict(cp=2, tp=2)), ("1f1b", dict(dp=2, cp=2)),
@@ -313,9 +332,9 @@ def test_each_transfer_permutes_only_the_stages_that_send():
     moved 1.54 times the minimum pp traffic on pp = 4.)"""
     from pjax.parallel.pipeline_table import send_patterns
 
-    x_sets, dy_sets = send_patterns(ps.one_f_one_b(4, 8))
-    assert x_sets[:3] == [(1,), (1, 2), (1, 2, 3)], x_sets  # the warm-up: stage 0, then 0 and 1, ...
-    want = {frozenset((d - 1, d) for d in s) for s in x_sets} | {frozenset((d + 1, d) for d in s) for s in dy_sets}
+    (x_sets,), (dy_sets,) = send_patterns(ps.one_f_one_b(4, 8))  # one lane
+    assert x_sets[:3] == [((0, 1),), ((0, 1), (1, 2)), ((0, 1), (1, 2), (2, 3))], x_sets  # the warm-up
+    want = {frozenset(pairs) for pairs in x_sets + dy_sets}
     hlo = run(8, 4, "1f1b", hlo=True)[-1]
     found = {frozenset(tuple(map(int, pair)) for pair in re.findall(r"\{(\d+),(\d+)\}", m))
              for m in re.findall(r"collective-permute(?:-start)?\(.*source_target_pairs=(\{.*?\}\})", hlo)}
@@ -379,6 +398,7 @@ def test_pipelined_fsdp_train_step_and_eval_loss_match_one_device():
     (2, 4, "interleaved", 4, 4, "mesh.pp*pipeline.virtual_stages"),
     (4, 8, "interleaved", 2, 6, "train.grad_accum=6"),
     (2, 8, "1f1b", 2, 4, "pipeline.virtual_stages=2"),
+    (2, 8, "zb_v", 1, 4, "set pipeline.virtual_stages=2 (not 1)"),
 ])
 def test_impossible_pipeline_layouts_raise_one_sentence(pp, layers, schedule, v, grad_accum, key):
     # layers=6 with pp=4 is caught by validate_model's pp check; the others by validate_pipeline.

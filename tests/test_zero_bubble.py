@@ -1,10 +1,12 @@
-"""Zero-bubble pipeline tables (ZB-H1): B and W items, their order, bubble and buffers."""
+"""Zero-bubble pipeline tables (ZB-H1, ZB-V): B and W items, their order, bubble and buffers."""
 import itertools
 
 import numpy as np
 import pytest
 
 from pjax.parallel import pipeline_schedules as ps
+from pjax.parallel.pipeline_buffers import buffer_plan
+from pjax.parallel.pipeline_zero_bubble import zb_h1, zb_v
 
 SHAPES = [(p, m) for p, m in itertools.product(range(1, 9), range(1, 17))]
 
@@ -20,7 +22,7 @@ def ticks_of(sched):
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_zb_h1_runs_every_f_b_and_w_once_in_dependency_order(p, m):
-    sched = ps.zb_h1(p, m)
+    sched = zb_h1(p, m)
     tick = ticks_of(sched)
     assert len(tick) == 3 * m * p, sched.render()
     for (op, i, j), t in tick.items():
@@ -36,7 +38,7 @@ def test_zb_h1_runs_every_f_b_and_w_once_in_dependency_order(p, m):
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_zb_h1_bubble_and_in_flight_limits_are_the_papers(p, m):
-    sched = ps.zb_h1(p, m)
+    sched = zb_h1(p, m)
     # Qi et al.: ZB-H1's bubble is (p - 1)(F + B - W), 1F1B's (p - 1)(F + B + W); here F = B = W = 1
     # tick. With fewer micro-batches than stages the first micro-batch's way there and back is longer.
     ticks = 3 * m + p - 1 if m >= p else 2 * (m + p) - 1
@@ -56,14 +58,14 @@ def test_zb_h1_bubble_and_in_flight_limits_are_the_papers(p, m):
         assert held.max() <= min(s + 1, m)  # W's held back: s, plus the B just run
     # A slot holds a micro-batch from its arrival to its W (residuals, then what B leaves W):
     # still no more slots than 1F1B's, the paper's "same memory as 1F1B".
-    assert ps.buffer_plan(sched).slots == ps.buffer_plan(ps.one_f_one_b(p, m)).slots
+    assert buffer_plan(sched).slots == buffer_plan(ps.one_f_one_b(p, m)).slots
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 9)])
 def test_a_slot_holds_its_micro_batch_from_arrival_to_w(p, m):
     """Replay: an arrival takes a free slot, which its F, B and W all name, and W frees it."""
-    sched = ps.zb_h1(p, m)
-    plan = ps.buffer_plan(sched)
+    sched = zb_h1(p, m)
+    plan = buffer_plan(sched)
     held = {}  # (device, slot) -> micro-batch
     for t in range(sched.ticks):
         for s in range(p):
@@ -77,15 +79,15 @@ def test_a_slot_holds_its_micro_batch_from_arrival_to_w(p, m):
             if op == ps.WEIGHT:
                 del held[key]
         for s in range(1, p):  # arrivals land at the end of the tick, after its reads
-            if plan.recv_x[t, s] != plan.slots:
-                key = (s, int(plan.recv_x[t, s]))
+            if plan.recv_x[t, s, 0] != plan.slots:
+                key = (s, int(plan.recv_x[t, s, 0]))
                 assert key not in held, f"tick {t}: an arrival on device {s} overwrites slot {key[1]}"
                 held[key] = int(sched.mb[t, s - 1])
     assert not held
 
 
 def test_zb_h1_renders_with_w_cells_and_orders_with_w_items_are_checked():
-    text = ps.zb_h1(2, 4).render()
+    text = zb_h1(2, 4).render()
     assert text.splitlines()[0] == "zb_h1: p=2 m=4 v=1, 13 ticks, bubble 0.077"
     assert text.splitlines()[1] == "device 0 | F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"
     assert text.splitlines()[2] == "device 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"
@@ -229,3 +231,43 @@ def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_th
             # Per layer and site (qkv, o, gate_up, down), the input x; scanned, the stacked x's are the
             # scan's outputs, not residuals as such, and are stashed.
             assert len(found) == (0 if scan else 2 * 4) and all(a == b for a, b in found)
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zb_v_runs_every_item_once_in_order_in_a_v_within_1f1bs_memory(p, m):
+    from test_pipeline_parallel import replay_buffer_plan
+
+    sched = zb_v(p, m)
+    last = 2 * p - 1
+    # The V: device s holds model stages s and 2p - 1 - s.
+    assert [(sched.stage(s, 0), sched.stage(s, 1)) for s in range(p)] == [(s, last - s) for s in range(p)]
+    assert all(sched.device_of(sched.stage(s, c)) == s for s in range(p) for c in (0, 1))
+    tick = ticks_of(sched)
+    assert len(tick) == 3 * m * 2 * p, sched.render()
+    for (op, i, j), t in tick.items():
+        deps = {ps.FORWARD: [(ps.FORWARD, i, j - 1)] if j > 0 else [],
+                ps.BACKWARD: [(ps.FORWARD, i, j)] + ([(ps.BACKWARD, i, j + 1)] if j < last else []),
+                ps.WEIGHT: [(ps.BACKWARD, i, j)]}[op]
+        assert all(tick[d] < t for d in deps), (op, i, j)
+    # A slot (arrival to W) holds half a stage: never more than 1F1B's p whole stages.
+    plan = buffer_plan(sched)
+    assert plan.slots <= 2 * buffer_plan(ps.one_f_one_b(p, m)).slots
+    if p > 1 and m > 1:  # the last device receives from the one before it and from itself at once
+        assert plan.lanes == 2
+    replay_buffer_plan(sched)
+    # Every device busy 6m ticks of half a stage; the last device waits p - 1 ticks for its first
+    # input, so no table is shorter than 6m + p - 1. Played out under the memory limit it stays
+    # within one tick of ZB-H1's ticks of whole stages, counted in half stages.
+    assert 6 * m + p - 1 <= sched.ticks <= 2 * zb_h1(p, m).ticks + 1
+
+
+def test_zb_v_bubble_for_the_layouts_we_run():
+    """With m a multiple of p, p in 3 and 4, the table reaches the bound 6m + p - 1 (the last
+    device's warm-up is all its idle time); at p = 2 it takes one tick more than the bound."""
+    for p, m in [(3, 3), (3, 6), (3, 12), (4, 4), (4, 8), (4, 16)]:
+        sched = zb_v(p, m)
+        assert sched.ticks == 6 * m + p - 1
+        assert sched.bubble_fraction() == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+    assert [zb_v(2, m).ticks - 6 * m for m in (2, 4, 8)] == [1, 2, 2]
+    text = zb_v(2, 2).render()
+    assert text.splitlines()[0] == "zb_v: p=2 m=2 v=2, 13 ticks, bubble 0.077"

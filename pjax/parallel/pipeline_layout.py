@@ -1,10 +1,13 @@
-"""The stored order of the stacked layers under pipeline parallelism.
+"""Which model stage each chunk of each pipeline device holds, and the stored order of the layers.
 
 Device s holds rows [s*L/p, (s+1)*L/p) of the stacked 'layers' parameters (the 'layers' dim is
-split over pp). With v chunks per device (interleaved), model stage j = c*p + s is chunk c of
-device s, so a device's layers are not contiguous in the model; the stored stack is then kept
-in *pipeline order* (`layer_order`): each device's block holds its v chunks, and nothing is
-re-laid-out per step. Checkpoints store model order (`to_model_layout` converts back).
+split over pp). With v chunks per device the model has p*v stages of L/(p*v) layers, and a
+schedule places them one of two ways (`stage_of`): round robin (interleaved 1F1B: model stage
+j = c*p + s is chunk c of device s), or, with two chunks, in a V (zb_v: down the devices and back
+up, so device s holds stages s and 2p - 1 - s, and the last device hands its first chunk's output
+to its own second chunk). Either way a device's layers are not contiguous in the model; the
+stored stack is kept in *pipeline order* (`layer_order`): each device's block holds its v chunks,
+and nothing is re-laid-out per step. Checkpoints store model order (`to_model_layout` converts back).
 """
 from __future__ import annotations
 
@@ -14,21 +17,30 @@ import jax
 import numpy as np
 
 
-def layer_order(num_layers: int, pp: int, v: int) -> np.ndarray:
+def stage_of(device: Any, chunk: Any, p: int, vshape: bool = False) -> Any:
+    """The model stage of `chunk` on `device` (ints or int arrays): c*p + s, or in a V s, 2p - 1 - s."""
+    if not vshape:
+        return chunk * p + device
+    if isinstance(device, int) and isinstance(chunk, int):
+        return device if chunk == 0 else 2 * p - 1 - device
+    return np.where(np.asarray(chunk) == 0, device, 2 * p - 1 - np.asarray(device))
+
+
+def layer_order(num_layers: int, pp: int, v: int, vshape: bool = False) -> np.ndarray:
     """The model layer held by each row of the stored layer stack (the identity unless v > 1)."""
     per_chunk = num_layers // (pp * v)
     row = np.arange(num_layers)
     device, chunk, k = row // (v * per_chunk), (row // per_chunk) % v, row % per_chunk
-    return (chunk * pp + device) * per_chunk + k
+    return stage_of(device, chunk, pp, vshape) * per_chunk + k
 
 
-def to_pipeline_layout(params: Any, pp: int, v: int) -> Any:
+def to_pipeline_layout(params: Any, pp: int, v: int, vshape: bool = False) -> Any:
     """Model-ordered parameters -> the stored order of a pp x v pipeline."""
-    rows = layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v)
+    rows = layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v, vshape)
     return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}
 
 
-def to_model_layout(params: Any, pp: int, v: int) -> Any:
+def to_model_layout(params: Any, pp: int, v: int, vshape: bool = False) -> Any:
     """Pipeline-ordered parameters (or gradients) -> model order."""
-    rows = np.argsort(layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v))
+    rows = np.argsort(layer_order(jax.tree.leaves(params["layers"])[0].shape[0], pp, v, vshape))
     return {**params, "layers": jax.tree.map(lambda a: a[rows], params["layers"])}

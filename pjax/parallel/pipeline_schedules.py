@@ -17,29 +17,25 @@ memory: a device holds at most p micro-batches' activations instead of m. Interl
 gives each device v chunks of 1/v of the layers (model stage `j = c*p + s` is chunk `c` on device
 `s`); an item is 1/v as long and the bubble shrinks to (p - 1)/(v*m + p - 1).
 
-Zero-bubble schedules (Qi et al., 2024) split each backward in two: B, the input gradient, which
-the previous stage waits for, and W, the weight gradients, which nothing waits for. ZB-H1 is
-1F1B with device s holding back s of its W's and running them where 1F1B's cool-down idles;
-with F, B and W one tick each it takes 3m + p - 1 ticks, a bubble of (p - 1)/(3m + p - 1): the
-papers' (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W). Every op then costs about the
-same, so an SPMD tick wastes little on its slowest device.
+Zero-bubble schedules split each backward into B (the input gradient) and W (the weight
+gradients), a third kind of item (`pipeline_zero_bubble.py`).
 
 In one SPMD program every device finishes a tick before the next starts, so a tick costs its
 slowest item (`Schedule.span`). Lockstep 1F1B keeps 1F1B's bounded memory (2p - 1 in flight)
 but lines up all forwards and all backwards, so it takes AFAB's time, which on separate devices
 is below plain 1F1B's whenever a backward costs more than a forward.
 
-The executor (`pipeline_parallel.py`) runs any of these tables; `buffer_plan` says in which slot
-of its fixed-size buffers a device keeps each micro-batch that is in flight.
+The executor (`pipeline_executor.py`) runs any of these tables; `pipeline_buffers.buffer_plan`
+says in which slot of its fixed-size buffers a device keeps each micro-batch that is in flight.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import numpy as np
 
 from mesh.errors import ConfigError
+from pjax.parallel.pipeline_layout import stage_of
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 Item = tuple[int, int, int]  # (FORWARD, BACKWARD or WEIGHT, micro-batch, chunk on the device)
@@ -56,14 +52,19 @@ class Schedule:
     op: np.ndarray
     mb: np.ndarray
     chunk: np.ndarray
+    vshape: bool = False  # chunks placed in a V, not round robin (`pipeline_layout.stage_of`)
 
     @property
     def ticks(self) -> int:
         return self.op.shape[0]
 
     def stage(self, device: int, chunk: int) -> int:
-        """The model stage that `chunk` on `device` holds (interleaved: round robin over devices)."""
-        return chunk * self.p + device
+        """The model stage that `chunk` on `device` holds (`pipeline_layout.stage_of`)."""
+        return stage_of(device, chunk, self.p, self.vshape)
+
+    def device_of(self, stage: int) -> int:
+        """The device that holds model stage `stage`."""
+        return stage % self.p if not self.vshape else min(stage, 2 * self.p - 1 - stage)
 
     @property
     def split_backward(self) -> bool:
@@ -99,7 +100,8 @@ class Schedule:
         return "\n".join([title, *rows])
 
 
-def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alternate: bool = False) -> Schedule:
+def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alternate: bool = False,
+              vshape: bool = False) -> Schedule:
     """Run each device's program order as early as the dependencies allow (see the module doc).
 
     `alternate`: forwards only on even ticks and backwards only on odd ones, so every tick runs
@@ -121,7 +123,8 @@ def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alter
 
     while any(pos[s] < len(orders[s]) for s in range(p)):
         row = [orders[s][pos[s]] if pos[s] < len(orders[s]) else None for s in range(p)]
-        row = [a if a is not None and ready(a[0], a[1], a[2] * p + s) else None for s, a in enumerate(row)]
+        row = [a if a is not None and ready(a[0], a[1], stage_of(s, a[2], p, vshape)) else None
+               for s, a in enumerate(row)]
         if not any(row):
             skipped += 1
             if not alternate or skipped > 1:
@@ -131,12 +134,12 @@ def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alter
         skipped = 0
         for s, a in enumerate(row):
             if a is not None:
-                done[(a[0], a[1], a[2] * p + s)] = t
+                done[(a[0], a[1], stage_of(s, a[2], p, vshape))] = t
                 pos[s] += 1
         rows.append([a or (IDLE, 0, 0) for a in row])
         t += 1
     table = np.array(rows, dtype=np.int32)  # [ticks, p, 3]
-    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2])
+    return Schedule(name, p, m, v, table[..., 0], table[..., 1], table[..., 2], vshape)
 
 
 def _forward_order(p: int, m: int, v: int) -> list[tuple[int, int]]:
@@ -197,34 +200,16 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return _timeline("interleaved" if v > 1 else "1f1b", p, m, v, orders)
 
 
-def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al., 2024): 1F1B's order with each backward split into B and W, device s
-    running each W once it holds s + 1 W's (device 0 at once, the last device only when
-    p are pending), the rest after its last B. The W's held back fill the ticks where 1F1B's
-    cool-down waits for cotangents: 3m + p - 1 ticks with every item one tick long, and a device
-    holds 1F1B's p - s micro-batches' residuals between F and B."""
-    orders = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        order, pending = [(FORWARD, i, 0) for i in range(warmup)], []
-        for k in range(m):
-            if k + warmup < m:
-                order.append((FORWARD, k + warmup, 0))
-            order.append((BACKWARD, k, 0))
-            pending.append(k)
-            if len(pending) > s:
-                order.append((WEIGHT, pending.pop(0), 0))
-        orders.append(order + [(WEIGHT, i, 0) for i in pending])
-    return _timeline("zb_h1", p, m, 1, orders)
-
-
-def forward_only(p: int, m: int, v: int = 1) -> Schedule:
-    """Forwards only (evaluation): the loss without gradients, in the training layout."""
+def forward_only(p: int, m: int, v: int = 1, vshape: bool = False) -> Schedule:
+    """Forwards only (evaluation): the loss without gradients, in the training layout (in a V,
+    every micro-batch's way down the devices first, then the ways back up)."""
     order = [(FORWARD, i, c) for i, c in _forward_order(p, m, v)]
-    return _timeline("forward", p, m, v, [order] * p)
+    if vshape:
+        order = [(FORWARD, i, c) for c in range(v) for i in range(m)]
+    return _timeline("forward", p, m, v, [order] * p, vshape=vshape)
 
 
-def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> Schedule:
+def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]], vshape: bool = False) -> Schedule:
     """A table from your own program orders: `orders[s]` lists device s's items (FORWARD,
     BACKWARD or WEIGHT, micro-batch, chunk) in the order it runs them; each is placed at the
     earliest tick its inputs are ready. Every item must appear exactly once on its device (W items
@@ -242,7 +227,8 @@ def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]]) -> 
             twice = len(got) - len(set(got))
             raise ValueError(f"schedule {name}: device {s} must run each (op, micro-batch, chunk) once: "
                              f"missing {missing[:4]}, unknown {extra[:4]}, {twice} repeated.")
-    return _timeline(name, p, m, v, [[tuple(int(x) for x in item) for item in order] for order in orders])
+    return _timeline(name, p, m, v, [[tuple(int(x) for x in item) for item in order] for order in orders],
+                     vshape=vshape)
 
 
 def lockstep(sched: Schedule) -> Schedule:
@@ -266,7 +252,7 @@ def lockstep(sched: Schedule) -> Schedule:
             keep = np.ones(sched.p, bool) if kind is None else sched.op[t] == kind
             rows.append([np.where(keep, a[t], 0) for a in (sched.op, sched.mb, sched.chunk)])
     op, mb, chunk = (np.array([r[k] for r in rows], np.int32) for k in range(3))
-    return Schedule(sched.name + "-lockstep", sched.p, sched.m, sched.v, op, mb, chunk)
+    return Schedule(sched.name + "-lockstep", sched.p, sched.m, sched.v, op, mb, chunk, sched.vshape)
 
 
 def tick_ops(sched: Schedule) -> np.ndarray:
@@ -275,77 +261,6 @@ def tick_ops(sched: Schedule) -> np.ndarray:
     if np.any((sched.op != IDLE) & (sched.op != kinds[:, None])):
         raise ValueError(f"schedule {sched.name} mixes forwards and backwards in a tick; pass it through lockstep()")
     return kinds
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "afab": lambda p, m, v: afab(p, m),
-    "1f1b": lambda p, m, v: one_f_one_b(p, m),
-    "1f1b_lockstep": lambda p, m, v: one_f_one_b_lockstep(p, m),
-    "interleaved": interleaved_1f1b,
-    "zb_h1": lambda p, m, v: zb_h1(p, m),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferPlan:
-    """Where each device keeps each micro-batch in flight: slots 0..slots-1.
-
-    `slot[t, s]`: the slot of the micro-batch device s works on at tick t (0 when idle: an idle
-    tick reads a slot and writes it back unchanged).
-    `recv_x[t, s]`, `recv_dy[t, s]`: the slot for the activation / cotangent that arrives at the
-    end of tick t (sent by the device before / after s in the ring), or `slots`, a spare discard
-    slot, if none arrives: every tick writes its arrivals unconditionally.
-    """
-
-    slots: int
-    slot: np.ndarray
-    recv_x: np.ndarray
-    recv_dy: np.ndarray
-
-
-def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple[dict, int]:
-    """Slots for (device, mb, stage) -> (first tick, last tick) intervals, per device, a slot free
-    again from its last tick (reads come before writes within a tick); and the most any device needs.
-    Interval colouring in order of start is optimal."""
-    slot_of, free_at = {}, {s: [] for s in range(p)}  # per device: tick at which each slot frees
-    for key, (start, end) in sorted(lives.items(), key=lambda kv: kv[1]):
-        frees = free_at[key[0]]
-        k = next((k for k, f in enumerate(frees) if f <= start), len(frees))
-        frees[k:k + 1] = [end]
-        slot_of[key] = k
-    return slot_of, max(len(f) for f in free_at.values())
-
-
-def buffer_plan(sched: Schedule) -> BufferPlan:
-    """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its
-    backward, or with B and W split to its W: the slot holds the forward's residuals until B,
-    then what B leaves its W (`slot_pool.py`).
-
-    `slots` is the most micro-batches a device ever holds between arrival and backward (or W):
-    p for 1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p from arrival to W.
-    """
-    p, v = sched.p, sched.v
-    tick: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
-    for t, s in zip(*np.nonzero(sched.op)):
-        tick[(int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s])))] = int(t)
-    lives = {}  # (device, mb, stage) -> (first tick, last tick)
-    for (op, i, j), t in tick.items():
-        if op == FORWARD:
-            arrival = tick[(FORWARD, i, j - 1)] if j > 0 else t
-            end = tick.get((WEIGHT, i, j), tick.get((BACKWARD, i, j), t))
-            lives[(j % p, i, j)] = (arrival, end)
-    slot_of, slots = _colour(lives, p)
-    shape = sched.op.shape
-    plan = BufferPlan(slots, np.zeros(shape, np.int32), np.full(shape, slots, np.int32),
-                      np.full(shape, slots, np.int32))
-    for t, s in zip(*np.nonzero(sched.op)):
-        op, i, j = int(sched.op[t, s]), int(sched.mb[t, s]), sched.stage(s, int(sched.chunk[t, s]))
-        plan.slot[t, s] = slot_of[(s, i, j)]
-        if op == FORWARD and j < p * v - 1:  # the activation goes on to stage j + 1
-            plan.recv_x[t, (s + 1) % p] = slot_of[((j + 1) % p, i, j + 1)]
-        if op == BACKWARD and j > 0:  # the cotangent goes back to stage j - 1
-            plan.recv_dy[t, (s - 1) % p] = slot_of[((j - 1) % p, i, j - 1)]
-    return plan
 
 
 def plot_schedule(sched: Schedule, path: str) -> None:

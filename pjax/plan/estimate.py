@@ -22,7 +22,7 @@ from typing import Any
 
 from pjax.config import Config
 from pjax.metrics import model_flops_per_token
-from pjax.parallel import pipeline_schedules as ps
+from pjax.parallel.pipeline_table import SCHEDULES
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -62,7 +62,7 @@ def pipeline_ratio(layout: Layout) -> float:
     if layout.pp == 1:
         return 1.0
     m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
-    sched = ps.interleaved_1f1b(p, m, v) if layout.schedule == "interleaved" else ps.SCHEDULES[layout.schedule](p, m, v)
+    sched = SCHEDULES[layout.schedule](p, m, v)
     return sched.span(1.0, 2.0) / (3.0 * m * v)
 
 
