@@ -41,7 +41,8 @@ from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402
 from pjax.parallel import pipeline_schedules as ps  # noqa: E402
 from pjax.parallel.context_parallel import zigzag_layout  # noqa: E402
-from pjax.parallel.pipeline_parallel import make_schedule  # noqa: E402
+from pjax.parallel.pipeline_buffers import buffer_plan  # noqa: E402
+from pjax.parallel.pipeline_table import make_schedule  # noqa: E402
 from pjax.step import add_positions, build_trainer  # noqa: E402
 
 def permute_bytes(hlo: str) -> int:
@@ -80,7 +81,7 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         sched = run_schedule(pipeline, mesh_cfg, tc.grad_accum)
         p, m, v = sched.p, sched.m, sched.v
         record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(), span_units=sched.span(),
-                      bubble_formula=(p - 1) / (v * m + p - 1), slots=ps.buffer_plan(sched).slots,
+                      bubble_formula=(p - 1) / (v * m + p - 1), slots=buffer_plan(sched).slots,
                       collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
     return record
 
