@@ -129,7 +129,7 @@ def _scoped(part: str, fn: Callable) -> Callable:
 
 
 def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
-              reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
+             reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
     """The shard_map body running `sched`, and the table it reads (`pipeline_table.executor_table`).
 
     In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
