@@ -26,6 +26,11 @@ def stage_of(device: Any, chunk: Any, p: int, vshape: bool = False) -> Any:
     return np.where(np.asarray(chunk) == 0, device, 2 * p - 1 - np.asarray(device))
 
 
+def device_of(stage: int, p: int, vshape: bool = False) -> int:
+    """The device that holds model stage `stage` (`stage_of`'s inverse over devices)."""
+    return min(stage, 2 * p - 1 - stage) if vshape else stage % p
+
+
 def layer_order(num_layers: int, pp: int, v: int, vshape: bool = False) -> np.ndarray:
     """The model layer held by each row of the stored layer stack (the identity unless v > 1)."""
     per_chunk = num_layers // (pp * v)

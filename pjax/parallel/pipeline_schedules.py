@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 
 from mesh.errors import ConfigError
-from pjax.parallel.pipeline_layout import stage_of
+from pjax.parallel.pipeline_layout import device_of, stage_of
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 Item = tuple[int, int, int]  # (FORWARD, BACKWARD or WEIGHT, micro-batch, chunk on the device)
@@ -64,7 +64,7 @@ class Schedule:
 
     def device_of(self, stage: int) -> int:
         """The device that holds model stage `stage`."""
-        return stage % self.p if not self.vshape else min(stage, 2 * self.p - 1 - stage)
+        return device_of(stage, self.p, self.vshape)
 
     @property
     def split_backward(self) -> bool:

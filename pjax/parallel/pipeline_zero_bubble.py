@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pjax.parallel.pipeline_layout import stage_of
 from pjax.parallel.pipeline_schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, from_orders
 
 
@@ -49,17 +50,17 @@ def zb_h1(p: int, m: int) -> Schedule:
     return from_orders("zb_h1", p, m, 1, orders)
 
 
-def zb_v(p: int, m: int, limit: int | None = None) -> Schedule:
+def zb_v(p: int, m: int) -> Schedule:
     """ZB-V: two chunks per device in a V, played out tick by tick (see the module doc).
 
     A device keeps a chunk in a slot from the tick its input arrives (or its forward, on the first
     stage) to its W (`pipeline_buffers.buffer_plan`). A micro-batch that reaches a device's first
     chunk will also pass its second, so a forward down the V runs only while the devices it brings
-    the micro-batch to have room for both: at most `limit` slots, by default 2p (1F1B's p
-    micro-batches of a whole stage). B's go oldest micro-batch first, forwards second chunk first
+    the micro-batch to have room for both: at most 2p slots (1F1B's p micro-batches of a whole
+    stage). B's go oldest micro-batch first, forwards second chunk first
     (it brings a micro-batch to its loss and its backward sooner), W's in the order of their B's."""
-    last, limit = 2 * p - 1, limit or 2 * p
-    stage = lambda s, c: s if c == 0 else last - s
+    last, limit = 2 * p - 1, 2 * p
+    stage = lambda s, c: stage_of(s, c, p, vshape=True)
     done: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
     next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]  # per device and chunk
     pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # W's to run: (micro-batch, chunk)
