@@ -91,6 +91,20 @@ def _run_if(pred: jax.Array, fn: Callable[[Any], Any], state: Any) -> Any:
     return lax.while_loop(lambda carry: carry[0], body, (pred, state))[1]
 
 
+def _finite_start(*trees: Any) -> jax.Array:
+    """Whether the first element of every leaf of `trees` is a number (not NaN): True but in a
+    step whose gradients are NaN anyway.
+
+    B writes what it leaves W over the residuals it has read, in place, by a loop that runs if
+    this holds of B's results: XLA runs a loop after whatever its trip count depends on, so the
+    writes come after every read of the slot. Unordered, XLA copies the whole slot buffer to
+    keep the reads safe; staged in a buffer of their own and written by a loop after B's, the
+    output cotangents cost one micro-batch's worth more memory for the whole step.
+    """
+    firsts = [jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(trees)]
+    return ~jnp.isnan(sum(firsts))
+
+
 # --- The executor: a scan over ticks inside shard_map -----------------------------------------------
 
 class Buffers(NamedTuple):
@@ -104,7 +118,6 @@ class Buffers(NamedTuple):
     loss: jax.Array           # []: the losses computed here
     router: dict              # MoE: the router metrics of the micro-batches whose loss ran here, summed
     d_embedded: jax.Array     # [m + 1, B*T, D]: the embedding's cotangent per micro-batch (+ a discard row)
-    staged: Any = ()          # B and W split: what the tick's B leaves its W, before it goes to the slot
 
 
 def _at(tree: Any, i: jax.Array) -> Any:
@@ -182,8 +195,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),
                         grad_layers=f32_zeros(layers), grad_head=f32_zeros(head_of(shared)),
                         loss=varying(jnp.zeros(())),
-                        router=f32_zeros(router0), d_embedded=rows(x0, m + 1),
-                        staged=[varying(jnp.zeros(stash[i].shape, stash[i].dtype)) for i in pool.written(1)])
+                        router=f32_zeros(router0), d_embedded=rows(x0, m + 1))
 
         def tick(buf: Buffers, row: jax.Array) -> tuple[Buffers, None]:
             op, mb, c, slot, active = (row[i] for i in range(len(COLUMNS)))
@@ -204,31 +216,31 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 return _put(cotangents, slot, dact), add(grad_head, dhead), loss + keep(l), add(router, metrics), act
 
             def forward(state):  # keeps the VJP residuals at the slot; stage 0 embeds first
-                pooled, cotangents, grad_head, loss, router, _ = state
+                pooled, _ = state
                 # Both branches sharded alike; the router statistics start at zero on the first stage.
                 embed = _scoped("embed", lambda: (stage.embed(shared, micro["inputs"]), stage.no_stats()))
                 act = lax.cond(first, embed,
                                lambda: (constrain(buf.inbox[0][slot], (stage.tokens, "embed")), _at(buf.inbox[1], slot)))
                 out, vjp_fn = jax.vjp(lambda w, act, *taps: stage.layers(w, act, micro["positions"], *taps),
                                       w, act, *taps)
-                pooled = pool.write(pooled, slot, 0, layout.pack(vjp_fn))
-                return (pooled, *_run_if(last, _scoped("loss", head), (cotangents, grad_head, loss, router, out)))
+                return pool.write(pooled, slot, 0, layout.pack(vjp_fn)), out
 
             def backward(state, cotangents):  # adds the chunk's weight gradients; the
                 # activation's cotangent goes one stage back. A tick runs one op, so the forward's
                 # writes are never what is read here; but reading the buffers as the forward left
                 # them lets XLA update them in place (the buffers from before the forward would have
                 # to be kept: XLA copied the residual slots every tick, benchmarks/README.md).
-                grad_layers, d_embedded, staged, _ = state
+                grad_layers, d_embedded, pooled, _ = state
                 dw, dact, *dtaps = layout.unpack(w, pool.read(pooled, slot, 0))(_at(cotangents, slot))
                 if split:  # the projections' dW in `dw` are zeros: W computes them from the taps
-                    staged = [jax.tree.leaves(dtaps[0])[i] for i in pool.written(1)]
+                    gs = [jax.tree.leaves(dtaps[0])[i] for i in pool.written(1)]
+                    pooled = _run_if(_finite_start(dw, dact), lambda pooled: pool.write(pooled, slot, 1, gs), pooled)
                 grad_layers = jax.tree.map(lambda g, d: g.at[c].add(keep(d).astype(g.dtype)), grad_layers,
                                            stage.stacked(dw))
                 # Stage 0 keeps the embedding's cotangent: the embedding is differentiated once,
                 # for all micro-batches, after the scan.
                 d_embedded = d_embedded.at[jnp.where(first & (active > 0), mb, m)].set(dact[0])
-                return grad_layers, d_embedded, staged, dact
+                return grad_layers, d_embedded, pooled, dact
 
             def weight(grad_layers):  # W: the projections' weight gradients from what B left
                 dw = deferred_grads.tap_weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), chunk(c))
@@ -237,15 +249,17 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             # A collective inside these loops runs only where every device of its group takes the
             # same trip count: tp/dp ones do (their groups share a pp index), a pp transfer would not,
             # so both transfers run after them (and ring attention's only in lockstep).
-            pooled, cotangents, grad_head, loss, router, send_act = _run_if(
-                op == ps.FORWARD, _scoped("forward", forward),
-                (buf.slots, buf.cotangents, buf.grad_head, buf.loss, buf.router, nothing))
-            grad_layers, d_embedded, staged, send_cot = _run_if(
+            pooled, send_act = _run_if(op == ps.FORWARD, _scoped("forward", forward), (buf.slots, nothing))
+            # The loss in a loop of its own, after the forward's: its logits are then never alive
+            # beside residuals still waiting to be written to the slot (a loop nested in the
+            # forward's, XLA can run before the writes).
+            cotangents, grad_head, loss, router, send_act = _run_if(
+                (op == ps.FORWARD) & last, _scoped("loss", head),
+                (buf.cotangents, buf.grad_head, buf.loss, buf.router, send_act))
+            grad_layers, d_embedded, pooled, send_cot = _run_if(
                 op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, cotangents)),
-                (buf.grad_layers, buf.d_embedded, buf.staged, nothing))
-            if split:  # what B left goes over the residuals it read, by a loop of its own: inside
-                # B's, XLA cannot order the write after every read of the slot and copies the pool.
-                pooled = _run_if(op == ps.BACKWARD, lambda pooled: pool.write(pooled, slot, 1, staged), pooled)
+                (buf.grad_layers, buf.d_embedded, pooled, nothing))
+            if split:
                 grad_layers = _run_if(op == ps.WEIGHT, _scoped("weight", weight), grad_layers)
             # The transfers: activations to the next stage's device, cotangents to the previous
             # stage's, on the ticks where some device sends, by the permute of that tick's set of
@@ -263,7 +277,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 inbox, cotangents = _put(inbox, recv_x, got_x), _put(cotangents, recv_dy, got_dy)
             return Buffers(inbox=inbox, cotangents=cotangents,
                            slots=pooled, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
-                           router=router, d_embedded=d_embedded, staged=staged), None
+                           router=router, d_embedded=d_embedded), None
 
         end, _ = lax.scan(tick, start, table[:, 0])
         data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
