@@ -2,11 +2,12 @@
 
     python benchmarks/pipeline.py [--pp 2 4] [--mult 1 2 4] [--v 2] [--cp 2] [--remat full] [--plot DIR] > pipeline.json
 
-For every schedule (afab, 1f1b, 1f1b_lockstep, interleaved) and pp in --pp, m = k * pp for k in
+For every schedule (afab, 1f1b, 1f1b_lockstep, interleaved by default; zb_h1 and zb_v on request,
+zb_v with two chunks per device) and pp in --pp, m = k * pp for k in
 --mult: one JSON record with the step time (median of --steps AdamW steps), the bubble fraction
-read from the schedule table (and the textbook formula), the table's span (its time when each
-tick lasts as long as its slowest item, forward 1 and backward 2), the slots a device keeps in
-flight, the compiled
+read from the schedule table (and the papers' formula, `bubble_formula`), the table's span (its
+time when each tick lasts as long as its slowest item, forward 1 and backward 2, or 1 each for
+B and W), the slots a device keeps in flight, the compiled
 step's per-device temporary memory (`memory_analysis()`), and the collective-permute bytes a
 device receives per step, read from the compiled HLO (ops inside the tick loop count once per
 tick). The schedule tables are printed as text on stderr; --plot DIR also saves them as PNGs.
@@ -81,9 +82,19 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         sched = run_schedule(pipeline, mesh_cfg, tc.grad_accum)
         p, m, v = sched.p, sched.m, sched.v
         record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(), span_units=sched.span(),
-                      bubble_formula=(p - 1) / (v * m + p - 1), slots=buffer_plan(sched).slots,
+                      bubble_formula=bubble_formula(pipeline.schedule, p, m, v), slots=buffer_plan(sched).slots,
                       collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
     return record
+
+
+def bubble_formula(schedule: str, p: int, m: int, v: int) -> float:
+    """The papers' bubble fraction: 1F1B-like tables (p - 1)/(v m + p - 1); ZB-H1 with F, B and W
+    one tick each (p - 1)/(3m + p - 1); ZB-V, with ticks of half a stage, (p - 1)/(6m + p - 1)."""
+    if schedule == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    if schedule == "zb_v":
+        return (p - 1) / (6 * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
 
 
 def run_schedule(pipeline: PipelineConfig, mesh_cfg: MeshConfig, m: int) -> ps.Schedule:
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mult", type=int, nargs="+", default=[1, 2, 4], help="m = mult * pp micro-batches")
-    ap.add_argument("--v", type=int, default=2, help="virtual stages of the interleaved schedule")
+    ap.add_argument("--v", type=int, default=2, help="virtual stages of the interleaved schedule (zb_v takes 2)")
     ap.add_argument("--schedules", nargs="+", default=["afab", "1f1b", "1f1b_lockstep", "interleaved"])
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1, help="context parallelism inside the stages (lockstep tables)")
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.steps))
                 print(json.dumps(results[-1]), file=sys.stderr)
             for name in args.schedules:
-                pipeline = PipelineConfig(schedule=name, virtual_stages=args.v if name == "interleaved" else 1)
+                v = {"interleaved": args.v, "zb_v": 2}.get(name, 1)
+                pipeline = PipelineConfig(schedule=name, virtual_stages=v)
                 mesh_cfg = MeshConfig(dp=args.dp, pp=p, cp=args.cp, tp=args.tp)
                 sched = run_schedule(pipeline, mesh_cfg, m)
                 print(sched.render(), file=sys.stderr)

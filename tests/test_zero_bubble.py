@@ -157,10 +157,12 @@ def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, rema
     assert_grads_close(grads, ref_grads)
 
 
-def test_zb_h1_needs_no_more_temporaries_than_1f1b_with_unrolled_layers():
+@pytest.mark.parametrize("scan", [False, True])
+def test_zb_h1_needs_no_more_temporaries_than_1f1b(scan):
     """What B leaves W takes the place of the residuals it read, in place: no slot grows, no stash is
-    staged beside them, and the loss's logits are never alive beside unwritten residuals."""
-    assert pp2_run("zb_h1", "none", False)[2] <= pp2_run("1f1b", "none", False)[2]
+    staged beside them, and the loss's logits are never alive beside unwritten residuals.
+    (Without remat: with remat='full' the residuals are the layers' inputs alone.)"""
+    assert pp2_run("zb_h1", "none", scan)[2] <= pp2_run("1f1b", "none", scan)[2]
 
 
 def test_zb_h1_refuses_cp():
@@ -221,8 +223,8 @@ def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
 
 
 def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_them():
-    """With unrolled layers each projection's input in B's taps is a residual, passed through
-    unchanged: the slot keeps it in place and the stash holds only the output cotangents."""
+    """Each projection's input in B's taps is a residual, passed through unchanged (scanned: row by
+    row through the scan): the slot keeps it in place and B writes only the output cotangents."""
     import dataclasses
 
     import jax
@@ -246,9 +248,9 @@ def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_th
             tap_leaves = jax.tree.leaves(taps)
             assert len(kept) == len(tap_leaves)
             found = [(tap_leaves[i].shape, layout.stored[k].shape) for i, k in enumerate(kept) if k is not None]
-            # Per layer and site (qkv, o, gate_up, down), the input x; scanned, the stacked x's are the
-            # scan's outputs, not residuals as such, and are stashed.
-            assert len(found) == (0 if scan else 2 * 4) and all(a == b for a, b in found)
+            # Per site (qkv, o, gate_up, down), the input x: per layer unrolled; scanned, the scan's
+            # stack of its slices of a stacked residual, one [layers, n, width] each.
+            assert len(found) == (4 if scan else 2 * 4) and all(a == b for a, b in found)
 
 
 @pytest.mark.parametrize("p,m", SHAPES)

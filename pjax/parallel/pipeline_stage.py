@@ -151,11 +151,28 @@ class VjpLayout:
 
     def passed_through(self, backward: Callable[[list[jax.Array]], Any]) -> tuple[int | None, ...]:
         """Per output leaf of `backward(stored residuals)`: the index of the residual it is,
-        unchanged (as a projection's input is in what B leaves W), or None."""
+        unchanged (as a projection's input is in what B leaves W), or None. Under the layer scan
+        such an output is the scan's stack of a residual's slices, one per layer: that counts."""
         stored = [varying(jnp.zeros(s.shape, s.dtype)) for s in self.stored]
         jaxpr = jax.make_jaxpr(lambda res: jax.tree.leaves(backward(res)))(stored).jaxpr
         index = {id(v): k for k, v in enumerate(jaxpr.invars)}
-        return tuple(index.get(id(v)) for v in jaxpr.outvars)
+        made = {id(v): (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
+
+        def source(v) -> int | None:
+            if id(v) in index:
+                return index[id(v)]
+            eqn, k = made.get(id(v), (None, 0))
+            if eqn is None or eqn.primitive.name != "scan":
+                return None
+            body, consts, carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+            if k < carry:  # a carry, not a stacked output
+                return None
+            j = next((i for i, u in enumerate(body.invars) if u is body.outvars[k]), None)
+            # A stacked output that is the body's slice of a stacked input (forwards or reversed,
+            # slice i goes to row i) is that input.
+            return source(eqn.invars[j]) if j is not None and j >= consts + carry else None
+
+        return tuple(source(v) for v in jaxpr.outvars)
 
     def unpack(self, w: Any, stored: list[jax.Array]) -> Callable:
         w_leaves, rest = jax.tree.leaves(w), iter(stored)
