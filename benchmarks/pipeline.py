@@ -10,7 +10,8 @@ time when each tick lasts as long as its slowest item, forward 1 and backward 2,
 B and W), the slots a device keeps in flight, the compiled
 step's per-device temporary memory (`memory_analysis()`), and the collective-permute bytes a
 device receives per step, read from the compiled HLO (ops inside the tick loop count once per
-tick). The schedule tables are printed as text on stderr; --plot DIR also saves them as PNGs.
+tick, whether they run or not) and from the table (`table_transfer_bytes`). The schedule
+tables are printed as text on stderr; --plot DIR also saves them as PNGs.
 
 On forced CPU devices all "devices" share the host's cores, so the step time measures the total
 work plus per-tick overhead, not the bubble: read the bubble from the table, time on GPUs.
@@ -83,8 +84,20 @@ def bench(cfg: LlamaConfig, tc: TrainConfig, mesh_cfg: MeshConfig, pipeline: Pip
         p, m, v = sched.p, sched.m, sched.v
         record.update(ticks=sched.ticks, bubble_fraction=sched.bubble_fraction(), span_units=sched.span(),
                       bubble_formula=bubble_formula(pipeline.schedule, p, m, v), slots=buffer_plan(sched).slots,
-                      collective_permute_bytes_per_step=permute_bytes(compiled.as_text()))
+                      collective_permute_bytes_per_step=permute_bytes(compiled.as_text()),
+                      table_transfer_bytes_per_step=table_transfer_bytes(sched, tc, cfg))
     return record
+
+
+def table_transfer_bytes(sched: ps.Schedule, tc: TrainConfig, cfg: LlamaConfig) -> int:
+    """Bytes the busiest device receives per step by the table: its arrivals (activations and
+    cotangents, every lane, the last ZB-V device's to itself included) times one micro-batch's
+    hidden states. The HLO count
+    (`permute_bytes`) counts every permute loop on every tick, run or not: an upper bound that
+    grows with the pair sets a table needs (ZB-V's lanes)."""
+    plan = buffer_plan(sched)
+    arrivals = (plan.recv_x != plan.slots).sum(axis=(0, 2)) + (plan.recv_dy != plan.slots).sum(axis=(0, 2))
+    return int(arrivals.max()) * (tc.batch_size // tc.grad_accum) * tc.seq_len * cfg.hidden_size * 4
 
 
 def bubble_formula(schedule: str, p: int, m: int, v: int) -> float:
