@@ -17,8 +17,8 @@ buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers
 
 Part of what B leaves W is already in the slot: a projection's input x is one of the forward's
 residuals, and B passes it through unchanged (under the layer scan, as the scan's stack of the
-stacked residual's rows). Such a leaf is `kept`: kind 1 reads it where kind 0 wrote it, lays its other leaves
-(the output cotangents) out around it, and B writes only those.
+stacked residual's rows). Such a leaf is `kept`: kind 1 reads it where kind 0 wrote it, lays its
+other leaves (the output cotangents) out around it, and B writes only those.
 """
 from __future__ import annotations
 
