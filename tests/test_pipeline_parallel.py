@@ -175,12 +175,12 @@ def init_params(cfg: LlamaConfig = CFG):
 @functools.cache
 def run(m: int, pp: int = 1, schedule: str = "1f1b", dp: int = 1, tp: int = 1, cp: int = 1, eval_loss: bool = False,
         cfg: LlamaConfig = CFG, zero: int = 0, hlo: bool = False, strategy: str = "ring",
-        sequence_parallel: bool = False):
+        sequence_parallel: bool = False, remat: str = TC.remat, scan: bool = TC.scan_layers):
     """(loss, gradients in model order, temporary bytes[, eval loss][, HLO text]) of `trainer.grads` on one layout."""
     v, vshape = (V if schedule in ("interleaved", "zb_v") else 1), schedule == "zb_v"
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(TC, batch_size=m * MICRO, grad_accum=m if pp > 1 else 1, zero=zero,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, remat=remat, scan_layers=scan)
     tr = build_trainer(mesh, cfg, tc, PipelineConfig(schedule=schedule, virtual_stages=v),
                        context=ContextConfig(strategy=strategy))
     # The trainer's init would compile per layout; the same parameters, laid out for it, are cheaper.

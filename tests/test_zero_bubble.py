@@ -1,5 +1,4 @@
 """Zero-bubble pipeline tables (ZB-H1, ZB-V): B and W items, their order, bubble and buffers."""
-import functools
 import itertools
 
 import numpy as np
@@ -122,29 +121,6 @@ def test_a_tapped_projection_leaves_its_weight_gradients_to_the_tap():
         np.testing.assert_allclose(tx.T @ tg, dw, rtol=1e-5)
 
 
-@functools.cache
-def pp2_run(schedule: str, remat: str, scan: bool) -> tuple[float, dict, int]:
-    """(loss, gradients, temporary bytes) of pp=2, m=4 on the test model, compiled once per case."""
-    import dataclasses
-
-    import jax
-
-    from mesh import MeshConfig, make_mesh
-    from pjax.config import PipelineConfig
-    from pjax.step import build_trainer
-    from test_pipeline_parallel import CFG, MICRO, TC, init_params, make_batch
-
-    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
-    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4, remat=remat, scan_layers=scan)
-    tr = build_trainer(mesh, CFG, tc, PipelineConfig(schedule=schedule))
-    params = jax.device_put(init_params(), tr.state_sharding.params)
-    batch = jax.device_put(make_batch(4), tr.batch_sharding)
-    with jax.set_mesh(mesh):
-        compiled = tr.grads.jitted.lower(params, batch).compile()
-        loss, grads = compiled(params, batch)
-    return float(loss), jax.device_get(grads), compiled.memory_analysis().temp_size_in_bytes
-
-
 @pytest.mark.parametrize("schedule,remat,scan", [("zb_h1", "full", True), ("zb_h1", "none", False),
                                                  ("1f1b", "none", False)])
 def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, remat, scan):
@@ -152,7 +128,7 @@ def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, rema
     from test_pipeline_parallel import assert_grads_close, run
 
     ref_loss, ref_grads, _ = run(4)
-    loss, grads, _ = pp2_run(schedule, remat, scan)
+    loss, grads, _ = run(4, 2, schedule, remat=remat, scan=scan)
     assert abs(loss - ref_loss) <= 1e-5
     assert_grads_close(grads, ref_grads)
 
@@ -162,7 +138,10 @@ def test_zb_h1_needs_no_more_temporaries_than_1f1b(scan):
     """What B leaves W takes the place of the residuals it read, in place: no slot grows, no stash is
     staged beside them, and the loss's logits are never alive beside unwritten residuals.
     (Without remat: with remat='full' the residuals are the layers' inputs alone.)"""
-    assert pp2_run("zb_h1", "none", scan)[2] <= pp2_run("1f1b", "none", scan)[2]
+    from test_pipeline_parallel import run
+
+    layers = {} if scan else {"scan": False}  # scanned: the runs test_pipeline_parallel already made
+    assert run(4, 2, "zb_h1", **layers)[2] <= run(4, 2, "1f1b", **layers)[2]
 
 
 def test_zb_h1_refuses_cp():
