@@ -255,18 +255,20 @@ def test_zb_v_runs_every_item_once_in_order_in_a_v_within_1f1bs_memory(p, m):
         assert plan.lanes == 2
     replay_buffer_plan(sched)
     # Every device busy 6m ticks of half a stage; the last device waits p - 1 ticks for its first
-    # input, so no table is shorter than 6m + p - 1. Played out under the memory limit it stays
-    # within one tick of ZB-H1's ticks of whole stages, counted in half stages.
-    assert 6 * m + p - 1 <= sched.ticks <= 2 * zb_h1(p, m).ticks + 1
+    # input, so no table is shorter than 6m + p - 1; played out under the memory limit it takes
+    # exactly that once there are as many micro-batches as devices, and with fewer, less than
+    # ZB-H1's ticks of whole stages counted in half stages.
+    if m >= p:
+        assert sched.ticks == 6 * m + p - 1, sched.render()
+        assert sched.bubble_fraction() == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+    else:
+        assert 6 * m + p - 1 < sched.ticks < 2 * zb_h1(p, m).ticks
 
 
 def test_zb_v_bubble_for_the_layouts_we_run():
-    """With m a multiple of p, p in 3 and 4, the table reaches the bound 6m + p - 1 (the last
-    device's warm-up is all its idle time); at p = 2 it takes one tick more than the bound."""
-    for p, m in [(3, 3), (3, 6), (3, 12), (4, 4), (4, 8), (4, 16)]:
-        sched = zb_v(p, m)
-        assert sched.ticks == 6 * m + p - 1
-        assert sched.bubble_fraction() == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
-    assert [zb_v(2, m).ticks - 6 * m for m in (2, 4, 8)] == [1, 2, 2]
+    """The bound 6m + p - 1 for the (p, m) the benchmarks and a user at p = 8 run, which the
+    property test's shapes do not reach."""
+    for p, m in [(2, 32), (4, 64), (8, 32), (8, 64), (16, 16), (16, 48)]:
+        assert zb_v(p, m).ticks == 6 * m + p - 1, (p, m)
     text = zb_v(2, 2).render()
     assert text.splitlines()[0] == "zb_v: p=2 m=2 v=2, 13 ticks, bubble 0.077"
