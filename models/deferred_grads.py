@@ -13,6 +13,12 @@ with respect to its input and a zero tap per projection (`layer_taps`) is then B
 is computed, and the taps' cotangents come out stacked per layer, through the layer scan and
 remat alike. W (`tap_weight_grads`) multiplies them out. The other weights (the
 norms' scales) are small and keep their gradients in B.
+
+Under sequence parallelism (`models/sequence_parallel.py`) the projections gather and scatter
+their tokens over tp themselves, and so do their tapped forms (`tapped_column`, `tapped_row`): B
+hands W what each has split over tp along the tokens, the column-parallel input x and the
+row-parallel output cotangent g, and W gathers it again, as the sequence-parallel backward
+gathers x again rather than keep it: what waits in a slot for W keeps SP's 1/tp.
 """
 from __future__ import annotations
 
@@ -21,11 +27,13 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from models import sequence_parallel as seqpar
 from models.config import LlamaConfig
 from models.projection import input_grad, plain_projection, weight_grads
 
 Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like the input x [N, D_in], like each output [N, F_i])
 SITES = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
+ROW_SITES = ("o", "down")  # row-parallel under tp (the others column-parallel)
 
 
 @jax.custom_vjp
@@ -48,6 +56,50 @@ def _bwd(res, gs):
 tapped_projection.defvjp(_fwd, _bwd)
 
 
+@jax.custom_vjp
+def tapped_column(x: jax.Array, ws: Sequence[jax.Array], tap: Tap) -> tuple[jax.Array, ...]:
+    """`sequence_parallel.column(x, ws)`; its backward leaves the weights' gradients to the tap:
+    (x, its tokens split over tp, and each g)."""
+    del tap
+    return seqpar.column(x, ws)
+
+
+def _column_fwd(x, ws, tap):
+    del tap
+    return seqpar.column(x, ws), (x, ws)
+
+
+def _column_bwd(res, gs):
+    x, ws = res
+    gs = tuple(g.astype(x.dtype) for g in gs)
+    return seqpar.reduce_scatter_product(gs, ws, x.dtype), type(ws)(jnp.zeros_like(w) for w in ws), (x, gs)
+
+
+tapped_column.defvjp(_column_fwd, _column_bwd)
+
+
+@jax.custom_vjp
+def tapped_row(x: jax.Array, w: jax.Array, tap: Tap) -> jax.Array:
+    """`sequence_parallel.row(x, w)`; its backward leaves the weight's gradient to the tap:
+    (x, and g with its tokens split over tp, as it arrives)."""
+    del tap
+    return seqpar.row(x, w)
+
+
+def _row_fwd(x, w, tap):
+    del tap
+    return seqpar.row(x, w), (x, w)
+
+
+def _row_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    return jnp.matmul(seqpar.gather(g), w.T).astype(x.dtype), jnp.zeros_like(w), (x, (g,))
+
+
+tapped_row.defvjp(_row_fwd, _row_bwd)
+
+
 def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[str, Tap]:
     """Zero taps for `layers` stacked layers of `tokens` tokens: per site, [layers, tokens, width]."""
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -57,18 +109,33 @@ def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[s
     return {site: (z(x), tuple(z(w) for w in outs)) for site, (x, outs) in widths.items()}
 
 
-def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any) -> dict[str, jax.Array]:
+def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence_parallel: bool = False
+                      ) -> tuple[jax.Array, ...]:
+    """One layer's fp32 dW_i = x^T g_i at `site` from its tap's cotangent (x, gs); under sequence
+    parallelism the split operand is gathered first (see the module doc)."""
+    f32 = [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
+    if not sequence_parallel:
+        return weight_grads(x, gs, f32)
+    if site in ROW_SITES:
+        return weight_grads(x, [seqpar.gather(gs[0])], f32)
+    xt = seqpar.gather_transposed(x)  # [D, N]
+    return tuple((xt @ g).astype(jnp.float32) for g in gs)
+
+
+def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any, sequence_parallel: bool = False
+                     ) -> dict[str, jax.Array]:
     """W: the projections' fp32 gradients from the taps' cotangents, shaped like the stacked
     layer weights `w` ([layers, ...] each); the other weights are not in the result. `taps` is
-    stacked per layer, or (unrolled layers) a list of one layer's taps each."""
-    f32 = lambda gs: [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
+    stacked per layer, or (unrolled layers) a list of one layer's taps each. `sequence_parallel`:
+    the taps came from `tapped_column` / `tapped_row` (tp > 1)."""
     out = {}
     for site, names in SITES.items():
+        one = lambda x, gs: site_weight_grads(site, x, gs, sequence_parallel)
         if isinstance(taps, list):
-            per_layer = [weight_grads(t[site][0], t[site][1], f32(t[site][1])) for t in taps]
-            dws = [jnp.stack(d) for d in zip(*per_layer)]
+            dws = [jnp.stack(d) for d in zip(*[one(*t[site]) for t in taps])]
+        elif sequence_parallel:  # the gathers are shard_maps: one layer after another
+            dws = jax.lax.map(lambda xg: one(*xg), taps[site])
         else:
-            x, gs = taps[site]
-            dws = jax.vmap(lambda x, gs: weight_grads(x, gs, f32(gs)))(x, gs)
+            dws = jax.vmap(one)(*taps[site])
         out.update({n: dw.reshape(w[n].shape) for n, dw in zip(names, dws)})
     return out

@@ -118,14 +118,16 @@ class DecoderLayer(nn.Module):
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
         # Projections by site (models/deferred_grads.py: SITES); `taps` (zero-bubble pipelines,
-        # dense layers without SP) leave their weight gradients to the pipeline's W item.
-        if taps is not None:
-            column = lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])
+        # dense layers) leave their weight gradients to the pipeline's W item.
+        if sp and taps is not None:
+            column = lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site])
+            row = lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site])
+        elif sp:
+            column, row = (lambda y, ws, site: seqpar.column(y, ws)), (lambda y, w, site: seqpar.row(y, w))
         else:
-            column = (lambda y, ws, site: seqpar.column(y, ws)) if sp else (lambda y, ws, site: self.project_fn(y, ws))
-        row = lambda y, w, site: column(y, [w], site)[0]
-        if sp and taps is None:
-            row = lambda y, w, site: seqpar.row(y, w)
+            column = ((lambda y, ws, site: self.project_fn(y, ws)) if taps is None
+                      else (lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])))
+            row = lambda y, w, site: column(y, [w], site)[0]
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 

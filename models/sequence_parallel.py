@@ -65,7 +65,7 @@ def gather(x: jax.Array) -> jax.Array:
     return _per_device(lambda a: lax.all_gather(a, TP, axis=0, tiled=True, to="invarying"), (SP_TOKENS,), TOKENS)(x)
 
 
-def _gather_transposed(x: jax.Array) -> jax.Array:
+def gather_transposed(x: jax.Array) -> jax.Array:
     """x^T, gathered: [D, N] with N split over (dp, cp). The column-parallel backward gathers its
     input again, as Megatron does (keeping the forward's would undo the memory saving); gathering
     it transposed is also a different op from the forward's gather, which XLA would otherwise
@@ -74,7 +74,7 @@ def _gather_transposed(x: jax.Array) -> jax.Array:
                        (SP_TOKENS,), P(None, TOKENS[0]))(x)
 
 
-def _reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype) -> jax.Array:
+def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype) -> jax.Array:
     """sum_i g_i @ w_i^T, reduce-scattered over tp along the tokens: the input gradient of a
     column-parallel matmul (g_i [N, F_i], w_i [D, F_i], F split over tp)."""
     def local(gs, ws):
@@ -102,9 +102,9 @@ def _column_fwd(x, ws, out_dtype):
 def _column_bwd(out_dtype, res, gs):
     x, ws = res
     gs = [g.astype(x.dtype) for g in gs]
-    xt = _gather_transposed(x)  # [D, N]: the weight gradients' left operand
+    xt = gather_transposed(x)  # [D, N]: the weight gradients' left operand
     d_ws = tuple(jnp.matmul(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
-    return _reduce_scatter_product(gs, ws, x.dtype), type(ws)(d_ws)
+    return reduce_scatter_product(gs, ws, x.dtype), type(ws)(d_ws)
 
 
 column.defvjp(_column_fwd, _column_bwd)

@@ -211,7 +211,7 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     if mc.pp > 1:
         pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-        pipeline_table.validate_split_backward(mc, pipeline, tc.sequence_parallel, cfg.num_local_experts)
+        pipeline_table.validate_split_backward(mc, pipeline, cfg.num_local_experts)
     if mc.cp > 1:
         context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
     if tc.sequence_parallel and mc.tp > 1:

@@ -274,11 +274,14 @@ def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layo
 
 
 @pytest.mark.parametrize("schedule,layout", [("1f1b", dict(tp=2)), ("interleaved", dict(dp=2, tp=2, zero=3)),
-                                             ("afab", dict(cp=2, tp=2, strategy="all_gather"))],
-                         ids=["1f1b_tp2", "interleaved_dp2_tp2_zero3", "afab_cp2_tp2_all_gather"])
+                                             ("afab", dict(cp=2, tp=2, strategy="all_gather")),
+                                             ("zb_h1", dict(tp=2)), ("zb_v", dict(dp=2, tp=2, zero=1))],
+                         ids=["1f1b_tp2", "interleaved_dp2_tp2_zero3", "afab_cp2_tp2_all_gather", "zb_h1_tp2",
+                              "zb_v_dp2_tp2_zero1"])
 def test_pipeline_with_sequence_parallelism_equals_one_device(schedule, layout):
     """Stages hand each other activations split over tp along the tokens (and the embedding and
-    loss run sequence-parallel on the first and last stage)."""
+    loss run sequence-parallel on the first and last stage); zero-bubble W's gather what B left
+    them split over tp (models/deferred_grads.py)."""
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _ = run(4, pp=2, schedule=schedule, sequence_parallel=True, **layout)
     assert abs(loss - ref_loss) <= 1e-5

@@ -121,6 +121,37 @@ def test_a_tapped_projection_leaves_its_weight_gradients_to_the_tap():
         np.testing.assert_allclose(tx.T @ tg, dw, rtol=1e-5)
 
 
+def test_sequence_parallel_taps_leave_w_the_split_operand_and_w_gathers_it():
+    """Under SP (tp = 2) the tapped column- and row-parallel projections give B's input gradient
+    and no weight gradient, and W's dW from their taps equals the sequence-parallel backward's."""
+    import jax
+    import jax.numpy as jnp
+
+    from mesh import MeshConfig, make_mesh
+    from models import sequence_parallel as seqpar
+    from models.deferred_grads import site_weight_grads, tapped_column, tapped_row
+
+    k = jax.random.split(jax.random.key(1), 6)
+    x, ws = jax.random.normal(k[0], (8, 4)), [jax.random.normal(k[1], (4, 6)), jax.random.normal(k[2], (4, 2))]
+    gs = (jax.random.normal(k[3], (8, 6)), jax.random.normal(k[3], (8, 2)) * 2)
+    h, w_row, g_row = jax.random.normal(k[4], (8, 6)), jax.random.normal(k[5], (6, 4)), jax.random.normal(k[0], (8, 4))
+    zeros = lambda *shapes: tuple(jnp.zeros(s) for s in shapes)
+
+    def both(x, ws, gs, h, w_row, g_row):
+        dx, dws = jax.vjp(lambda x, ws: seqpar.column(x, ws), x, ws)[1](gs)
+        tdx, tdws, (tx, tgs) = jax.vjp(tapped_column, x, ws, (jnp.zeros_like(x), zeros((8, 6), (8, 2))))[1](gs)
+        dh, dw_row = jax.vjp(seqpar.row, h, w_row)[1](g_row)
+        tdh, tdw_row, (th, tg_row) = jax.vjp(tapped_row, h, w_row, (jnp.zeros_like(h), zeros((8, 4))))[1](g_row)
+        return ((dx, tdx), (dh, tdh), (dws, site_weight_grads("qkv", tx, tgs, True)),
+                (dw_row, site_weight_grads("o", th, tg_row, True)[0]), (tdws, tdw_row))
+
+    with jax.set_mesh(make_mesh(MeshConfig(tp=2), jax.devices()[:2])):
+        column_dx, row_dx, column_dw, row_dw, zero = jax.jit(both)(x, ws, gs, h, w_row, g_row)
+    for d, td in [column_dx, row_dx, *zip(*column_dw), row_dw]:  # B's input gradients, then W's dW
+        np.testing.assert_allclose(td, d, rtol=1e-5, atol=1e-6)
+    assert all(not np.any(d) for d in jax.tree.leaves(zero))  # B computes no weight gradient
+
+
 @pytest.mark.parametrize("schedule,remat,scan", [("zb_h1", "full", True), ("zb_h1", "none", False),
                                                  ("1f1b", "none", False)])
 def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, remat, scan):

@@ -64,7 +64,6 @@ from jax import lax
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP
 from mesh.rules import constrain
-from models import deferred_grads
 from models.moe import ROUTER_METRICS
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.pipeline_buffers import buffer_plan
@@ -153,9 +152,9 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
     """
     p, v, n_slots = sched.p, sched.v, buffer_plan(sched).slots
     split = sched.split_backward  # zero-bubble: B computes input gradients, W the projections' dW
-    if split and (lockstep or stage.tokens != "tokens"):  # tables of your own (the config's: validate_split_backward)
-        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 or "
-                          f"train.sequence_parallel yet; use pipeline.schedule=1f1b.")
+    if split and lockstep:  # tables of your own (the config's: validate_split_backward)
+        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 "
+                          f"yet; use pipeline.schedule=1f1b.")
     table = executor_table(sched, lockstep)
     # Per transfer lane, one permute per set of (sender, receiver) pairs (`pipeline_buffers.py`).
     x_sets, dy_sets = send_patterns(sched)
@@ -243,7 +242,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
                 return grad_layers, d_embedded, pooled, dact
 
             def weight(grad_layers):  # W: the projections' weight gradients from what B left
-                dw = deferred_grads.tap_weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), chunk(c))
+                dw = stage.weight_grads(jax.tree.unflatten(tap_tree, pool.read(pooled, slot, 1)), chunk(c))
                 return {k: g.at[c].add(dw[k]) if k in dw else g for k, g in grad_layers.items()}
 
             # A collective inside these loops runs only where every device of its group takes the

@@ -55,6 +55,7 @@ class Stage(NamedTuple):
     head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
+    weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
     scan: bool = True  # layers under lax.scan; unrolled, `layers` takes per-layer lists (`per_layer`)
 
     def per_layer(self, tree: Any) -> Any:
@@ -118,6 +119,7 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
         head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
         tokens=seqpar.residual_axis(tc.sequence_parallel),
         taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, dtype),
+        weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(tc.sequence_parallel)),
         scan=scan,
     )
 

@@ -69,14 +69,12 @@ def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: in
                           f"schedule needs micro-batches in groups of pp.")
 
 
-def validate_split_backward(mesh: MeshConfig, pipeline: PipelineConfig, sequence_parallel: bool,
-                            experts: int) -> None:
-    """Zero-bubble schedules (B and W items) run dense layers, without sequence parallelism, and
-    without cp (whose lockstep ticks would split every W from the B beside it)."""
+def validate_split_backward(mesh: MeshConfig, pipeline: PipelineConfig, experts: int) -> None:
+    """Zero-bubble schedules (B and W items) run dense layers, and without cp (whose lockstep
+    ticks would split every W from the B beside it)."""
     if pipeline.schedule not in SPLIT_BACKWARD:
         return
-    for bad, what in [(mesh.cp > 1, f"mesh.cp={mesh.cp}"), (sequence_parallel and mesh.tp > 1, "train.sequence_parallel"),
-                      (experts > 0, "a Mixture-of-Experts model")]:
+    for bad, what in [(mesh.cp > 1, f"mesh.cp={mesh.cp}"), (experts > 0, "a Mixture-of-Experts model")]:
         if bad:
             raise ConfigError(f"pipeline.schedule={pipeline.schedule} does not run with {what} yet; "
                               f"use pipeline.schedule=1f1b.")
