@@ -230,6 +230,16 @@ def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
     assert not one.flat and [a.shape for a in one.zeros(2).values()] == [(2, 3, 4), (2, 0), (2, 5), (2, 6)]
     got = one.read(one.write(one.zeros(2), jnp.int32(1), 0, r + [jnp.zeros(6)]), jnp.int32(1), 0)
     np.testing.assert_array_equal(got[0], r[0])
+    # tp > 1: a buffer per leaf of each kind, so each keeps its tp split; the kept leaf is read
+    # from kind 0's buffer and has none of its own.
+    apart = SlotPool(kept.kinds, kept.kept, separate=True)
+    assert not apart.flat and {k: a.shape for k, a in apart.zeros(2).items()} == {
+        "0:0": (2, 3, 4), "0:1": (2, 0), "0:2": (2, 5), "0:3": (2, 6), "1:1": (2, 2, 2), "1:2": (2, 7)}
+    bufs = apart.write(apart.zeros(2), jnp.int32(1), 0, r + [jnp.arange(6.0) + 100])
+    bufs = apart.write(bufs, jnp.int32(1), 1, w)
+    for got, want in zip(apart.read(bufs, jnp.int32(1), 1), [(jnp.arange(6.0) + 100).reshape(2, 3)] + w):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(apart.read(bufs, jnp.int32(1), 0)[0], r[0])  # the residuals stay
 
 
 def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_them():

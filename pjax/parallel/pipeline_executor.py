@@ -62,8 +62,8 @@ import numpy as np
 from jax import lax
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP
-from mesh.rules import constrain
+from mesh.mesh import CP, DP, PP, TP
+from mesh.rules import auto_size, constrain
 from models.moe import ROUTER_METRICS
 from pjax.parallel import pipeline_schedules as ps
 from pjax.parallel.pipeline_buffers import buffer_plan
@@ -188,7 +188,8 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         stash = jax.tree.leaves(taps)
         # The taps' x's B passes through from the residuals stay where the forward put them.
         kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if split else ()
-        pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)), kept)
+        pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)), kept,
+                        separate=auto_size(jax.sharding.get_abstract_mesh(), TP) > 1)
         tap_tree = jax.tree.structure(taps[0]) if split else None
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),

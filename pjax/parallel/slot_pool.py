@@ -15,6 +15,11 @@ buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers
 [slots, *shape] each: the flat layout costs XLA:CPU a few MB of temporaries more there
 (benchmarks/README.md, "Zero-bubble").
 
+A flat row has no tensor-parallel layout: a leaf split over tp (a head or MLP dimension) is
+flattened whole into it, so every tp device would hold all of it. With tp > 1 the kinds
+therefore keep a buffer per leaf each (`separate`), none shared, each as split as its leaf:
+the two kinds' sum per slot, but 1/tp of it.
+
 Part of what B leaves W is already in the slot: a projection's input x is one of the forward's
 residuals, and B passes it through unchanged (under the layer scan, as the scan's stack of the
 stacked residual's rows). Such a leaf is `kept`: kind 1 reads it where kind 0 wrote it, lays its
@@ -43,6 +48,7 @@ class SlotPool:
 
     kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
     kept: tuple[int | None, ...] = ()
+    separate: bool = False  # a buffer per leaf of every kind, none shared (tp > 1: see the module doc)
 
     def offsets(self, kind: int) -> list[tuple[str, int, int]]:
         """Per leaf of `kind`: (dtype name, offset, size) in its dtype's row."""
@@ -93,18 +99,26 @@ class SlotPool:
 
     @property
     def flat(self) -> bool:
-        return sum(1 for kind in self.kinds if kind) > 1
+        return not self.separate and sum(1 for kind in self.kinds if kind) > 1
+
+    def _own(self, kind: int, i: int) -> str:
+        """The buffer of leaf i of `kind` when leaves have buffers of their own (kept: kind 0's)."""
+        k = self.kept[i] if kind == 1 and i < len(self.kept) else None
+        return f"0:{k}" if k is not None else f"{kind}:{i}"
 
     def zeros(self, slots: int) -> Pool:
         if not self.flat:
-            return {str(k): jnp.zeros((slots, *a.shape), a.dtype) for k, a in enumerate(self.kinds[0])}
+            return {f"{kind}:{i}": jnp.zeros((slots, *self.kinds[kind][i].shape), self.kinds[kind][i].dtype)
+                    for kind in range(len(self.kinds)) for i in self.written(kind)}
         return {name: jnp.zeros((slots, width), name) for name, width in self.widths().items()}
 
     def write(self, pool: Pool, slot: jax.Array, kind: int, leaves: Sequence[jax.Array]) -> Pool:
         """`pool` with slot `slot` holding `leaves`: the leaves `written(kind)` lists, shaped as in `kinds[kind]`."""
         pool = dict(pool)
         if not self.flat:
-            return {**pool, **{str(k): pool[str(k)].at[slot].set(leaf) for k, leaf in enumerate(leaves)}}
+            for i, leaf in zip(self.written(kind), leaves, strict=True):
+                pool[f"{kind}:{i}"] = pool[f"{kind}:{i}"].at[slot].set(leaf)
+            return pool
         where = self.offsets(kind)
         for i, leaf in zip(self.written(kind), leaves, strict=True):
             name, offset, size = where[i]
@@ -116,7 +130,7 @@ class SlotPool:
     def read(self, pool: Pool, slot: jax.Array, kind: int) -> list[jax.Array]:
         """The leaves of `kind` in slot `slot`."""
         if not self.flat:
-            return [pool[str(k)][slot] for k in range(len(self.kinds[kind]))]
+            return [pool[self._own(kind, i)][slot].reshape(leaf.shape) for i, leaf in enumerate(self.kinds[kind])]
         out = []
         for (name, offset, size), leaf in zip(self.offsets(kind), self.kinds[kind]):
             row = lax.dynamic_slice(pool[name], (slot, jnp.int32(offset)), (1, size)) if size else pool[name][:1, :0]
