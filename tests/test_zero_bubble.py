@@ -121,9 +121,10 @@ def test_a_tapped_projection_leaves_its_weight_gradients_to_the_tap():
         np.testing.assert_allclose(tx.T @ tg, dw, rtol=1e-5)
 
 
-def test_sequence_parallel_taps_leave_w_the_split_operand_and_w_gathers_it():
+def test_sequence_parallel_taps_give_b_the_input_gradient_and_w_the_weight_gradients():
     """Under SP (tp = 2) the tapped column- and row-parallel projections give B's input gradient
-    and no weight gradient, and W's dW from their taps equals the sequence-parallel backward's."""
+    and no weight gradient, and W's dW from their taps equals the sequence-parallel backward's
+    (values only: where the gathers run is not visible in them)."""
     import jax
     import jax.numpy as jnp
 
@@ -168,8 +169,7 @@ def test_schedules_with_remat_or_unrolled_layers_equal_one_device(schedule, rema
 def test_zb_h1_needs_no_more_temporaries_than_1f1b(scan):
     """What B leaves W takes the place of the residuals it read, in place: no slot grows, no stash is
     staged beside them, and the loss's logits are never alive beside unwritten residuals.
-    (Without remat: with remat='full' the residuals are the layers' inputs alone. With tp > 1
-    the slots keep a buffer per leaf, whose tp split a flat row would lose: slot_pool.py.)"""
+    (Without remat: with remat='full' the residuals are the layers' inputs alone.)"""
     from test_pipeline_parallel import run
 
     layers = {} if scan else {"scan": False}  # scanned: the runs test_pipeline_parallel already made
