@@ -22,7 +22,7 @@ gathers x again rather than keep it: what waits in a slot for W keeps SP's 1/tp.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,68 +36,46 @@ SITES = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"),
 ROW_SITES = ("o", "down")  # row-parallel under tp (the others column-parallel)
 
 
-@jax.custom_vjp
-def tapped_projection(x: jax.Array, ws: Sequence[jax.Array], tap: Tap) -> tuple[jax.Array, ...]:
-    """`plain_projection(x, ws)`; its backward leaves the weights' gradients to the tap (see above)."""
-    del tap
-    return plain_projection(x, ws)
+def _tapped(forward: Callable, input_grad_and_tap: Callable) -> Callable:
+    """`forward(x, ws)` with a third input, the tap, that its output ignores; its backward returns
+    `input_grad_and_tap(x, ws, gs)`'s input gradient, zeros for the weights, and its (x, gs)
+    as the tap's cotangent (see the module doc)."""
+    @jax.custom_vjp
+    def tapped(x, ws, tap):
+        del tap
+        return forward(x, ws)
+
+    def fwd(x, ws, tap):
+        del tap
+        return forward(x, ws), (x, ws)
+
+    def bwd(res, gs):
+        x, ws = res
+        d_x, to_w = input_grad_and_tap(x, ws, gs)
+        return d_x, jax.tree.map(jnp.zeros_like, ws), to_w
+
+    tapped.defvjp(fwd, bwd)
+    return tapped
 
 
-def _fwd(x, ws, tap):
-    del tap
-    return plain_projection(x, ws), (x, ws)
+# `plain_projection(x, ws)`, its weights' gradients left to the tap: (x, each g).
+tapped_projection = _tapped(plain_projection, lambda x, ws, gs: (input_grad(x, gs, ws), (x, tuple(gs))))
 
 
-def _bwd(res, gs):
-    x, ws = res
-    return input_grad(x, gs, ws), type(ws)(jnp.zeros_like(w) for w in ws), (x, tuple(gs))
-
-
-tapped_projection.defvjp(_fwd, _bwd)
-
-
-@jax.custom_vjp
-def tapped_column(x: jax.Array, ws: Sequence[jax.Array], tap: Tap) -> tuple[jax.Array, ...]:
-    """`sequence_parallel.column(x, ws)`; its backward leaves the weights' gradients to the tap:
-    (x, its tokens split over tp, and each g)."""
-    del tap
-    return seqpar.column(x, ws)
-
-
-def _column_fwd(x, ws, tap):
-    del tap
-    return seqpar.column(x, ws), (x, ws)
-
-
-def _column_bwd(res, gs):
-    x, ws = res
+def _column_input_grad(x, ws, gs):
     gs = tuple(g.astype(x.dtype) for g in gs)
-    return seqpar.reduce_scatter_product(gs, ws, x.dtype), type(ws)(jnp.zeros_like(w) for w in ws), (x, gs)
+    return seqpar.reduce_scatter_product(gs, ws, x.dtype), (x, gs)
 
 
-tapped_column.defvjp(_column_fwd, _column_bwd)
-
-
-@jax.custom_vjp
-def tapped_row(x: jax.Array, w: jax.Array, tap: Tap) -> jax.Array:
-    """`sequence_parallel.row(x, w)`; its backward leaves the weight's gradient to the tap:
-    (x, and g with its tokens split over tp, as it arrives)."""
-    del tap
-    return seqpar.row(x, w)
-
-
-def _row_fwd(x, w, tap):
-    del tap
-    return seqpar.row(x, w), (x, w)
-
-
-def _row_bwd(res, g):
-    x, w = res
+def _row_input_grad(x, w, g):
     g = g.astype(x.dtype)
-    return jnp.matmul(seqpar.gather(g), w.T).astype(x.dtype), jnp.zeros_like(w), (x, (g,))
+    return jnp.matmul(seqpar.gather(g), w.T).astype(x.dtype), (x, (g,))
 
 
-tapped_row.defvjp(_row_fwd, _row_bwd)
+# Sequence parallelism's `column(x, ws)`, its weights' gradients left to the tap: (x, its tokens
+# split over tp, and each g); and `row(x, w)`'s: (x, and g with its tokens split over tp).
+tapped_column = _tapped(seqpar.column, _column_input_grad)
+tapped_row = _tapped(seqpar.row, _row_input_grad)
 
 
 def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[str, Tap]:
