@@ -184,7 +184,8 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         f32_zeros = lambda tree: varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
-        # layer (kind 1) until its W: one buffer per dtype as large as the larger (slot_pool.py).
+        # layer (kind 1) until its W: one buffer per dtype as large as the larger, or with tp > 1
+        # a buffer per leaf, which keeps its tp split (slot_pool.py).
         stash = jax.tree.leaves(taps)
         # The taps' x's B passes through from the residuals stay where the forward put them.
         kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if split else ()

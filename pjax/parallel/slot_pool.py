@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-Pool = dict[str, jax.Array]  # dtype name -> [slots, width]; with one kind, leaf index -> [slots, *shape]
+Pool = dict[str, jax.Array]  # flat: dtype name -> [slots, width]; else 'kind:leaf' -> [slots, *shape]
 
 
 @dataclasses.dataclass(frozen=True)
