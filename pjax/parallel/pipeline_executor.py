@@ -54,6 +54,7 @@ over all micro-batches (Picotron's PP path forgets the 1/m).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -70,6 +71,7 @@ from pjax.parallel.pipeline_buffers import buffer_plan
 from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, varying
 from pjax.parallel.pipeline_table import COLUMNS, LANE_COLUMNS, executor_table, scope_name, send_patterns, send_scope
 from pjax.parallel.slot_pool import SlotPool
+from pjax.parallel.slot_splits import slot_splits
 
 Batch = dict[str, jax.Array]
 
@@ -185,12 +187,15 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         res_slots = n_slots + 1 if lockstep else n_slots  # lockstep: idle devices write a discard slot
         # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
         # layer (kind 1) until its W: one buffer per dtype as large as the larger, or with tp > 1
-        # a buffer per leaf, which keeps its tp split (slot_pool.py).
+        # a buffer per leaf, which keeps its tp split, B's g's taking over residuals' buffers split
+        # alike (slot_pool.py, slot_splits.py).
         stash = jax.tree.leaves(taps)
         # The taps' x's B passes through from the residuals stay where the forward put them.
         kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if split else ()
         pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)), kept,
                         separate=auto_size(jax.sharding.get_abstract_mesh(), TP) > 1)
+        if split and pool.separate:
+            pool = dataclasses.replace(pool, splits=slot_splits(stage, pool, w0, nothing, batch["positions"][0], taps[0]))
         tap_tree = jax.tree.structure(taps[0]) if split else None
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),

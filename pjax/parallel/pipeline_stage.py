@@ -57,6 +57,7 @@ class Stage(NamedTuple):
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
     weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
     scan: bool = True  # layers under lax.scan; unrolled, `layers` takes per-layer lists (`per_layer`)
+    layer_specs: Any = None  # one layer's weights' specs (its 'layers' dim dropped), like its weights
 
     def per_layer(self, tree: Any) -> Any:
         """Stacked per-layer weights (or taps) as the stage's VJP takes them: as they are under the
@@ -109,9 +110,10 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
         return (total + extra) * scale, metrics
 
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
+    is_names = lambda x: isinstance(x, tuple)
     return Stage(
         dtype=dtype,
-        shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=lambda x: isinstance(x, tuple)),
+        shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=is_names),
         embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype, tc.sequence_parallel),
         no_stats=no_stats,
         layers=layers,
@@ -121,6 +123,8 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
         taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, dtype),
         weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(tc.sequence_parallel)),
         scan=scan,
+        layer_specs=jax.tree.map(lambda n: logical_to_spec(n[1:]), llama.param_logical_axes(cfg)["layers"],
+                                 is_leaf=is_names),
     )
 
 

@@ -16,9 +16,12 @@ buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers
 (benchmarks/README.md, "Zero-bubble").
 
 A flat row has no tensor-parallel layout: a leaf split over tp (a head or MLP dimension) is
-flattened whole into it, so every tp device would hold all of it. With tp > 1 the kinds
-therefore keep a buffer per leaf each (`separate`), none shared, each as split as its leaf:
-the two kinds' sum per slot, but 1/tp of it.
+flattened whole into it, so every tp device would hold all of it. With tp > 1 every leaf
+therefore keeps a buffer of its own (`separate`), as split as the leaf, and a leaf of kind 1
+takes over the buffer of a kind-0 leaf of its shape, dtype and tp split that kind 1 does not
+read (`reused`): B's output cotangents are mostly shaped and split like activations the forward
+saved. The splits are XLA's (`splits`, from `slot_splits.py`); a leaf whose split is not known
+shares nothing.
 
 Part of what B leaves W is already in the slot: a projection's input x is one of the forward's
 residuals, and B passes it through unchanged (under the layer scan, as the scan's stack of the
@@ -28,6 +31,7 @@ other leaves (the output cotangents) out around it, and B writes only those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -48,7 +52,8 @@ class SlotPool:
 
     kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
     kept: tuple[int | None, ...] = ()
-    separate: bool = False  # a buffer per leaf of every kind, none shared (tp > 1: see the module doc)
+    separate: bool = False  # a buffer per leaf (tp > 1: see the module doc)
+    splits: tuple[tuple[object, ...], ...] = ()  # per kind and leaf, its tp split (`slot_splits.Split`) or None
 
     def offsets(self, kind: int) -> list[tuple[str, int, int]]:
         """Per leaf of `kind`: (dtype name, offset, size) in its dtype's row."""
@@ -101,15 +106,33 @@ class SlotPool:
     def flat(self) -> bool:
         return not self.separate and sum(1 for kind in self.kinds if kind) > 1
 
+    @functools.cached_property
+    def reused(self) -> dict[int, int]:
+        """Separate buffers: kind 1's written leaves that take over a kind-0 leaf's buffer of the
+        same shape, dtype and tp split (a residual B has read and does not pass on), each at most once."""
+        if not self.splits or len(self.kinds) < 2:
+            return {}
+        free = [j for j in range(len(self.kinds[0])) if j not in set(self.kept) and self.splits[0][j] is not None]
+        out = {}
+        for i in self.written(1):
+            same = lambda j: self.kinds[0][j] == self.kinds[1][i] and self.splits[0][j] == self.splits[1][i]
+            j = next((j for j in free if same(j)), None) if self.splits[1][i] is not None else None
+            if j is not None:
+                out[i] = j
+                free.remove(j)
+        return out
+
     def _own(self, kind: int, i: int) -> str:
         """The buffer of leaf i of `kind` when leaves have buffers of their own (kept: kind 0's)."""
         k = self.kept[i] if kind == 1 and i < len(self.kept) else None
+        k = self.reused.get(i) if kind == 1 and k is None else k
         return f"0:{k}" if k is not None else f"{kind}:{i}"
 
     def zeros(self, slots: int) -> Pool:
         if not self.flat:
             return {f"{kind}:{i}": jnp.zeros((slots, *self.kinds[kind][i].shape), self.kinds[kind][i].dtype)
-                    for kind in range(len(self.kinds)) for i in self.written(kind)}
+                    for kind in range(len(self.kinds)) for i in self.written(kind)
+                    if self._own(kind, i) == f"{kind}:{i}"}
         return {name: jnp.zeros((slots, width), name) for name, width in self.widths().items()}
 
     def write(self, pool: Pool, slot: jax.Array, kind: int, leaves: Sequence[jax.Array]) -> Pool:
@@ -117,7 +140,7 @@ class SlotPool:
         pool = dict(pool)
         if not self.flat:
             for i, leaf in zip(self.written(kind), leaves, strict=True):
-                pool[f"{kind}:{i}"] = pool[f"{kind}:{i}"].at[slot].set(leaf)
+                pool[self._own(kind, i)] = pool[self._own(kind, i)].at[slot].set(leaf)
             return pool
         where = self.offsets(kind)
         for i, leaf in zip(self.written(kind), leaves, strict=True):
