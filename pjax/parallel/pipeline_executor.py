@@ -195,7 +195,8 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         pool = SlotPool((layout.stored, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash)), kept,
                         separate=auto_size(jax.sharding.get_abstract_mesh(), TP) > 1)
         if split and pool.separate:
-            pool = dataclasses.replace(pool, splits=slot_splits(stage, pool, w0, nothing, batch["positions"][0], taps[0]))
+            splits = slot_splits(stage, pool, w0, nothing, batch["positions"][0], taps[0])
+            pool = dataclasses.replace(pool, splits=splits)
         tap_tree = jax.tree.structure(taps[0]) if split else None
         router0 = {k: jnp.zeros(()) for k in ROUTER_METRICS} if nothing[1] else {}  # (MoE: stats not ())
         start = Buffers(inbox=inbox(), cotangents=inbox(), slots=varying(pool.zeros(res_slots)),

@@ -31,9 +31,10 @@ def only_tp(spec: P, ndim: int) -> tuple:
 
 
 def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtypeStruct, Split]]:
-    """Per output leaf of `fn(*args)`: its shape and split over tp as XLA compiles it, with `args` (arrays or
-    ShapeDtypeStructs) split over tp as `in_specs` say. The mesh has the enclosing (abstract)
-    mesh's shape, every axis automatic: under `jax.jit` a mesh of another size cannot be entered."""
+    """Per output leaf of `fn(*args)`: its shape and split over tp as XLA compiles it, with `args`
+    (arrays or ShapeDtypeStructs) split over tp as `in_specs` say. The mesh has the enclosing
+    (abstract) mesh's shape, every axis automatic: under `jax.jit` a mesh of another size cannot
+    be entered. Only the compiler runs: no device is touched."""
     outer = jax.sharding.get_abstract_mesh()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:outer.size]).reshape(outer.axis_sizes), outer.axis_names)
     over_tp = lambda a, s: NamedSharding(mesh, P(*only_tp(s, a.ndim)))
