@@ -273,7 +273,7 @@ def test_with_tp_what_b_leaves_w_takes_over_residual_buffers_split_alike():
         np.testing.assert_array_equal(got, -want)
 
 
-def test_slot_splits_line_up_with_the_residuals_the_executor_stores():
+def test_align_moves_the_probed_splits_onto_the_residuals_the_executor_stores():
     import jax
     import jax.numpy as jnp
 

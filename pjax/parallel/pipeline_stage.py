@@ -144,10 +144,16 @@ class VjpLayout:
         # carries invariant types and fails on the varying cotangent later.
         _, vjp_fn = jax.vjp(fn, w, *args)
         leaves, treedef = jax.tree.flatten(vjp_fn)
-        w_leaves = jax.tree.leaves(w)
-        index = tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None) for leaf in leaves)
+        index = cls.weights_in(vjp_fn, w)
         stored = tuple(jax.ShapeDtypeStruct(l.shape, l.dtype) for l, k in zip(leaves, index) if k is None)
         return cls(treedef, index, stored)
+
+    @staticmethod
+    def weights_in(vjp_fn: Callable, w: Any) -> tuple[int | None, ...]:
+        """Per leaf of `vjp_fn`: the index of the leaf of `w` it is (the same array), or None: a residual."""
+        w_leaves = jax.tree.leaves(w)
+        return tuple(next((k for k, wl in enumerate(w_leaves) if leaf is wl), None)
+                     for leaf in jax.tree.leaves(vjp_fn))
 
     def pack(self, vjp_fn: Callable) -> list[jax.Array]:
         leaves = jax.tree.leaves(vjp_fn)

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.mesh import TP
 from mesh.rules import logical_to_spec
+from pjax.parallel.pipeline_stage import VjpLayout
 
 Split = tuple | None  # per dimension of a leaf, tp or None (its split over tp alone); None: not known
 
@@ -70,8 +71,7 @@ def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, t
 
     def forward_and_b(w, act, positions, taps):
         out, vjp_fn = jax.vjp(lambda w, act, taps: stage.layers(w, act, positions, taps), w, act, taps)
-        weights = jax.tree.leaves(w)
-        residuals = [a for a in jax.tree.leaves(vjp_fn) if not any(a is x for x in weights)]
+        residuals = [a for a, k in zip(jax.tree.leaves(vjp_fn), VjpLayout.weights_in(vjp_fn, w)) if k is None]
         cotangents = jax.tree.leaves(vjp_fn(out)[2])
         return residuals, [cotangents[i] for i in tapped]
 
