@@ -26,6 +26,12 @@ def test_listed_layouts_are_exactly_those_pjax_accepts_and_their_overrides_give_
     assert "dp8-m4" in names and "dp2-tp4-zero1-m4" in names and "pp2-tp4-remat-m4" in names
     assert "pp2-tp4-interleaved2-m4" in names and "dp8-m32" in names and "dp8-m64" not in names  # 256 rows over dp8
     assert "pp8-m4" in names and "pp8-interleaved2-m4" not in names  # interleaving needs m in groups of pp
+    assert {"dp4-pp2-zb_h1-m4", "pp8-zb_v-m4", "pp2-tp4-sp-zb_v-m4"} <= names  # zb_v: 32 layers in 2 x 8 chunks
+    assert not any("zb_" in name and "cp" in name for name in names)  # zero-bubble tables refuse cp > 1
+    for name in ("pp2-zb_h1-m4", "pp4-zb_v-m8"):
+        assert Layout.parse(name).name == name
+    assert Layout.parse("pp4-zb_v-m8").virtual_stages == 2
+    assert load_config("llama2-7b", Layout.parse("pp4-zb_v-m8").overrides()).pipeline.schedule == "zb_v"
     assert len(names) == len(found)
     for layout in found[::7]:
         again = load_config("llama2-7b", layout.overrides())

@@ -12,7 +12,8 @@ from pjax.config_io import load_config
 from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline_schedules import one_f_one_b
-from pjax.plan.estimate import pipeline_ratio, predict
+from pjax.parallel.pipeline_zero_bubble import zb_h1 as zb_h1_table
+from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES
 
@@ -26,7 +27,23 @@ def test_pipeline_ratio_is_the_span_of_the_schedule_table(p, m):
     ratio = pipeline_ratio(Layout(dp=1, pp=p, grad_accum=m))
     assert ratio == pytest.approx(one_f_one_b(p, m).span(1.0, 2.0) / (3 * m))
     assert ratio > (m + p - 1) / m
-    assert 1 < pipeline_ratio(Layout(dp=1, pp=p, schedule="interleaved", virtual_stages=2, grad_accum=m)) < ratio
+    interleaved = pipeline_ratio(Layout(dp=1, pp=p, schedule="interleaved", virtual_stages=2, grad_accum=m))
+    assert 1 < interleaved < ratio
+    # Zero-bubble: B and W each half a backward; the V's half-size ticks fill the bubble most.
+    zb_h1 = pipeline_ratio(Layout(dp=1, pp=p, schedule="zb_h1", grad_accum=m))
+    zb_v = pipeline_ratio(Layout(dp=1, pp=p, schedule="zb_v", virtual_stages=2, grad_accum=m))
+    assert zb_h1 == pytest.approx(zb_h1_table(p, m).span(1.0, 2.0) / (3 * m))
+    assert 1 < zb_v < zb_h1 < interleaved
+
+
+def test_analytic_memory_of_zero_bubble_tables_is_1f1b_s_but_not_under_remat():
+    """ZB-H1 keeps 1F1B's slots; under remat=full B leaves W every layer's projection inputs and
+    cotangents, where 1F1B keeps only the layers' inputs."""
+    config = load_config("llama2-7b")
+    memory = lambda schedule, remat: analytic_memory(config, Layout(dp=1, pp=2, tp=4, remat=remat, schedule=schedule,
+                                                                     grad_accum=8), 2, "chunked")
+    assert memory("zb_h1", "none") == memory("1f1b", "none")
+    assert memory("1f1b", "full") < memory("zb_h1", "full") == memory("zb_h1", "none")
 
 
 def test_roofline_adds_critical_traffic_and_hides_dp_traffic_where_the_profile_overlaps():

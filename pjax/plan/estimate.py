@@ -22,7 +22,7 @@ from typing import Any
 
 from pjax.config import Config
 from pjax.metrics import model_flops_per_token
-from pjax.parallel.pipeline_table import SCHEDULES
+from pjax.parallel.pipeline_table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -201,8 +201,10 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     if attention in ("auto", "blocked", "reference"):  # probabilities kept for the backward (fp32)
         layer += tokens * mc.num_attention_heads // tp * tc.seq_len // 2 * 4
     layers = mc.num_hidden_layers // layout.pp
-    # remat=full keeps each layer's fp32 input and works on about three layers' worth at a time
-    saved = layers * tokens * between * 4 + 3 * layer if layout.remat == "full" else layers * layer
+    # remat=full keeps each layer's fp32 input and works on about three layers' worth at a time,
+    # but in a zero-bubble table B leaves W the projections' inputs and cotangents of every layer
+    recomputed = layout.remat == "full" and layout.schedule not in SPLIT_BACKWARD
+    saved = layers * tokens * between * 4 + 3 * layer if recomputed else layers * layer
     if layout.pp > 1:  # the executor's slots: up to pp micro-batches in flight, plus a spare
         saved *= layout.pp + 1
     logits = 2 * tokens * v // tp * 4 if not tc.loss_chunk else 2 * tc.loss_chunk * v // tp * 4

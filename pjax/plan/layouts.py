@@ -26,12 +26,16 @@ from jax.sharding import AbstractMesh, AxisType
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
 from models import llama
-from pjax.config import CONTEXT_STRATEGIES, Config
+from pjax.config import CONTEXT_STRATEGIES, SCHEDULES, Config
 from pjax.parallel import data_parallel
 from pjax.step import validate_run
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
+# (pipeline.schedule, virtual_stages) the search tries at pp > 1. AFAB and lockstep 1F1B span
+# less than 1F1B only by holding more micro-batches; the zero-bubble tables span less than both
+# with 1F1B's slots (zb_v where the layers split into 2 pp chunks).
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zb_v", 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +68,14 @@ class Layout:
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.context] if self.cp > 1 and self.context != "ring" else []
-        if self.pp > 1 and self.schedule != "1f1b":
-            parts += [f"{self.schedule}{self.virtual_stages if self.virtual_stages > 1 else ''}"]
+        if self.pp > 1 and self.schedule != "1f1b":  # zb_v always has 2 chunks: its name says it
+            parts += [self.schedule + (str(self.virtual_stages) if self.schedule == "interleaved" else "")]
         return "-".join((parts or ["1"]) + [f"m{self.grad_accum}"])
 
     @classmethod
     def parse(cls, name: str) -> "Layout":
-        """The layout a `name` spells ('dp2-tp4-zero1-m4', '1-m2', 'pp2-interleaved2-m8'); ValueError otherwise."""
+        """The layout a `name` spells ('dp2-tp4-zero1-m4', '1-m2', 'pp2-interleaved2-m8', 'pp4-zb_v-m8');
+        ValueError otherwise."""
         fields: dict = {}
         for part in name.split("-"):
             key = next((k for k in (*AXES, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
@@ -82,9 +87,10 @@ class Layout:
                 fields["context"] = part
             elif part.startswith("remat_"):
                 fields["remat"] = part[len("remat_"):]
-            elif part in ("remat", "sp", "1f1b", "afab", "1"):
-                fields.update({"remat": {"remat": "full"}, "sp": {"sequence_parallel": True}, "1f1b": {},
-                               "afab": {"schedule": "afab"}, "1": {}}[part])
+            elif part in SCHEDULES and part != "interleaved":
+                fields.update(schedule=part, virtual_stages=2 if part == "zb_v" else 1)
+            elif part in ("remat", "sp", "1"):
+                fields.update({"remat": {"remat": "full"}, "sp": {"sequence_parallel": True}, "1": {}}[part])
             else:
                 raise ValueError(f"cannot read {part!r} in layout {name!r}; write it like dp2-pp2-tp2-zero1-remat-m4")
         return cls(**{"dp": 1, **fields})
@@ -137,16 +143,16 @@ def micro_batch_counts(config: Config, dp: int) -> list[int]:
 
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
-    """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, and the
-    interleaved schedule with 2 chunks per device where the layers and micro-batches allow it;
-    tp > 1: with and without sequence parallelism); cp > 1 with the config's context.strategy
+    """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, ZB-H1, and
+    the interleaved and ZB-V schedules with 2 chunks per device where the layers and micro-batches
+    allow them; tp > 1: with and without sequence parallelism); cp > 1 with the config's context.strategy
     (choosing among strategies needs a memory estimate that tells them apart: Ulysses holds the
     most, and the rough one here would rank layouts that do not fit above those that do); the
     remat policies are `remats` and the config's own."""
     remats = tuple(dict.fromkeys((*remats, config.train.remat)))
     found = []
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
-        schedules = [("1f1b", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+        schedules = PIPELINE_SCHEDULES if pp > 1 else [("1f1b", 1)]
         sequence_parallel = (False, True) if tp > 1 else (False,)
         for zero, remat, (schedule, v), accum, sp in itertools.product(
                 zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel):

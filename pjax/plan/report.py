@@ -10,12 +10,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _row(rank: int, c: Candidate) -> str:
+def _row(rank: int, c: Candidate, width: int) -> str:
     if c.prediction is None:
-        return f"{rank:>3}  {c.layout.name:<34} compile failed: {c.compiled.get('error', '?')}"
+        return f"{rank:>3}  {c.layout.name:<{width}} compile failed: {c.compiled.get('error', '?')}"
     p = c.prediction
     fit = f"{_gib(p.memory_bytes):>6}  {'yes' if p.fits else 'NO':>4} {_gib(p.usable_bytes - p.memory_bytes):>7}"
-    return (f"{rank:>3}  {c.layout.name:<34}{fit}  {p.step_s * 1e3:>10,.1f}  {p.tokens_per_s:>12,.0f}"
+    return (f"{rank:>3}  {c.layout.name:<{width}}{fit}  {p.step_s * 1e3:>10,.1f}  {p.tokens_per_s:>12,.0f}"
             f"  {100 * p.mfu:>5.1f}%  {p.limit}")
 
 
@@ -28,9 +28,11 @@ def table(plan: Plan, top: int) -> str:
     counts = (f"{plan.listed} layouts pjax accepts; {len(plan.too_big)} need more than that for their state alone; "
               f"{len(plan.compiled)} compiled ({sum(bool(c.compiled and c.compiled.get('cached')) for c in plan.compiled)}"
               f" from the cache) out of {len(plan.candidates)} scored")
-    cols = (f"{'#':>3}  {'layout':<34}{'GiB':>6}  {'fits':>4} {'spare':>7}  {'step ms':>10}  {'tokens/s':>12}"
+    shown = plan.compiled[:top]
+    width = max([34, *(len(c.layout.name) + 1 for c in shown)])
+    cols = (f"{'#':>3}  {'layout':<{width}}{'GiB':>6}  {'fits':>4} {'spare':>7}  {'step ms':>10}  {'tokens/s':>12}"
             f"  {'MFU':>6}  limit")
-    rows = [_row(i + 1, c) for i, c in enumerate(plan.compiled[:top])]
+    rows = [_row(i + 1, c, width) for i, c in enumerate(shown)]
     return "\n".join([head, counts, "", cols, *rows])
 
 
