@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from pjax.config_io import load_config
+from pjax.metrics import model_flops_per_token
 from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline_schedules import one_f_one_b
 from pjax.parallel.pipeline_zero_bubble import zb_h1 as zb_h1_table
-from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict
+from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict, weight_share
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES
 
@@ -34,6 +35,18 @@ def test_pipeline_ratio_is_the_span_of_the_schedule_table(p, m):
     zb_v = pipeline_ratio(Layout(dp=1, pp=p, schedule="zb_v", virtual_stages=2, grad_accum=m))
     assert zb_h1 == pytest.approx(zb_h1_table(p, m).span(1.0, 2.0) / (3 * m))
     assert 1 < zb_v < zb_h1 < interleaved
+
+
+def test_zero_bubble_span_takes_w_s_share_of_the_backward_from_the_model_s_flops():
+    """W is the projections' weight gradients; attention's backward is all B's. The less W there
+    is to fill the bubble with, the longer ZB-H1's ticks that pair W with B or F."""
+    cfg = load_config("smollm-360m").model
+    per_layer = (model_flops_per_token(cfg, 2048) - 6 * cfg.hidden_size * cfg.vocab_size) / cfg.num_hidden_layers
+    attention = 2 * 2048 * cfg.num_attention_heads * cfg.head_dim  # forward, per token
+    w = weight_share(cfg, 2048)
+    assert w == pytest.approx(1 - attention / (per_layer / 3)) and 0.8 < w < 0.9
+    zb_h1 = Layout(dp=1, pp=2, schedule="zb_h1", grad_accum=8)
+    assert pipeline_ratio(zb_h1) < pipeline_ratio(zb_h1, w) < pipeline_ratio(Layout(dp=1, pp=2, grad_accum=8))
 
 
 def test_analytic_memory_of_zero_bubble_tables_is_1f1b_s_but_not_under_remat():

@@ -1,7 +1,8 @@
 """The planner's roofline: a layout's step time from its FLOPs, its collectives and its pipeline bubble.
 
     compute  = model FLOPs per device x remat's recompute / (peak x measured efficiency)
-    bubble   = compute x (span of the schedule's table / its busy time - 1)       (pp > 1)
+    bubble   = compute x (span of the schedule's table / its busy time - 1)       (pp > 1;
+               zero-bubble tables: W's share of the backward from the model's FLOPs)
     comm[a]  = per set of mesh axes a: count x latency + link bytes / bandwidth
                (the inter-host bandwidth when a group spans hosts, the NVLink one otherwise)
     step     = compute + bubble + comm on the critical path (tp, cp, pp ...)
@@ -20,6 +21,7 @@ import dataclasses
 import math
 from typing import Any
 
+from models.config import LlamaConfig
 from pjax.config import Config
 from pjax.metrics import model_flops_per_token
 from pjax.parallel.pipeline_table import SCHEDULES, SPLIT_BACKWARD
@@ -56,14 +58,26 @@ def usable_bytes(profile: Profile, devices: int, mem_fraction: float) -> int:
     return int(per_device(profile, devices)[1] * mem_fraction)
 
 
-def pipeline_ratio(layout: Layout) -> float:
+def weight_share(cfg: LlamaConfig, seq_len: int) -> float:
+    """A layer's W in forwards, its whole backward being 2: W is the projections' weight
+    gradients, as many FLOPs as their forward; B their input gradients and attention's backward
+    (twice its forward), so attention's share of the forward is what W lacks."""
+    d, f, h, kv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim)
+    projections = 2 * (d * dh * (2 * h + 2 * kv) + 3 * d * f)  # forward FLOPs per token
+    attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average (metrics.model_flops_per_token)
+    return projections / (projections + attention)
+
+
+def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
     """Time of the schedule's table over a device's busy time (1 without a pipeline): a tick
-    lasts as long as its slowest device, a backward twice a forward."""
+    lasts as long as its slowest device, a backward twice a forward, of which `weight` is W's
+    in a zero-bubble table (`weight_share`)."""
     if layout.pp == 1:
         return 1.0
     m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
     sched = SCHEDULES[layout.schedule](p, m, v)
-    return sched.span(1.0, 2.0) / (3.0 * m * v)
+    return sched.span(1.0, 2.0, weight) / (3.0 * m * v)
 
 
 def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
@@ -229,7 +243,8 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     tokens = tc.batch_size * tc.seq_len
     flops = model_flops_per_token(mc, tc.seq_len) * tokens / devices
     compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
-    terms = {"compute": compute, "bubble": compute * (pipeline_ratio(layout) - 1.0)}
+    ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
+    terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
     busy = terms["compute"] + terms["bubble"]
     dp_traffic = sum(t for a, t in terms.items() if a in DP_AXES)
