@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from typing import Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -51,23 +50,17 @@ def analytic_minimum(cfg, mesh) -> dict[str, float]:
 
 def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     """How many times per step (averaged over devices) a collective runs each time the HLO shows it:
-    1, except inside a pipeline tick's conditional parts (found by their named scope, the
-    innermost one in the op name), and for permutes whose pairs leave some devices out."""
+    1, except inside a pipeline tick's conditional parts (`pipeline_table.tick_runs`), and for
+    permutes whose pairs leave some devices out."""
     from pjax.hlo import device_groups
-    from pjax.parallel.pipeline_table import make_schedule, scope_name, scope_runs
+    from pjax.parallel.pipeline_table import tick_runs
 
     mesh, cfg = built["mesh"], built["cfg"]
     devices, pp = mesh.devices.size, mesh.shape["pp"]
-    weights = {}
-    if pp > 1:
-        lockstep = mesh.shape["cp"] > 1
-        sched = make_schedule(cfg.pipeline, pp, cfg.train.grad_accum, lockstep)
-        weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
+    in_tick = tick_runs(cfg.pipeline, pp, cfg.train.grad_accum, mesh.shape["cp"] > 1) if pp > 1 else None
 
     def runs(kind: str, line: str) -> float:
-        name = re.search(r'op_name="([^"]*)"', line)
-        found = [(name.group(1).rfind(scope), w) for scope, w in weights.items() if name and scope in name.group(1)]
-        factor = max(found)[1] if found else 1.0
+        factor = in_tick(kind, line) if in_tick else 1.0
         if kind == "collective-permute":
             factor *= len(device_groups(line, devices)) / devices
         return factor

@@ -153,10 +153,11 @@ def link_factor(kind: str, n: int) -> float:
             "reduce-scatter": n - 1, "collective-permute": 1.0}[kind]
 
 
-def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None
-                        ) -> dict[str, dict[str, Any]]:
+def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None,
+                        scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes',
-    'inter_host', 'kinds'} per device per step.
+    'inter_host', 'kinds'} per device per step; `scale` as `collective_stats`' (a pipeline's
+    conditional parts: `pipeline_table.tick_runs`).
 
     Device ids in the groups are positions in the mesh's flat device order (axes in
     `mesh_shape`'s order). `inter_host`: some group spans two hosts, taking hosts as consecutive
@@ -175,7 +176,7 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
         return kind, "+".join(axes) or "none", size, inter
 
     out: dict[str, dict[str, Any]] = {}
-    for label, stats in collective_stats(hlo_text, classify).items():
+    for label, stats in collective_stats(hlo_text, classify, scale or (lambda kind, line: 1)).items():
         if isinstance(label, str):  # the always-present plain-kind rows
             continue
         kind, axes, size, inter = label

@@ -161,3 +161,27 @@ def test_analytic_link_bytes_of_cp_strategies_and_sequence_parallelism_are_the_c
     predicted = analytic_comm(config, layout, act_bytes=4, per_host=8)
     axis = "cp" if layout.cp > 1 else "tp"
     assert rows[axis]["link_bytes"] == pytest.approx(predicted[axis]["link_bytes"], rel=0.01), (rows[axis], predicted)
+
+
+@pytest.mark.parametrize("name", ["pp2-m4", "pp2-zb_h1-m4"])
+def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(name):
+    """A tick's transfers sit in loops of zero or one trip, which the HLO shows once per tick:
+    weighted by the table (`tick_runs`), the compiled pp traffic is the analytic minimum, each
+    micro-batch's activation and cotangent across the boundary once, not every tick's."""
+    import jax
+
+    from mesh import make_mesh
+    from pjax.hlo import collectives_by_axis
+    from pjax.plan.estimate import analytic_comm
+    from pjax.plan.inspect import step_collectives
+    from pjax.step import build_trainer
+
+    layout = Layout.parse(name)
+    config = load_config("debug", layout.overrides())
+    mesh = make_mesh(config.mesh, jax.devices()[:2])
+    text = build_trainer(mesh, config.model, config.train, config.pipeline).compile_step().as_text()
+    predicted = analytic_comm(config, layout, act_bytes=4, per_host=8)["pp"]["link_bytes"]
+    counted = step_collectives(config, dict(mesh.shape), text, 8)["pp"]
+    assert counted["link_bytes"] == pytest.approx(predicted, rel=1e-4), (counted, predicted)
+    assert counted["kinds"]["collective-permute"] == 2 * layout.grad_accum  # m activations, m cotangents
+    assert collectives_by_axis(text, dict(mesh.shape))["pp"]["link_bytes"] > 1.4 * predicted  # once per tick

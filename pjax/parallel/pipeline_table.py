@@ -14,11 +14,13 @@ would send a useless block from each of the others).
 A tick's forward, backward, embedding, loss and transfers are loops of zero or one trip, which
 XLA counts as one trip of unknown length: a collective inside them appears once per tick in the
 compiled program. `scope_runs` says how many times per step an average device runs each of them,
-read off the same table, so that `benchmarks/comm.py` can count their collectives as they run.
+read off the same table, and `tick_runs` turns that into a weight per HLO instruction, so that
+the planner and `benchmarks/comm.py` count their collectives as they run.
 The executor names each part with `jax.named_scope(SCOPES[...])`, which XLA keeps in op names.
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -158,3 +160,17 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
         runs |= {send_scope("x", lane, k): lane_col("send_x") == k for k in range(1, len(x_sets[lane]) + 1)}
         runs |= {send_scope("dy", lane, k): lane_col("send_dy") == k for k in range(1, len(dy_sets[lane]) + 1)}
     return {name: float(r.sum()) / sched.p for name, r in runs.items()}
+
+
+def tick_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool) -> Callable[[str, str], float]:
+    """For `pjax.hlo.collective_stats(scale=...)`: how many times per tick an HLO instruction of the
+    step runs, by the innermost of the executor's named scopes in its op name (`scope_runs` over
+    the ticks; a collective outside them runs once). The tick loop's own trip count does the rest."""
+    sched = make_schedule(pipeline, pp, grad_accum, lockstep)
+    weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
+
+    def runs(kind: str, line: str) -> float:
+        name = re.search(r'op_name="([^"]*)"', line)
+        found = [(name.group(1).rfind(scope), w) for scope, w in weights.items() if name and scope in name.group(1)]
+        return max(found)[1] if found else 1.0
+    return runs

@@ -3,9 +3,10 @@
 Nothing is allocated: each step is lowered from `ShapeDtypeStruct`s (`Trainer.compile_step`)
 on as many CPU devices as the layout has (`jax_num_cpu_devices`), and XLA's own figures are
 read back: the memory per device (`memory_analysis`) and the collectives per set of mesh axes
-(`pjax.hlo.collectives_by_axis`). For a GPU profile the step is compiled in the GPU's compute
-dtype (bf16) with `train.attention=chunked`, whose memory is that of cuDNN's fused kernel; the
-rest of the program is the one `pjax.train` runs.
+(`inspect.step_collectives`: a pipeline's per-tick ops as often as its table runs them). For a
+GPU profile the step is compiled in the GPU's compute dtype (bf16) with
+`train.attention=chunked`, whose memory is that of cuDNN's fused kernel; the rest of the
+program is the one `pjax.train` runs.
 
 A result is cached on disk under a key made of the config, the layout, the profile, the device
 count, the JAX version and the source of pjax itself, so a repeated plan (or one with a larger
@@ -44,8 +45,8 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
     import jax
 
     from mesh.mesh import make_mesh
-    from pjax.hlo import collectives_by_axis
     from pjax.memory import step_memory_bytes
+    from pjax.plan.inspect import step_collectives
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)
@@ -56,7 +57,7 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
     m = compiled.memory_analysis()
     memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
-    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
     return {"memory": memory, "comm": comm, "compile_s": round(time.perf_counter() - start, 2)}
 
 

@@ -13,6 +13,7 @@ import jax
 from pjax.config import Config
 from pjax.hlo import collectives_by_axis
 from pjax.memory import step_memory_bytes
+from pjax.parallel.pipeline_table import tick_runs
 from pjax.plan.layouts import Layout, state_bytes
 
 
@@ -38,6 +39,20 @@ def parameter_table(params: Any, logical_axes: Any) -> str:
     return _table(rows)
 
 
+def _count(n: float) -> str:
+    """An op count; a pipeline's per-tick ops are averaged over its devices, so maybe a fraction."""
+    return f"{n:,.0f}" if n == int(n) else f"{n:,.1f}"
+
+
+def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, devices_per_host: int
+                     ) -> dict[str, dict[str, Any]]:
+    """`collectives_by_axis` of a compiled step, a pipeline's per-tick ops counted as often as its
+    table runs them (`pipeline_table.tick_runs`), not once per tick."""
+    pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
+    scale = tick_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
+    return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)
+
+
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
     """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per
     mesh axes (`comm`, read from the compiled HLO unless the caller already has it)."""
@@ -56,11 +71,11 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
         ("step in all (arguments + outputs - donated + temporaries)", _size(need)),
     ]
     if comm is None:
-        comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+        comm = step_collectives(config, dict(mesh.shape), compiled.as_text(), devices_per_host)
     rows = [("mesh axes", "ops per step", "bytes per device", "ring link bytes", "crosses hosts", "kinds")]
     for axes, row in sorted(comm.items(), key=lambda kv: -kv[1]["link_bytes"]):
-        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(row["kinds"].items()))
-        rows.append((axes, f"{row['count']:,}", _size(row["bytes"]), _size(row["link_bytes"]),
+        kinds = ", ".join(f"{k} x{_count(n)}" for k, n in sorted(row["kinds"].items()))
+        rows.append((axes, _count(row["count"]), _size(row["bytes"]), _size(row["link_bytes"]),
                      "yes" if row["inter_host"] else "no", kinds))
     if len(rows) == 1:
         rows.append(("(none)", "0", "0", "0", "-", "-"))
@@ -83,7 +98,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
     mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
     trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context)
     compiled = trainer.compile_step()
-    comm = collectives_by_axis(compiled.as_text(), dict(mesh.shape), devices_per_host)
+    comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
     head = (f"{layout.name} on {devices} {profile.name} ({cfg.train.dtype} compute, attention {cfg.train.attention}); "
