@@ -20,7 +20,10 @@ ticks for its first input; played out this way it takes exactly that for every m
 for p <= 16; p = 4, m = 8: 51 ticks against ZB-H1's 27 of whole stages): a bubble of
 (p - 1)/(6m + p - 1), the last device's warm-up and nothing else.
 
-Every op then costs about the same, so an SPMD tick wastes little on its slowest device.
+An SPMD tick lasts as long as its slowest device, so these tables gain most when F, B and W
+cost about the same. W lacks attention's backward, which is B's: where W is much shorter than
+B, the ticks that pair them wait, and ZB-H1 can span more than lockstep 1F1B
+(`Schedule.span`; benchmarks/README.md, "Zero-bubble").
 """
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
 # (pipeline.schedule, virtual_stages) the search tries at pp > 1. AFAB and lockstep 1F1B span
 # less than 1F1B only by holding more micro-batches; the zero-bubble tables span less than both
-# with 1F1B's slots (zb_v where the layers split into 2 pp chunks).
+# with 1F1B's slots where W is about as long as B (the roofline weighs W by the model's FLOPs,
+# `estimate.weight_share`); zb_v where the layers split into 2 pp chunks.
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zb_v", 2))
 
 
