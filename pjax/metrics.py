@@ -5,6 +5,12 @@ training step must do (forward 2 FLOPs per multiply-add, backward twice that), w
 attention counted once: a query attends to T/2 keys on average, so the score and value matmuls
 cost 2·T·H·Dh per token per layer forward, not 4·T·H·Dh (the PaLM appendix formula counts the
 masked half too). Recomputation (remat) is not model FLOPs and is not counted.
+
+An MoE layer counts its router and the expert MLPs a token pays for: its top-k, or under
+capacity routing the whole [E, C] buffer over the tokens routed together (the capacity factor is
+the model's choice, its padding runs on every step). The dense reference routing and dropless
+routing under expert parallelism (whose exact buffer is E/k times the top-k work) are counted at
+top-k: that excess is the implementation's, and MFU should show it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Any
 import jax
 
 from models.config import LlamaConfig
+from models.moe import MoeConfig, capacity
 
 # Dense peak FLOP/s by `device.device_kind` substring, first match wins (order matters: 'H100 PCIe'
 # before 'H100'). bf16 tensor-core numbers from the vendors' data sheets (without sparsity).
@@ -36,11 +43,32 @@ PEAK_BF16: tuple[tuple[str, float], ...] = (
 )
 
 
-def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + causal attention (counted once)."""
+def expert_mlps_per_token(cfg: LlamaConfig, moe: MoeConfig | None = None, group_tokens: int | None = None) -> float:
+    """How many SwiGLU MLPs a token's FLOPs pay for in one layer: 1 dense; top-k in an MoE layer;
+    E x capacity / tokens under capacity routing of `group_tokens` tokens at a time."""
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    if not e:
+        return 1.0
+    if moe is None or moe.routing != "capacity" or not group_tokens:
+        return float(k)
+    return e * capacity(group_tokens, k, e, moe.capacity_factor) / group_tokens
+
+
+def routing_group_tokens(batch_size: int, grad_accum: int, seq_len: int, dp: int, cp: int) -> int:
+    """Tokens an MoE layer routes together: a micro-batch, split over dp and cp under expert
+    parallelism (dp > 1: each device routes its own tokens, `models.moe.moe_mlp`)."""
+    tokens = batch_size // grad_accum * seq_len
+    return tokens // (dp * cp) if dp > 1 else tokens
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int, moe: MoeConfig | None = None,
+                          group_tokens: int | None = None) -> float:
+    """Training FLOPs per token: 6 x matmul parameters a token runs through (MoE: the router and
+    `expert_mlps_per_token` experts) + causal attention (counted once)."""
     d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     h, kv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    matmul_params = l * (d * dh * (2 * h + 2 * kv) + 3 * d * f) + d * v  # the embedding lookup is no matmul
+    mlp = expert_mlps_per_token(cfg, moe, group_tokens) * 3 * d * f + d * cfg.num_local_experts  # + the router
+    matmul_params = l * (d * dh * (2 * h + 2 * kv) + mlp) + d * v  # the embedding lookup is no matmul
     attention = l * 2 * seq_len * h * dh  # forward, per token: QK^T and PV over T/2 keys on average
     return 6 * matmul_params + 3 * attention
 

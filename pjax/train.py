@@ -169,11 +169,13 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
 
     from pjax.divergence import DivergenceGuard
     from models.moe import ROUTER_METRICS
-    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops
+    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops, routing_group_tokens
 
     tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
     start = int(state.step)
-    flops_per_token = model_flops_per_token(cfg.model, tc.seq_len)
+    axes = trainer.mesh.shape
+    group = routing_group_tokens(tc.batch_size, tc.grad_accum, tc.seq_len, axes['dp'], axes['cp'])
+    flops_per_token = model_flops_per_token(cfg.model, tc.seq_len, cfg.moe, group)
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     tokens_per_step = tc.batch_size * tc.seq_len
     writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl

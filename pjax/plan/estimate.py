@@ -23,7 +23,7 @@ from typing import Any
 
 from models.config import LlamaConfig
 from pjax.config import Config
-from pjax.metrics import model_flops_per_token
+from pjax.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
 from pjax.parallel.pipeline_table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
@@ -64,7 +64,7 @@ def weight_share(cfg: LlamaConfig, seq_len: int) -> float:
     (twice its forward), so attention's share of the forward is what W lacks."""
     d, f, h, kv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                        cfg.head_dim)
-    projections = 2 * (d * dh * (2 * h + 2 * kv) + 3 * d * f)  # forward FLOPs per token
+    projections = 2 * (d * dh * (2 * h + 2 * kv) + expert_mlps_per_token(cfg) * 3 * d * f)  # forward, per token
     attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average (metrics.model_flops_per_token)
     return projections / (projections + attention)
 
@@ -241,7 +241,8 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     peak = per_device(profile, devices)[0]
     tokens = tc.batch_size * tc.seq_len
-    flops = model_flops_per_token(mc, tc.seq_len) * tokens / devices
+    group = routing_group_tokens(tc.batch_size, layout.grad_accum, tc.seq_len, layout.dp, layout.cp)
+    flops = model_flops_per_token(mc, tc.seq_len, config.moe, group) * tokens / devices
     compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}
