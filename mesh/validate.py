@@ -11,8 +11,8 @@ from mesh.mesh import MeshConfig
 
 def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
                    hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0,
-                   vocab_multiple: int = 1) -> None:
-    """Check that heads, kv-heads, MLP and vocabulary split over tp, and layers over pp.
+                   vocab_multiple: int = 1, num_experts: int = 0) -> None:
+    """Check that heads, kv-heads, MLP and vocabulary split over tp, layers over pp, experts over dp.
 
     The vocabulary is held padded to a multiple of `vocab_multiple` (model.make_vocab_size_divisible_by);
     it is that padded size which must split over tp."""
@@ -36,6 +36,9 @@ def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_
             f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp={mesh.pp}; "
             f"choose a pp that divides the number of layers."
         )
+    if num_experts and num_experts % mesh.dp:
+        raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={mesh.dp}; expert "
+                          f"parallelism gives each dp device the same number of experts: choose a dp that divides it.")
     if zero not in (0, 1, 3):
         raise ConfigError(f"train.zero={zero} is invalid; choose 0 (replicated), 1 (shard optimizer state) or 3 (FSDP).")
     if zero and mesh.dp > 1 and hidden_size % mesh.dp:
@@ -64,11 +67,21 @@ def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_le
 
 
 def fit_mesh(num_devices: int, devices_per_host: int, *, num_kv_heads: int, intermediate_size: int,
-             padded_vocab_size: int) -> MeshConfig:
+             padded_vocab_size: int, num_experts: int = 0) -> MeshConfig:
     """The layout for a model the user gave no mesh for: tp the largest divisor of the kv-heads that
     also divides one host's devices (tensor parallelism talks every layer: it wants the fastest
-    links), the MLP and the padded vocabulary; dp every device left. Heads follow the kv-heads."""
-    tp = max(t for t in range(1, min(num_kv_heads, devices_per_host) + 1)
-             if not (num_kv_heads % t or devices_per_host % t or num_devices % t or intermediate_size % t
-                     or padded_vocab_size % t))
-    return MeshConfig(dp=num_devices // tp, tp=tp)
+    links), the MLP and the padded vocabulary; dp every device left. Heads follow the kv-heads.
+
+    An MoE model's experts are split over dp, so dp must also divide them: the mesh is then the
+    (dp, tp) that uses the most devices (larger tp first), and may leave some idle: 6 experts and 2
+    kv-heads on 8 devices give dp=2 x tp=2."""
+    def splits(t: int) -> bool:
+        return not (num_kv_heads % t or devices_per_host % t or num_devices % t or intermediate_size % t
+                    or padded_vocab_size % t)
+
+    def dp_for(t: int) -> int:
+        rest = num_devices // t
+        return max(d for d in range(1, rest + 1) if not rest % d and not (num_experts and num_experts % d))
+
+    tp = max(range(1, min(num_kv_heads, devices_per_host) + 1), key=lambda t: (splits(t) and dp_for(t) * t, t))
+    return MeshConfig(dp=dp_for(tp), tp=tp)

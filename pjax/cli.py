@@ -32,6 +32,11 @@ def run_main(body: Callable[[], Any]) -> int:
     except OSError as e:  # a disk that filled up, a path that vanished mid-run: say which
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         return fail(f"{e.strerror or e}{where}; check that path and the space left on its disk.")
+    except ValueError as e:  # jax's IndivisibleError (private): a shape no validator foresaw
+        if type(e).__name__ != "IndivisibleError":
+            raise
+        return fail(f"a dimension does not split over the mesh ({str(e).splitlines()[0][:300]}); choose mesh.dp, "
+                    f"mesh.pp, mesh.cp and mesh.tp sizes that divide the model's and the batch's dimensions.")
     return 0
 
 

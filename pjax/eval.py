@@ -267,7 +267,8 @@ def _main(args: argparse.Namespace) -> None:
         cfg = dataclasses.replace(cfg, mesh=fitted_mesh(model))
         if jax.process_index() == 0:
             print(describe(cfg.mesh, model))
-    run(args, cfg, make_mesh(cfg.mesh, _devices(n)))
+    devices = _devices(n)
+    run(args, cfg, make_mesh(cfg.mesh, devices[:cfg.mesh.size] if cfg.mesh.dp > 0 else devices))
 
 
 if __name__ == "__main__":

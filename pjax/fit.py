@@ -10,7 +10,7 @@ config's tiny LLaMA on tp=2), and neither was the user's choice. So:
   overridden.
 * `fitted_mesh`: when the user named no mesh.* key, the mesh is chosen for the model
   (`mesh.validate.fit_mesh`: tp the largest divisor of the kv-heads that fits one host's devices,
-  dp the rest) and printed. A mesh the user did name is used as given, and one the model does not
+  dp the rest, or for an MoE model the largest divisor of its experts) and printed. A mesh the user did name is used as given, and one the model does not
   split over stays a one-line error.
 """
 from __future__ import annotations
@@ -59,13 +59,21 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
 
 
 def fitted_mesh(model: LlamaConfig) -> MeshConfig:
-    """The mesh `fit_mesh` chooses for `model` over every device (call after the backend started)."""
-    return fit_mesh(jax.device_count(), jax.local_device_count(), num_kv_heads=model.num_key_value_heads,
-                    intermediate_size=model.intermediate_size, padded_vocab_size=model.padded_vocab_size)
+    """The mesh `fit_mesh` chooses for `model` over every device (call after the backend started).
+    One that leaves devices idle (an MoE model's experts limit dp) runs on one host only."""
+    mesh = fit_mesh(jax.device_count(), jax.local_device_count(), num_kv_heads=model.num_key_value_heads,
+                    intermediate_size=model.intermediate_size, padded_vocab_size=model.padded_vocab_size,
+                    num_experts=model.num_local_experts)
+    if mesh.size < jax.device_count() and jax.process_count() > 1:
+        raise ConfigError(f"no dp x tp mesh over all {jax.device_count()} devices splits this model's "
+                          f"{model.num_local_experts} experts over dp; set mesh.* keys (dp a divisor of the experts).")
+    return mesh
 
 
 def describe(mesh: MeshConfig, model: LlamaConfig) -> str:
     """The line that tells the user which mesh was chosen for them, and why."""
-    return (f"mesh chosen for the model: dp={mesh.dp} tp={mesh.tp} (tp: the largest divisor of its "
-            f"{model.num_key_value_heads} kv-heads that fits {jax.local_device_count()} devices per host); "
+    experts = f", dp a divisor of its {model.num_local_experts} experts" if model.num_local_experts else ""
+    idle = f" on {mesh.size} of {jax.device_count()} devices" if mesh.size < jax.device_count() else ""
+    return (f"mesh chosen for the model: dp={mesh.dp} tp={mesh.tp}{idle} (tp: the largest divisor of its "
+            f"{model.num_key_value_heads} kv-heads that fits {jax.local_device_count()} devices per host{experts}); "
             f"set mesh.* to choose another.")

@@ -200,13 +200,13 @@ def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
     validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero,
-                   vocab_multiple=cfg.make_vocab_size_divisible_by)
+                   vocab_multiple=cfg.make_vocab_size_divisible_by, num_experts=cfg.num_local_experts)
 
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig,
                  context: ContextConfig = ContextConfig()) -> None:
-    """A one-line ConfigError unless the model, batch, pipeline schedule, experts and context
-    strategy split over `mc`."""
+    """A one-line ConfigError unless the model (experts included), batch, pipeline schedule and
+    context strategy split over `mc`."""
     validate_layout(mc, cfg, tc.zero)
     validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
     if mc.pp > 1:
@@ -216,9 +216,6 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
         context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
     if tc.sequence_parallel and mc.tp > 1:
         validate_sequence_parallel(mc, tc)
-    if cfg.num_local_experts and cfg.num_local_experts % mc.dp:
-        raise ConfigError(f"model.num_local_experts={cfg.num_local_experts} is not divisible by mesh.dp={mc.dp}; "
-                          f"expert parallelism gives each dp device the same number of experts.")
 
 
 def validate_sequence_parallel(mc: MeshConfig, tc: TrainConfig) -> None:

@@ -58,14 +58,16 @@ def _run(args: argparse.Namespace) -> None:
     num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
     force_cpu_devices(MeshConfig() if fit else cfg.mesh, num_processes)
     spare_cpu_thread(cfg.mesh)
+    devices = None
     if fit:
         import jax
 
         cfg = dataclasses.replace(cfg, mesh=fitted_mesh(cfg.model))
+        devices = jax.devices()[:cfg.mesh.size]  # an MoE model's fitted mesh may leave devices idle
         if jax.process_index() == 0:
             print(describe(cfg.mesh, cfg.model))
     try:
-        train(cfg, progress=not args.no_progress)
+        train(cfg, progress=not args.no_progress, devices=devices)
     except JaxRuntimeError as e:  # the allocator's own failure, past check_fits' estimate
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

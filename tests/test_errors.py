@@ -233,3 +233,20 @@ def test_a_damaged_newest_step_falls_back_with_a_warning_and_keeps_its_files(che
     assert "warning: moved the unreadable checkpoint step 2 to" in err and "Traceback" not in err, err
     assert snapshot(tmp_path / "ckpt" / "2.unreadable") == damaged
     assert {"1", "2", "3", "2.unreadable"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+def test_a_sharding_no_validator_foresaw_is_one_line_not_a_traceback(capsys):
+    """jax's own IndivisibleError (6 rows over dp=4), from any entry point, ends as one `error:` line."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mesh import MeshConfig, make_mesh
+    from pjax.cli import run_main
+
+    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
+    assert run_main(lambda: jax.device_put(jnp.zeros((6, 2)), NamedSharding(mesh, P("dp")))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: a dimension does not split over the mesh (") \
+        and "choose mesh.dp" in err, err
+    with pytest.raises(ValueError, match="not a sharding"):  # any other ValueError is a bug: its traceback stays
+        run_main(lambda: (_ for _ in ()).throw(ValueError("not a sharding")))

@@ -32,6 +32,20 @@ def test_fit_mesh_picks_the_largest_kv_head_divisor_that_fits_a_host(kv_heads, d
                     padded_vocab_size=vocab) == want
 
 
+@pytest.mark.parametrize("kv_heads,experts,devices,per_host,want", [
+    (2, 8, 8, 8, MeshConfig(dp=4, tp=2)),  # mixtral-tiny: 2 experts per device
+    (8, 8, 8, 8, MeshConfig(dp=1, tp=8)),  # Mixtral-8x7B on one host
+    (8, 8, 64, 8, MeshConfig(dp=8, tp=8)),  # ... on 8 hosts
+    (2, 6, 8, 8, MeshConfig(dp=2, tp=2)),  # 6 experts: no dp of 4 divides them; 4 of 8 devices
+    (1, 6, 8, 8, MeshConfig(dp=2, tp=1)),
+    (2, 3, 8, 8, MeshConfig(dp=1, tp=2)),  # 3 experts: dp=1, the larger tp
+])
+def test_fit_mesh_splits_an_moe_model_s_experts_over_dp(kv_heads, experts, devices, per_host, want):
+    mesh = fit_mesh(devices, per_host, num_kv_heads=kv_heads, intermediate_size=1536, padded_vocab_size=4096,
+                    num_experts=experts)
+    assert mesh == want and experts % mesh.dp == 0
+
+
 def test_named_keys_are_the_users_not_the_default_configs():
     assert named_keys(None, ["train.steps=3"]) == {"train.steps"}
     assert not names_a_mesh(named_keys(None, ["train.steps=3"]))  # debug.yaml's mesh is not the user's

@@ -1,6 +1,8 @@
 """HuggingFace Mixtral checkpoints in pjax: the logits and the load-balancing loss of a random
 `transformers.MixtralForCausalLM` (top-2 of 8 and top-1 of 4), loaded onto an expert-parallel mesh,
 and the export that transformers reads back."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,15 +14,18 @@ from mesh import MeshConfig, make_mesh
 from models import llama
 from models.hf import load_hf, save_hf
 from models.moe import aux_losses
+from hf_helpers import REPO, short_text, transformers_mean_loss
+from pjax import eval as pjax_eval
+from pjax.data import load_tokenizer
 from pjax.parallel.data_parallel import param_shardings
 
 SHAPE = dict(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=64)
 
 
-def random_hf_mixtral(path, experts: int, top_k: int) -> transformers.MixtralForCausalLM:
+def random_hf_mixtral(path, experts: int, top_k: int, **shape) -> transformers.MixtralForCausalLM:
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(**SHAPE, num_local_experts=experts, num_experts_per_tok=top_k,
+    config = transformers.MixtralConfig(**{**SHAPE, **shape}, num_local_experts=experts, num_experts_per_tok=top_k,
                                         router_jitter_noise=0.0, output_router_logits=True)
     model = transformers.MixtralForCausalLM(config).eval()
     model.save_pretrained(path)
@@ -60,3 +65,18 @@ def test_mixtral_export_reads_back_in_transformers_tensor_for_tensor(tmp_path):
     assert theirs.keys() == ours.keys()
     for name in theirs:
         assert torch.equal(theirs[name], ours[name]), name
+
+
+def test_eval_of_a_mixtral_with_6_experts_needs_no_mesh_flags(tmp_path, monkeypatch, capsys):
+    """No dp x tp over 8 devices splits 6 experts over dp: the fitted mesh is dp=2 x tp=2 on 4 of them."""
+    model = random_hf_mixtral(tmp_path / "hf", 6, 2, vocab_size=4096)
+    model.config.output_router_logits = False  # pjax.eval's loss is the next-token loss alone
+    text = short_text(tmp_path / "text.txt", 500)
+    tokenizer = str(REPO / "data/tokenizer/bpe4096")
+    reference = transformers_mean_loss(model, pjax_eval.read_tokens(str(text), load_tokenizer(tokenizer)), 32)
+    monkeypatch.setattr(pjax_eval, "force_cpu_devices", lambda *a: 8)  # the 8 forced devices exist already
+    assert pjax_eval.main(["--hf", str(tmp_path / "hf"), "--text", str(text), "--tokenizer", tokenizer,
+                           "train.seq_len=32"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("mesh chosen for the model: dp=2 tp=2 on 4 of 8 devices"), out[0]
+    assert abs(json.loads(out[-1])["loss"] - reference) <= 1e-5
