@@ -34,8 +34,8 @@ ROPE_KEYS = ROPE_TYPES["llama3"]  # every scaling key (llama3 uses them all)
 _ROPE_REFUSED = {
     "dynamic": "dynamic NTK scaling recomputes the frequencies from each input's length at inference, and "
                "transformers caches them across calls; pjax's RoPE is fixed per model",
-    "yarn": "YaRN (Qwen, DeepSeek) is not implemented",
-    "longrope": "LongRoPE (Phi-3) is not implemented",
+    "yarn": "YaRN (Qwen's and DeepSeek's scaling) is not implemented",
+    "longrope": "LongRoPE (Phi-3's scaling) is not implemented",
 }
 
 
@@ -48,8 +48,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json has rope_scaling={rope!r}; use an object or null.")
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
-        why = _ROPE_REFUSED.get(rope_type, "not implemented") if isinstance(rope_type, str) else "not a name"
-        raise ConfigError(f"config.json asks for rope_type={rope_type!r} ({why}); pjax supports "
+        why = _ROPE_REFUSED.get(rope_type, "it is not implemented") if isinstance(rope_type, str) else "not a name"
+        raise ConfigError(f"config.json asks for rope_type={rope_type!r}, which pjax refuses: {why}; it supports "
                           f"{', '.join(ROPE_TYPES)} RoPE.")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
@@ -61,8 +61,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         hf_key = key.removeprefix("rope_")
         if rope.get(hf_key) is None and hf_key != "original_max_position_embeddings":  # that one has a default
             needs = ", ".join(k.removeprefix("rope_") for k in ROPE_TYPES[rope_type])
-            raise ConfigError(f"config.json's rope_scaling has rope_type={rope_type!r} but no {hf_key!r}; add it "
-                              f"({rope_type} RoPE reads {needs}).")
+            raise ConfigError(f"config.json asks for rope_type={rope_type!r} without its {hf_key!r}; add it to "
+                              f"rope_scaling ({rope_type} RoPE reads {needs}).")
         out[key] = rope.get(hf_key)
     return out
 
@@ -155,7 +155,7 @@ class LlamaConfig:
     def _check_rope_scaling(self) -> None:
         """rope_type is one pjax implements, with exactly the keys it uses, each a valid value."""
         if not isinstance(self.rope_type, str) or self.rope_type not in ROPE_TYPES:
-            why = f" ({_ROPE_REFUSED[self.rope_type]})" if isinstance(self.rope_type, str) and \
+            why = f": {_ROPE_REFUSED[self.rope_type]}" if isinstance(self.rope_type, str) and \
                 self.rope_type in _ROPE_REFUSED else ""
             raise ConfigError(f"model.rope_type={self.rope_type!r} is not supported{why}; use one of "
                               f"{', '.join(ROPE_TYPES)}.")

@@ -197,11 +197,12 @@ def test_llama_31_config_json_reads_and_writes_back_its_rope_scaling():
 
 
 @pytest.mark.parametrize("rope,message", [
-    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic' \(dynamic NTK scaling recomputes"),
-    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, r"rope_type='yarn' \(YaRN"),
-    ({"rope_type": "rotating"}, r"rope_type='rotating' \(not implemented\); pjax supports default, linear, llama3"),
-    ({"rope_type": "linear"}, r"rope_type='linear' but no 'factor'; add it"),
-    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, r"but no 'low_freq_factor'"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic', which pjax refuses: dynamic NTK scaling"),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, r"'yarn', which pjax refuses: YaRN"),
+    ({"rope_type": "rotating"}, r"'rotating', which pjax refuses: it is not implemented; it supports default, linear, "
+                                r"llama3"),
+    ({"rope_type": "linear"}, r"rope_type='linear' without its 'factor'; add it to rope_scaling"),
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, r"without its 'low_freq_factor'"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
      r"rope_high_freq_factor=1.0 must exceed rope_low_freq_factor=4.0"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5; pjax rotates the whole"),
