@@ -69,7 +69,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
 
     The same float32 operations, in the same order, as transformers' `ROPE_INIT_FUNCTIONS`
     (modeling_rope_utils.py), so that imported checkpoints give its logits. Every input is a
-    constant of the config: XLA folds the whole computation at compile time.
+    constant of the config, not of the data.
     """
     dh = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
