@@ -194,6 +194,12 @@ def test_llama_31_config_json_reads_and_writes_back_its_rope_scaling():
     written = cfg.to_hf()
     assert written["rope_scaling"] == {**LLAMA_31_8B["rope_scaling"]} and written["rope_theta"] == 500000.0
     assert LlamaConfig.from_hf(written) == cfg
+    # As transformers reads them: no original context -> max_position_embeddings; the RoPE object's
+    # rope_theta (transformers 5's rope_parameters carries one) before the top-level key.
+    rope = {k: v for k, v in LLAMA_31_8B["rope_scaling"].items() if k != "original_max_position_embeddings"}
+    assert LlamaConfig.from_hf({**LLAMA_31_8B, "rope_scaling": rope}).rope_original_max_position_embeddings == 131072
+    five = {**LLAMA_31_8B, "rope_scaling": None, "rope_parameters": {**rope, "rope_theta": 1e6}}
+    assert LlamaConfig.from_hf(five).rope_theta == 1e6
 
 
 @pytest.mark.parametrize("rope,message", [
