@@ -17,9 +17,54 @@ _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word
 # The keys that fix the parameters' shapes or their meaning: a checkpoint and the run reading it
 # must agree on all of them.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rope_type", "rope_factor",
+              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings", "rms_norm_eps",
               "num_local_experts", "num_experts_per_tok")
 MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef")
+
+# RoPE scalings pjax implements (`models.llama.rope_inv_freq`), each with the model keys it needs; each
+# key is HF's rope_scaling key with a "rope_" prefix (rope_factor is rope_scaling's "factor").
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("rope_factor",),
+    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
+}
+ROPE_KEYS = ROPE_TYPES["llama3"]  # every scaling key (llama3 uses them all)
+# HF rope types pjax refuses, and why (any other unknown type is refused too).
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK scaling recomputes the frequencies from each input's length at inference, and "
+               "transformers caches them across calls; pjax's RoPE is fixed per model",
+    "yarn": "YaRN (Qwen's and DeepSeek's scaling) is not implemented",
+    "longrope": "LongRoPE (Phi-3's scaling) is not implemented",
+}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope_theta and rope_* model keys of a config.json, read as transformers reads them: the
+    rope_scaling object (transformers 4.x, Meta's Llama 3.1 files) before rope_parameters (5.x), its
+    rope_type before the older "type", its rope_theta before the top-level one."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"config.json has rope_scaling={rope!r}; use an object or null.")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
+        why = _ROPE_REFUSED.get(rope_type, "it is not implemented") if isinstance(rope_type, str) else "not a name"
+        raise ConfigError(f"config.json asks for rope_type={rope_type!r}, which pjax refuses: {why}; it supports "
+                          f"{', '.join(ROPE_TYPES)} RoPE.")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"config.json sets partial_rotary_factor={partial!r}; pjax rotates the whole head "
+                          f"(1.0).")
+    theta = rope.get("rope_theta")
+    out = {"rope_theta": theta if theta is not None else hf.get("rope_theta", 10000.0), "rope_type": rope_type}
+    for key in ROPE_TYPES[rope_type]:
+        hf_key = key.removeprefix("rope_")
+        if rope.get(hf_key) is None and hf_key != "original_max_position_embeddings":  # that one has a default
+            needs = ", ".join(k.removeprefix("rope_") for k in ROPE_TYPES[rope_type])
+            raise ConfigError(f"config.json asks for rope_type={rope_type!r} without its {hf_key!r}; add it to "
+                              f"rope_scaling ({rope_type} RoPE reads {needs}).")
+        out[key] = rope.get(hf_key)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +79,16 @@ class LlamaConfig:
     num_key_value_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_attention_heads, as in HF
     rope_theta: float = 10000.0
+    # RoPE scaling: HF's rope_scaling object as flat keys, so that the config stays hashable (it is a
+    # static jit argument) and each key is one override. rope_type "default": none; "linear": every
+    # frequency divided by rope_factor (position interpolation); "llama3" (Llama 3.1-3.3): frequencies
+    # whose wavelength exceeds rope_original_max_position_embeddings / rope_low_freq_factor divided by
+    # rope_factor, those below it / rope_high_freq_factor kept, a smooth ramp between. Unused keys null.
+    rope_type: str = "default"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_position_embeddings: int | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -80,6 +135,7 @@ class LlamaConfig:
             object.__setattr__(self, key, float(value))
         if not isinstance(self.tie_word_embeddings, bool):
             raise ConfigError(f"model.tie_word_embeddings={self.tie_word_embeddings!r} is invalid; use true or false.")
+        self._check_rope_scaling()
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -95,6 +151,35 @@ class LlamaConfig:
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs whole groups."
             )
+
+    def _check_rope_scaling(self) -> None:
+        """rope_type is one pjax implements, with exactly the keys it uses, each a valid value."""
+        if not isinstance(self.rope_type, str) or self.rope_type not in ROPE_TYPES:
+            why = f": {_ROPE_REFUSED[self.rope_type]}" if isinstance(self.rope_type, str) and \
+                self.rope_type in _ROPE_REFUSED else ""
+            raise ConfigError(f"model.rope_type={self.rope_type!r} is not supported{why}; use one of "
+                              f"{', '.join(ROPE_TYPES)}.")
+        used = ROPE_TYPES[self.rope_type]
+        missing = [f"model.{k}" for k in used if getattr(self, k) is None]
+        if missing:
+            raise ConfigError(f"model.rope_type={self.rope_type!r} needs {', '.join(missing)}; set "
+                              f"{'it' if len(missing) == 1 else 'them'} (HF's rope_scaling keys, prefixed rope_).")
+        unused = [f"model.{k}" for k in ROPE_KEYS if k not in used and getattr(self, k) is not None]
+        if unused:
+            raise ConfigError(f"model.rope_type={self.rope_type!r} does not use {', '.join(unused)}; set "
+                              f"{'it' if len(unused) == 1 else 'them'} to null.")
+        for key in used:
+            value = getattr(self, key)
+            if key == "rope_original_max_position_embeddings":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigError(f"model.{key}={value!r} is invalid; use an integer >= 1.")
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use a number > 0.")
+            object.__setattr__(self, key, float(value))
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3.1: 4 and 1).")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
@@ -112,18 +197,16 @@ class LlamaConfig:
         missing = [k for k in _HF_REQUIRED if k not in hf]
         if missing:
             raise ConfigError(f"config.json has no {', '.join(missing)}; it is not a complete LLaMA config.")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"config.json has rope_scaling={rope!r}; use an object or null.")
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ConfigError(f"config.json asks for rope_type={rope.get('rope_type')!r}; only default RoPE is supported.")
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = _rope_from_hf(hf)
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("config.json enables attention_bias or mlp_bias; LLaMA in pjax has no biases.")
         # Mixtral's own keys (router_z_loss_coef is pjax's: HF has no z-loss) only from a mixtral config.
         moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef") if model_type == "mixtral" else ()
-        names = {f.name for f in dataclasses.fields(cls)} - {"make_vocab_size_divisible_by", *MOE_KEYS} | set(moe)
-        kwargs = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if k in names}, "rope_theta": theta}
+        names = {f.name for f in dataclasses.fields(cls)} - {"make_vocab_size_divisible_by", "rope_theta", "rope_type",
+                                                             *ROPE_KEYS, *MOE_KEYS} | set(moe)
+        kwargs = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if k in names}, **rope}
+        if kwargs.get("rope_original_max_position_embeddings", 0) is None:  # HF's default for llama3
+            kwargs["rope_original_max_position_embeddings"] = kwargs["max_position_embeddings"]
         if model_type == "mixtral":  # HF MixtralConfig's defaults
             kwargs = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, **kwargs}
         kwargs.setdefault("num_key_value_heads", hf["num_attention_heads"])
@@ -138,6 +221,13 @@ class LlamaConfig:
         """The HuggingFace `config.json` dict for this shape (a MixtralConfig's when it has experts)."""
         d = dataclasses.asdict(self)
         del d["make_vocab_size_divisible_by"]  # pjax's padding: HF sees the real vocabulary
+        for key in ("rope_type", *ROPE_KEYS):
+            del d[key]
+        if self.rope_type != "default":
+            # rope_theta stays a top-level key and the object is rope_scaling, as in Meta's Llama 3.1
+            # config.json: transformers 4.x reads only that name, 5.x reads it as rope_parameters.
+            d["rope_scaling"] = {"rope_type": self.rope_type,
+                                 **{k.removeprefix("rope_"): getattr(self, k) for k in ROPE_TYPES[self.rope_type]}}
         if self.num_local_experts:  # Mixtral (HF has no router z-loss)
             del d["router_z_loss_coef"]
             d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",

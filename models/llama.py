@@ -27,6 +27,7 @@ transposes; on GPU it costs nothing. Attention alone sees [B, T, heads, Dh].
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -63,7 +64,33 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
+    """RoPE's [Dh/2] inverse frequencies (radians per position) in fp32, scaled as `cfg.rope_type` says.
+
+    The same float32 operations, in the same order, as transformers' `ROPE_INIT_FUNCTIONS`
+    (modeling_rope_utils.py), so that imported checkpoints give its logits. Every input is a
+    constant of the config, not of the data.
+    """
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    if cfg.rope_type == "linear":  # position interpolation: position p rotates as p / factor did
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        # Llama 3.1: wavelengths longer than the pre-training context / low_freq_factor (never a full
+        # turn within it) are interpolated by 1/factor; those shorter than context / high_freq_factor
+        # (many turns: local position) are kept; in between, a linear ramp in context / wavelength.
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+        return jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(positions: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
     """cos and sin of each position's rotation angles, [B, T, Dh/2] in fp32 each.
 
     Computed once per forward pass and shared by every layer (and by q and k). The barrier keeps
@@ -71,8 +98,7 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
     evaluates them per head and per use, forward and backward (6% of a layer's time at the
     picotron-cpu shape).
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
     return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
 
 
@@ -200,7 +226,7 @@ def _boxed_init(cfg: LlamaConfig, rng: jax.Array) -> Params:
     layer = DecoderLayer(cfg)
     # vmap over per-layer keys stacks each parameter along a new leading dim; the box keeps the
     # per-layer names, so prepend 'layers' to them.
-    tables = rope_tables(pos, cfg.head_dim, cfg.rope_theta)
+    tables = rope_tables(pos, cfg)
     init_one = lambda k: layer.init(k, x, pos, tables)["params"]
     stacked = jax.vmap(init_one)(jax.random.split(k_layers, cfg.num_hidden_layers))
     stacked = jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), stacked,
@@ -253,7 +279,7 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
     pipeline stage slices them outside its VJP, so the slices are not kept as residuals."""
     layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
                          sequence_parallel=sequence_parallel)
-    tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    tables = rope_tables(positions, cfg)
 
     def body(h, p_taps):
         p, t = p_taps

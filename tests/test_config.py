@@ -138,6 +138,36 @@ def test_dump_then_load_round_trips(name, tmp_path):
     assert load_config(write(tmp_path, dump_config(cfg))) == cfg
 
 
+LLAMA3_ROPE = ["model.rope_type=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+               "model.rope_high_freq_factor=4", "model.rope_original_max_position_embeddings=8192"]
+
+
+def test_rope_scaling_overrides_load_and_round_trip(tmp_path):
+    cfg = load_config("debug", LLAMA3_ROPE)
+    m = cfg.model
+    assert (m.rope_type, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+            m.rope_original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 8192)
+    assert isinstance(m.rope_factor, float) and isinstance(m.rope_original_max_position_embeddings, int)
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+    assert load_config("debug", ["model.rope_type=linear", "model.rope_factor=2"]).model.rope_factor == 2.0
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.rope_type=llama3", "model.rope_factor=8"], r"model.rope_type='llama3' needs model.rope_low_freq_factor, "
+                                                        r"model.rope_high_freq_factor, model.rope_original_max_"),
+    (["model.rope_type=linear"], r"model.rope_type='linear' needs model.rope_factor; set it"),
+    (["model.rope_factor=2"], r"model.rope_type='default' does not use model.rope_factor; set it to null"),
+    (["model.rope_type=linear", "model.rope_factor=0"], r"model.rope_factor=0.0 is invalid; use a number > 0"),
+    ([*LLAMA3_ROPE, "model.rope_original_max_position_embeddings=0"],
+     r"model.rope_original_max_position_embeddings=0 is invalid"),
+    (["model.rope_type=yarn"], r"model.rope_type='yarn' is not supported: YaRN .*; use one of default, linear, "
+                               r"llama3"),
+])
+def test_rope_scaling_mistakes_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("debug", overrides)
+
+
 def test_config_to_dict_is_plain_nested_dicts():
     d = config_to_dict(load_config())
     assert d["train"]["steps"] == 200 and d["model"]["head_dim"] == 32 and d["checkpoint"]["dir"] is None

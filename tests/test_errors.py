@@ -3,6 +3,7 @@ no traceback, and no checkpoint step lost. One table, run through the four entry
 from __future__ import annotations
 
 import glob
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -62,7 +63,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     random_hf_llama(good, vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=64)
     for name in ("hf_no_config", "hf_bad_json", "hf_no_layers_key", "hf_bad_value", "hf_untied_no_head",
-                 "hf_truncated", "hf_no_weights"):
+                 "hf_truncated", "hf_no_weights", "hf_rope_yarn", "hf_rope_dynamic"):
         shutil.copytree(good, root / name)
         out[name] = root / name
     (root / "hf_no_config" / "config.json").unlink()
@@ -70,6 +71,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     config = (good / "config.json").read_text()
     (root / "hf_no_layers_key" / "config.json").write_text(config.replace('"num_hidden_layers"', '"n_layers"'))
     (root / "hf_bad_value" / "config.json").write_text(config.replace('"hidden_size": 32', '"hidden_size": "big"'))
+    for kind, rope in (("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+                       ("dynamic", {"rope_type": "dynamic", "factor": 2.0})):  # as Qwen / community files have them
+        (root / f"hf_rope_{kind}" / "config.json").write_text(json.dumps({**json.loads(config), "rope_scaling": rope}))
     tensors = safetensors.numpy.load_file(str(good / "model.safetensors"))
     del tensors["lm_head.weight"]
     safetensors.numpy.save_file(tensors, str(root / "hf_untied_no_head" / "model.safetensors"), metadata={"format": "pt"})
@@ -152,6 +156,12 @@ CASES: list[Case] = [
      "hidden_size='big' is invalid"),
     ("init_from untied without lm_head", "train", lambda f, c, t: [f"train.init_from={f['hf_untied_no_head']}"],
      "no lm_head.weight but its config.json says tie_word_embeddings=false"),
+    ("init_from with YaRN RoPE", "train", lambda f, c, t: [f"train.init_from={f['hf_rope_yarn']}"],
+     "asks for rope_type='yarn', which pjax refuses: YaRN (Qwen's and DeepSeek's scaling) is not implemented"),
+    ("RoPE type not implemented", "train", lambda f, c, t: ["model.rope_type=dynamic"],
+     "model.rope_type='dynamic' is not supported: dynamic NTK scaling"),
+    ("llama3 RoPE without its keys", "train", lambda f, c, t: ["model.rope_type=llama3", "model.rope_factor=8"],
+     "model.rope_type='llama3' needs model.rope_low_freq_factor"),
     ("init_from truncated weights", "train", lambda f, c, t: [f"train.init_from={f['hf_truncated']}"], "is truncated"),
     ("init_from without weights", "train", lambda f, c, t: [f"train.init_from={f['hf_no_weights']}"],
      "no model.safetensors"),
@@ -166,6 +176,8 @@ CASES: list[Case] = [
      "not finite; stopped (train.on_nonfinite=stop)"),
     ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),
     ("eval: broken config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_bad_json"])], "is not a readable JSON"),
+    ("eval: dynamic NTK RoPE", "eval", lambda f, c, t: ["--hf", str(f["hf_rope_dynamic"])],
+     "asks for rope_type='dynamic', which pjax refuses: dynamic NTK"),
     ("eval: binary text", "eval", lambda f, c, t: ["--hf", str(f["hf_good"]), "--text", str(f["binary.txt"])],
      "is not UTF-8 text"),
     ("eval: every step damaged", "eval", lambda f, c, t: ["--checkpoint", str(c["damaged"])], "no checkpoint step in"),

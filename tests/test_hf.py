@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from mesh import ConfigError, MeshConfig, logical_to_spec, make_mesh
 from models import llama
+from models.config import ROPE_KEYS, LlamaConfig
 from models.hf import load_hf, save_hf
 
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -23,7 +25,20 @@ VARIANTS = {
     "gqa_untied": dict(tie_word_embeddings=False),
     "tied": dict(tie_word_embeddings=True),
     "rope_theta_500k": dict(rope_theta=500000.0),
+    # Scaled RoPE. head_dim 8 has wavelengths 6.3, 63, 628 and 6283 positions: against a 64-token
+    # original context (low 1, high 4: bounds 64 and 16), llama3 keeps the first, ramps the second
+    # and divides the last two, so every branch of its formula is in the logits.
+    "rope_linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "rope_llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                        max_position_embeddings=512),
 }
+# Meta's Llama 3.1 config.json (the keys pjax reads; rope_scaling verbatim).
+LLAMA_31_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+               "max_position_embeddings": 131072, "rope_theta": 500000.0,
+               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
 TOKENS = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 16)).astype(np.int32)
 _logits = jax.jit(llama.logits, static_argnums=2)
 
@@ -122,6 +137,7 @@ def test_save_hf_reloads_in_transformers_with_same_logits(hf_ckpt, tmp_path, max
     assert os.path.exists(tmp_path / written)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     assert model.config.tie_word_embeddings == cfg.tie_word_embeddings
+    assert model.config.rope_parameters["rope_type"] == cfg.rope_type
     ours = np.asarray(_logits(params, TOKENS, cfg))
     assert np.abs(_hf_logits(model) - ours).max() <= 1e-5
 
@@ -160,3 +176,43 @@ def test_missing_weight_names_the_tensor(untied, tmp_path, name, message):
         load_hf(_copy_without(untied[1], tmp_path, name))
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "rope_scaling" in VARIANTS[v]])
+def test_rope_inv_freq_equals_transformers_and_differs_from_unscaled(variant):
+    hf_cfg = transformers.LlamaConfig(**SHAPE, **VARIANTS[variant])
+    cfg = LlamaConfig.from_hf(hf_cfg.to_dict())
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[cfg.rope_type]
+    ours, unscaled = llama.rope_inv_freq(cfg), llama.rope_inv_freq(dataclasses.replace(
+        cfg, rope_type="default", **dict.fromkeys(ROPE_KEYS)))
+    np.testing.assert_array_equal(ours, init(hf_cfg, None)[0].numpy())
+    assert (np.asarray(ours) != np.asarray(unscaled)).any()
+
+
+def test_llama_31_config_json_reads_and_writes_back_its_rope_scaling():
+    cfg = LlamaConfig.from_hf(LLAMA_31_8B)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_position_embeddings, cfg.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 8192, 500000.0)
+    written = cfg.to_hf()
+    assert written["rope_scaling"] == {**LLAMA_31_8B["rope_scaling"]} and written["rope_theta"] == 500000.0
+    assert LlamaConfig.from_hf(written) == cfg
+    # As transformers reads them: no original context -> max_position_embeddings; the RoPE object's
+    # rope_theta (transformers 5's rope_parameters carries one) before the top-level key.
+    rope = {k: v for k, v in LLAMA_31_8B["rope_scaling"].items() if k != "original_max_position_embeddings"}
+    assert LlamaConfig.from_hf({**LLAMA_31_8B, "rope_scaling": rope}).rope_original_max_position_embeddings == 131072
+    five = {**LLAMA_31_8B, "rope_scaling": None, "rope_parameters": {**rope, "rope_theta": 1e6}}
+    assert LlamaConfig.from_hf(five).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic', which pjax refuses: dynamic NTK scaling"),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, r"'yarn', which pjax refuses: YaRN"),
+    ({"rope_type": "rotating"}, r"'rotating', which pjax refuses: it is not implemented; it supports default, linear, "
+                                r"llama3"),
+    ({"rope_type": "linear"}, r"rope_type='linear' without its 'factor'; add it to rope_scaling"),
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, r"without its 'low_freq_factor'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     r"rope_high_freq_factor=1.0 must exceed rope_low_freq_factor=4.0"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5; pjax rotates the whole"),
+])
+def test_unsupported_rope_scaling_is_one_config_error(rope, message):
+    with pytest.raises(ConfigError, match=message):
+        LlamaConfig.from_hf({**LLAMA_31_8B, "rope_scaling": rope})
