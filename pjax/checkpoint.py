@@ -330,21 +330,24 @@ def _take_lock(directory: str, given: str) -> DirectoryLock | None:
 
 def _is_disk_full(error: BaseException) -> bool:
     """Whether `error` (or one it came from) says the disk or the quota is full."""
-    while error is not None:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if any(mark in str(error) for mark in _DISK_FULL):
             return True
+        seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
 
 
 def _size(num_bytes: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB"):
-        if num_bytes < 1024 or unit == "GB":
-            return f"{num_bytes:.0f} {unit}" if unit == "bytes" else f"{num_bytes:.1f} {unit}"
+    if num_bytes < 1024:
+        return f"{num_bytes:.0f} bytes"
+    for unit in ("KB", "MB", "GB"):
         num_bytes /= 1024
-    return ""
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.1f} {unit}"
 
 
 def layer_rows(trainer: Trainer) -> np.ndarray | None:
@@ -376,10 +379,10 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
 def _quiet_abandoned_io() -> None:
     """Keep a failed read's or write's leftovers off the terminal. When one array of a step cannot be
     read (or written: a full disk), Orbax abandons the step's other reads (writes) and closes its
-    asyncio loop; tensorstore then completes them on its own threads, and each completion reports "Event loop is closed" as an unraisable
-    exception (a traceback each), asyncio logs "Task exception was never retrieved", and Python
-    warns of coroutines never awaited. Only those three are dropped; everything else goes where it
-    went."""
+    asyncio loop; tensorstore then completes them on its own threads, and each completion reports
+    "Event loop is closed" as an unraisable exception (a traceback each), asyncio logs "Task
+    exception was never retrieved", and Python warns of coroutines never awaited. Only those three
+    are dropped; everything else goes where it went."""
     if getattr(sys.unraisablehook, "pjax_quiet", False):
         return
     previous = sys.unraisablehook

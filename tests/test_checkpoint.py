@@ -228,7 +228,8 @@ def test_a_second_run_is_refused_and_a_sigkilled_run_leaves_no_lock_and_resumes_
         while not (ckpt_dir / LOCK_NAME).is_file() or not (ckpt_dir / LOCK_NAME).read_text():
             assert proc.poll() is None and time.time() < deadline, "the run never took its lock"
             time.sleep(0.005)
-        with pytest.raises(ConfigError, match=rf"checkpoint.dir=.*ckpt is in use by another run \(pid {proc.pid} on "):
+        in_use = rf"checkpoint.dir=.*ckpt is in use by another run \(pid {proc.pid} on "
+        with pytest.raises(ConfigError, match=in_use):
             train(small_cfg(tmp_path, cache, "train.steps=8", "checkpoint.every=1", "checkpoint.keep=2"),
                   progress=False, devices=jax.devices()[:1])
         # Wait until a save is being written while an earlier one is complete, then kill -9.
@@ -283,7 +284,8 @@ def small_disk(tmp_path) -> Path:
     mount.mkdir()
     if os.geteuid() != 0:
         pytest.skip("a size-limited file system needs `mount -t tmpfs`, which needs root")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {made.stderr.strip() or made.returncode}")
     yield mount
