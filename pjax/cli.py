@@ -10,7 +10,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, cut
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -41,9 +41,17 @@ def run_main(body: Callable[[], Any]) -> int:
 
 
 def fail(message: str) -> int:
-    """Print the one-line error and return exit status 2."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    """Print the one-line error and return exit status 2. A word longer than 200 characters (a value
+    or path echoed from the user that nothing cut earlier) is cut, so the line stays readable."""
+    print(f"error: {' '.join(_short(word) for word in message.split())}", file=sys.stderr)
     return 2
+
+
+def _short(word: str, limit: int = 200) -> str:
+    if len(word) <= limit:
+        return word
+    stem = word.rstrip(").,;:'\"")  # the sentence's punctuation after the word stays
+    return cut(stem, limit) + word[len(stem):]
 
 
 def writable_dir(path: str, key: str) -> None:

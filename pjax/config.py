@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, shown
 from mesh.mesh import MeshConfig
 from models.config import LlamaConfig
 from models.moe import MoeConfig
@@ -27,7 +27,7 @@ ON_NONFINITE = ("stop", "skip")
 def _require(ok: bool, key: str, value: Any, valid: str) -> None:
     """Raise the one-sentence ConfigError for an impossible value unless `ok`."""
     if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid; {valid}.")
+        raise ConfigError(f"{key}={shown(value)} is invalid; {valid}.")
 
 
 def _require_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, cut, first_line, shown
 from pjax.config import Config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -66,14 +66,33 @@ def resolve_config_path(path: str | None) -> Path:
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a YAML config (default `configs/debug.yaml`) and apply `section.key=value` overrides."""
     file = resolve_config_path(path)
+    text = _read_text(file)
     try:
-        document = yaml.load(file.read_text(), Loader=_Loader)
+        document = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file '{file}' is not valid YAML: {problem}{where}.") from None
+    except ValueError as e:  # PyYAML builds ints with int(): Python refuses over 4,300 digits
+        raise ConfigError(f"config file '{file}' {_unreadable_number(e)}") from None
     return config_from_dict(document, overrides, source=f"config file '{file}'")
+
+
+def _read_text(file: Path) -> str:
+    """The config file's text, which YAML requires to be UTF-8 (whatever the machine's locale says)."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{file}' is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); save it as UTF-8.") from None
+
+
+def _unreadable_number(error: ValueError) -> str:
+    """The end of a one-line error for a value PyYAML could not build (an integer of over 4,300 digits)."""
+    if "digits" in str(error):
+        return "holds an integer of over 4,300 digits, more than any setting can use; write a sensible number."
+    return f"holds a value that cannot be read ({first_line(error)}); fix or quote it."
 
 
 def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str = "config") -> Config:
@@ -95,7 +114,7 @@ def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str =
             values[section][key] = _coerce(section, key, value, cls, source)
     for item in overrides:
         section, key, value = parse_override(item)
-        where = f"override '{item}'"
+        where = f"override '{cut(item)}'"
         values[section][key] = _coerce(section, key, value, _section(section, where), where)
     return Config(**{name: cls(**values[name]) for name, cls in SECTIONS.items()})
 
@@ -106,7 +125,7 @@ def named_keys(path: str | None, overrides: Sequence[str] = ()) -> set[str]:
     because the default config says so" (`pjax.fit` adapts the latter to the model)."""
     keys = set()
     if path is not None:
-        document = yaml.load(resolve_config_path(path).read_text(), Loader=_Loader)  # valid: load_config read it
+        document = yaml.load(_read_text(resolve_config_path(path)), Loader=_Loader)  # valid: load_config read it
         for section, body in (document or {}).items():
             keys.update(f"{section}.{key}" for key in (body or {}))
     for item in overrides:
@@ -120,15 +139,17 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     dotted, sep, text = item.partition("=")
     dotted = dotted.strip()
     if not sep or not dotted:
-        raise ConfigError(f"override '{item}' must look like key=value, e.g. train.steps=50.")
+        raise ConfigError(f"override '{cut(item)}' must look like key=value, e.g. train.steps=50.")
     section, dot, key = dotted.partition(".")
     if not dot or not key or "." in key:
-        raise ConfigError(f"override key '{dotted}' must be section.key, e.g. train.steps; valid sections: "
+        raise ConfigError(f"override key '{cut(dotted)}' must be section.key, e.g. train.steps; valid sections: "
                           f"{', '.join(sorted(SECTIONS))}.")
     try:
         value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError:
-        raise ConfigError(f"override '{item}' has a value that is not valid YAML; quote it or fix it.") from None
+        raise ConfigError(f"override '{cut(item)}' has a value that is not valid YAML; quote it or fix it.") from None
+    except ValueError as e:
+        raise ConfigError(f"override '{cut(item)}' {_unreadable_number(e)}") from None
     return section, key, value
 
 
@@ -166,10 +187,12 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
     if base is bool and isinstance(value, bool):
         return value
     if base is int and not isinstance(value, bool):
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int):
+            if abs(value) >= 2**63:  # every integer setting is a count, size or seed that numpy/JAX holds in 64 bits
+                raise ConfigError(f"{name} is too large ({shown(value)}); use an integer below 2**63 (in {source}).")
+            return value
     if base is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     if base is str and isinstance(value, str):
@@ -188,5 +211,5 @@ def _show(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, (dict, list)):
-        return f"a {type(value).__name__} {value!r}"[:80]
-    return repr(value)
+        return f"a {type(value).__name__} {shown(value)}"
+    return shown(value)

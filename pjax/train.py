@@ -125,6 +125,13 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
+    if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
+        # RoPE computes any position, so the run works; but the model then claims (in its config and
+        # an HF export) a context shorter than the one it was trained on.
+        print(f"warning: train.seq_len={tc.seq_len} is longer than model.max_position_embeddings="
+              f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
+              f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
+              file=sys.stderr, flush=True)
     mesh = make_mesh(cfg.mesh, devices)
     trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context)
     # Context parallelism's load-balanced layout (the identity when cp = 1); positions follow it.

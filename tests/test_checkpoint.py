@@ -22,6 +22,7 @@ from pjax.checkpoint import Checkpointer, layer_rows, saving_in_progress
 from pjax.config import PipelineConfig
 from pjax.config_io import load_config
 from pjax.data import build_data
+from pjax.dirlock import LOCK_NAME
 from pjax.step import build_trainer
 from pjax.train import train
 
@@ -57,7 +58,7 @@ def uninterrupted(tmp_path_factory, cache) -> tuple[Path, list[float]]:
 
 def test_resume_at_step_5_repeats_the_uninterrupted_losses_bit_for_bit(uninterrupted, cache, tmp_path):
     src, losses = uninterrupted
-    assert sorted(os.listdir(src / "ckpt")) == ["10", "5", "config.yaml"]
+    assert sorted(os.listdir(src / "ckpt")) == [LOCK_NAME, "10", "5", "config.yaml"]
     # A run preempted right after saving step 5: its checkpoints and metrics end there.
     shutil.copytree(src / "ckpt", tmp_path / "ckpt", ignore=lambda d, names: ["10"] if d == str(src / "ckpt") else [])
     (tmp_path / "run").mkdir()
@@ -217,11 +218,20 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def test_sigkill_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, cache):
+def test_a_second_run_is_refused_and_a_sigkilled_run_leaves_no_lock_and_resumes_from_its_last_complete_step(
+        tmp_path, cache):
     proc = start_cli(tmp_path, cache, "train.steps=8", "checkpoint.every=1", "checkpoint.keep=2")
     ckpt_dir = tmp_path / "ckpt"
     deadline = time.time() + 300
     try:
+        # While the first run holds checkpoint.dir, a second one into it stops before touching it.
+        while not (ckpt_dir / LOCK_NAME).is_file() or not (ckpt_dir / LOCK_NAME).read_text():
+            assert proc.poll() is None and time.time() < deadline, "the run never took its lock"
+            time.sleep(0.005)
+        in_use = rf"checkpoint.dir=.*ckpt is in use by another run \(pid {proc.pid} on "
+        with pytest.raises(ConfigError, match=in_use):
+            train(small_cfg(tmp_path, cache, "train.steps=8", "checkpoint.every=1", "checkpoint.keep=2"),
+                  progress=False, devices=jax.devices()[:1])
         # Wait until a save is being written while an earlier one is complete, then kill -9.
         while not (ckpt_dir.is_dir() and committed_steps(ckpt_dir) and saving_in_progress(ckpt_dir)):
             assert proc.poll() is None, f"the run ended before a save could be interrupted: {proc.stderr.read()[-2000:]}"
@@ -235,6 +245,7 @@ def test_sigkill_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, ca
     last = max(committed_steps(ckpt_dir))
     killed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
+    # The kernel dropped the killed run's lock with its files: this run takes the directory over.
     resumed = train(small_cfg(tmp_path, cache, "train.steps=8", "checkpoint.every=1", "checkpoint.keep=2"),
                     progress=False, devices=jax.devices()[:1])
     assert resumed[0]["step"] == last + 1
@@ -264,6 +275,43 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, cache):
         assert ckpt.resolve_step() == stopped
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == stopped
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 20 MB file system (tmpfs): room for one checkpoint of the debug model (~12 MB), not two."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a size-limited file system needs `mount -t tmpfs`, which needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {made.stderr.strip() or made.returncode}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+def test_a_full_disk_mid_save_is_one_line_and_the_step_before_it_resumes(small_disk, cache, tmp_path, capfd):
+    from pjax.cli import run_main
+
+    overrides = ("train.steps=3", "checkpoint.every=1", "checkpoint.keep=1")
+    cfg = small_cfg(tmp_path, cache, *overrides, f"checkpoint.dir={small_disk}/ckpt")
+    status = run_main(lambda: train(cfg, progress=False, devices=jax.devices()[:1]))
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and "Traceback" not in err and "ERROR" not in err, err
+    assert len(errors) == 1 and f"checkpoint.dir={small_disk}/ckpt ran out of disk space while saving step 2: one " \
+        "checkpoint needs about 16.5 MB" in errors[0] and "step 1 is intact" in errors[0], err
+    # keep=1 would have deleted step 1 once step 2 was complete: it never was, so step 1 stays.
+    assert committed_steps(small_disk / "ckpt") == [1] and saving_in_progress(small_disk / "ckpt")
+    with Checkpointer(str(small_disk / "ckpt"), read_only=True) as ckpt:
+        assert ckpt.latest_step() == 1
+    # On a disk with room, the run continues from step 1 (the partial step 2 is cleaned up, never read).
+    shutil.copytree(small_disk / "ckpt", tmp_path / "ckpt")
+    resumed = train(small_cfg(tmp_path, cache, *overrides), progress=False, devices=jax.devices()[:1])
+    assert [r["step"] for r in resumed] == [2, 3] and committed_steps(tmp_path / "ckpt") == [3]
+    assert not saving_in_progress(tmp_path / "ckpt")
 
 
 # -- HuggingFace export and import; pjax.eval ----------------------------------------------------

@@ -6,7 +6,7 @@ import glob
 import json
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import pytest
@@ -18,6 +18,7 @@ from pjax import export as pjax_export
 from pjax import plot as pjax_plot
 from pjax import train as pjax_train
 from pjax.config_io import load_config
+from pjax.dirlock import DirectoryLock
 
 SMALL = ["mesh.dp=1", "mesh.tp=1", "train.batch_size=8", "train.seq_len=64", "log.every=1", "log.eval_every=0"]
 MAINS = {"train": pjax_train.main, "eval": pjax_eval.main, "export": pjax_export.main, "plot": pjax_plot.main}
@@ -57,6 +58,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     write("gpt2_broken/vocab.json", "{not json")
     write("gpt2_broken/merges.txt", "#version: 0.2\n")
     write("metrics_latin1/metrics.jsonl", '{"step": 1, "loss": "caf\xe9"}\n'.encode("latin-1"))
+    write("latin1.yaml", "train:\n  dtype: caf\xe9\n".encode("latin-1"))
+    write("huge_int.yaml", "train:\n  steps: " + "1" * 10_000 + "\n")
     (root / "empty_run").mkdir()
     # HF checkpoints: a valid tiny one (4,096 tokens: the default tokenizer's), then broken copies.
     good = out["hf_good"] = root / "hf_good"
@@ -84,8 +87,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """A run's checkpoints at steps 1 and 2, and a copy whose every step is damaged."""
+def checkpoints(tmp_path_factory) -> Iterator[dict[str, Path]]:
+    """A run's checkpoints at steps 1 and 2, a copy whose every step is damaged, a partial copy,
+    and a copy that another run (this process, through its own lock) is using."""
     root = tmp_path_factory.mktemp("checkpoints")
     cfg = load_config("debug", [*SMALL, "train.steps=2", "checkpoint.every=1", f"data.cache_dir={root}/cache",
                                 f"log.dir={root}/run", f"checkpoint.dir={root}/good"])
@@ -96,7 +100,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(root / "good", root / "partial")  # a partial copy: one item of each step missing
     for step in ("1", "2"):
         shutil.rmtree(root / "partial" / step / "opt_state")
-    return {"good": root / "good", "damaged": root / "damaged", "partial": root / "partial", "cache": root / "cache"}
+    shutil.copytree(root / "good", root / "busy")
+    lock = DirectoryLock(str(root / "busy"))  # held as a running trainer holds it
+    yield {"good": root / "good", "damaged": root / "damaged", "partial": root / "partial", "busy": root / "busy",
+           "cache": root / "cache"}
+    lock.release()
 
 
 def snapshot(directory: Path) -> dict[str, int]:
@@ -142,6 +150,18 @@ CASES: list[Case] = [
     ("cache dir in a file", "train", lambda f, c, t: [f"data.cache_dir={f['a_file']}/cache"], "data.cache_dir="),
     ("checkpoint dir in a file", "train", lambda f, c, t: [f"checkpoint.dir={f['a_file']}/ckpt"],
      "checkpoint.dir="),
+    ("checkpoint dir in use by another run", "train", lambda f, c, t: [f"checkpoint.dir={c['busy']}"],
+     "is in use by another run (pid "),
+    ("config file not UTF-8", "train", lambda f, c, t: ["--config", str(f["latin1.yaml"])],
+     "is not UTF-8 text (byte 0xe9 at offset 19); save it as UTF-8"),
+    ("10,000-digit integer in a config file", "train", lambda f, c, t: ["--config", str(f["huge_int.yaml"])],
+     "holds an integer of over 4,300 digits"),
+    ("10,000-digit integer override", "train", lambda f, c, t: ["train.steps=" + "1" * 10_000],
+     "holds an integer of over 4,300 digits"),
+    ("integer past 64 bits", "train", lambda f, c, t: ["train.steps=" + "9" * 30], "train.steps is too large"),
+    ("10,000-character value", "train", lambda f, c, t: ["train.dtype=" + "x" * 10_000],
+     "xxx… (10,002 characters) is invalid; choose one of"),
+    ("10,000-character path", "train", lambda f, c, t: [f"data.path={t}/{'p' * 10_000}"], "ppp… (10,"),
     ("every step damaged", "train", lambda f, c, t: [f"checkpoint.dir={c['damaged']}", "train.steps=4"],
      "no checkpoint step in"),
     ("every step partial", "train", lambda f, c, t: [f"checkpoint.dir={c['partial']}", "train.steps=4"],
@@ -205,7 +225,7 @@ def test_bad_input_is_one_error_line_exit_2_and_no_lost_checkpoint(case, files, 
     argv = make_argv(files, checkpoints, tmp_path)
     if tool == "train":
         argv = ["--no_progress", *SMALL, f"log.dir={tmp_path}/run", f"data.cache_dir={checkpoints['cache']}", *argv]
-    steps = ("good", "damaged", "partial")
+    steps = ("good", "damaged", "partial", "busy")
     before = [snapshot(checkpoints[k]) for k in steps]
     try:
         status = MAINS[tool](argv)
@@ -216,6 +236,7 @@ def test_bad_input_is_one_error_line_exit_2_and_no_lost_checkpoint(case, files, 
     assert status == 2, err
     assert "Traceback" not in err, err
     assert len(errors) == 1 and expected in errors[0], err
+    assert len(errors[0]) <= 600, errors[0]  # values and paths echoed from the user are cut
     assert [snapshot(checkpoints[k]) for k in steps] == before  # every checkpoint step still there, unchanged
 
 
@@ -262,3 +283,16 @@ def test_a_sharding_no_validator_foresaw_is_one_line_not_a_traceback(capsys):
         and "choose mesh.dp" in err, err
     with pytest.raises(ValueError, match="not a sharding"):  # any other ValueError is a bug: its traceback stays
         run_main(lambda: (_ for _ in ()).throw(ValueError("not a sharding")))
+
+
+def test_a_sequence_longer_than_the_models_positions_is_one_warning_and_the_run_trains(checkpoints, tmp_path,
+                                                                                      monkeypatch, capfd):
+    in_process(monkeypatch)
+    status = pjax_train.main(["--no_progress", *SMALL, "model.max_position_embeddings=32", "train.steps=1",
+                              f"log.dir={tmp_path}/run", f"data.cache_dir={checkpoints['cache']}"])
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert status == 0 and "error:" not in err and "Traceback" not in err, err
+    assert len(warnings) == 1, err
+    assert "train.seq_len=64 is longer than model.max_position_embeddings=32" in warnings[0]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step": 1') == 1

@@ -1,0 +1,63 @@
+"""One writer per checkpoint directory: a lock held for a training run's whole life.
+
+Two runs saving into one checkpoint.dir destroy each other's steps: each run's Orbax manager
+deletes the other's half-written `<step>.orbax-checkpoint-tmp` directories and both finalize steps
+under the same numbers. `DirectoryLock` takes `fcntl.flock` on `<dir>/.pjax-lock` before a run
+touches anything else there; a second run finds it held and stops with one line naming the holder.
+
+The kernel drops a flock when the holder's file is closed, which it does when the process dies,
+SIGKILL included, so a killed run never leaves a stale lock and there is nothing to clean up. The
+file itself is never deleted (unlinking a lock file races with a run opening it); it holds the
+holder's pid and host only so that the error can name them. A multi-host job takes the lock in
+process 0 alone (`Checkpointer` shares the verdict): flock between hosts needs a shared file
+system that supports it (NFSv4 does), and the other processes of one job must not lock each other out.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import sys
+
+from mesh.errors import ConfigError
+
+LOCK_NAME = ".pjax-lock"
+# A file system without advisory locks answers with one of these; the run goes on with a warning.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+class DirectoryLock:
+    """An exclusive, non-blocking lock on `directory` (which must exist), held until `release`."""
+
+    def __init__(self, directory: str, key: str = "checkpoint.dir") -> None:
+        self.path = os.path.join(directory, LOCK_NAME)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
+            self.release()
+            raise ConfigError(f"{key}={directory} is in use by another run ({holder or 'it has just started'}); "
+                              f"two runs saving into one directory destroy each other's checkpoints. Wait for "
+                              f"that run to end or stop it, or point {key} at another directory.") from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                self.release()
+                raise
+            self.release()
+            print(f"warning: {key}={directory} is on a file system without file locks ({e.strerror}); make sure "
+                  f"no other run saves into it at the same time.", file=sys.stderr, flush=True)
+            return
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Close the file, which drops the lock (a second call does nothing)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
