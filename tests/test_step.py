@@ -16,6 +16,7 @@ import pytest
 from mesh import ConfigError, MeshConfig, make_mesh
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
+from pjax.hlo import collective_stats
 from pjax.step import add_positions, build_trainer
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -75,11 +76,13 @@ def test_sharded_loss_and_grads_equal_one_device(layout):
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("layout", [dict(dp=1, loss_chunk=32), dict(dp=2, tp=2, loss_chunk=16)],
-                         ids=["one_device_chunk32", "dp2_tp2_chunk16"])
+@pytest.mark.parametrize("layout", [dict(dp=1, loss_chunk=32), dict(dp=2, tp=2, loss_chunk=16),
+                                    dict(dp=4, tp=2, zero=3, loss_chunk=16)],
+                         ids=["one_device_chunk32", "dp2_tp2_chunk16", "dp4_tp2_zero3_chunk16"])
 def test_fused_chunked_loss_equals_the_whole_micro_batch(layout):
     """train.loss_chunk: the output layer + loss in blocks of tokens with gradients formed in the
-    forward (128 tokens per micro-batch, 64 per device under dp2: 4 blocks each)."""
+    forward (128 tokens per micro-batch, 64 per device under dp2: 4 blocks each; under ZeRO-3 the
+    tokens stay split over dp automatically, 32 per device: 2 blocks of 16 from every device)."""
     ref_loss, ref_grads = loss_and_grads(dp=1)
     loss, grads = loss_and_grads(**layout)
     assert abs(loss - ref_loss) <= 1e-6
@@ -91,6 +94,20 @@ def test_fused_chunked_loss_never_holds_the_whole_logits():
     temp = [trainer(1, loss_chunk=chunk, cfg=big_vocab).compile_step().memory_analysis().temp_size_in_bytes
             for chunk in (0, 16)]
     assert temp[1] < temp[0] - 0.75 * 2 * 2**20, temp  # at least most of one whole-logits buffer saved
+
+
+def test_fused_chunked_loss_shrinks_zero3_temporaries_and_reduces_the_head_gradient_once():
+    """ZeRO-3 (dp automatic): 64 rows x 16 tokens over dp=2 are 512 per device, whose logits are
+    512 x 4096 x 4 B = 8 MiB; blocks of 64 hold 1 MiB, and the output layer's gradient is still
+    all-reduced over dp once, not once per block."""
+    big_vocab = dataclasses.replace(CFG, vocab_size=4096)
+    compiled = [trainer(2, zero=3, grad_accum=1, batch_size=64, loss_chunk=chunk, cfg=big_vocab).compile_step()
+                for chunk in (0, 64)]
+    temp = [c.memory_analysis().temp_size_in_bytes for c in compiled]
+    assert temp[1] < temp[0] - 0.75 * 8 * 2**20, temp
+    head = lambda kind, line: kind if kind == "all-reduce" and "f32[64,4096]" in line else None
+    runs = [collective_stats(c.as_text(), head).get("all-reduce", {}).get("count") for c in compiled]  # loops' trips counted
+    assert runs == [1, 1], runs
 
 
 def test_loss_chunk_that_does_not_divide_the_tokens_is_a_config_error():

@@ -19,9 +19,10 @@ target logit picked with a mask), so each device keeps its slice of the logits a
 whole, only [chunk, vocab] at a time, which is what large vocabularies need (Llama 3's 128k
 logits of an 8k-token micro-batch are 4 GB in fp32). (On this CPU the head alone runs ~25%
 faster in 512-token blocks, but the whole step ~5% slower at a 4,096-token vocabulary, so it is
-off by default.) It applies only where the tokens are local to the device
-(no automatic dp/cp split, e.g. inside the dp shard_map of `data_parallel.reduce_once`):
-otherwise XLA would reduce the output layer's gradient over the token split once per block.
+off by default.) Where the tokens are split over dp/cp automatically (ZeRO-3, MoE), each block
+takes `chunk` tokens of every device's share, and the output layer's gradient is summed per
+share through the blocks and reduced once after them: summed over the whole block, XLA would
+reduce it over the token split once per block.
 """
 from __future__ import annotations
 
@@ -57,11 +58,12 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     n = hidden.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     sp = seqpar.active(sequence_parallel)
-    if 0 < chunk < n and auto_size(mesh, DP) == auto_size(mesh, CP) == 1:
-        if n % chunk:
-            raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n} tokens of a device's micro-batch; "
-                              f"choose a divisor of {n} (or 0 to turn chunking off).")
-        return _fused(hidden, kernel, labels, chunk, vocab_size), count
+    shares = auto_size(mesh, DP) * auto_size(mesh, CP)  # the devices the tokens are split over here
+    if 0 < chunk < n // shares:
+        if (n // shares) % chunk:
+            raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n // shares} tokens of a device's "
+                              f"micro-batch; choose a divisor of {n // shares} (or 0 to turn chunking off).")
+        return _fused(hidden, kernel, labels, chunk, vocab_size, shares), count
     return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False, sp=sp)[0], count
 
 
@@ -121,34 +123,38 @@ def _logits_bwd(res, g):
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int, vocab_size: int) -> jax.Array:
-    return _fused_fwd(hidden, kernel, labels, chunk, vocab_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int, vocab_size: int,
+           shares: int) -> jax.Array:
+    return _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares)[0]
 
 
-def _fused_fwd(hidden, kernel, labels, chunk, vocab_size):
+def _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares):
     """The loss and both gradients, block by block: the loss is the end of the graph, so its
-    gradients can be formed in the forward pass and only [N, D] + [D, V] kept for the backward."""
+    gradients can be formed in the forward pass and only [N, D] + [D, V] kept for the backward.
+    Block i is tokens [i*chunk, (i+1)*chunk) of each of the `shares` devices' [N/shares] tokens."""
     def block(carry, xs):
         loss, d_kernel = carry
-        h, y = xs
-        block_loss, d_logits = _loss_and_dlogits(h, kernel, y, vocab_size, with_grad=True)
-        d_logits = d_logits.astype(h.dtype)
-        d_h = jnp.einsum("nv,dv->nd", d_logits, kernel, preferred_element_type=jnp.float32)
-        d_kernel = d_kernel + jnp.einsum("nd,nv->dv", h, d_logits, preferred_element_type=jnp.float32)
-        return (loss + block_loss, d_kernel), d_h.astype(h.dtype)
+        h, y = xs                                            # [shares, chunk, D], [shares, chunk]
+        block_loss, d_logits = _loss_and_dlogits(h.reshape(-1, d), kernel, y.reshape(-1), vocab_size, with_grad=True)
+        d_logits = d_logits.astype(h.dtype).reshape(shares, chunk, -1)
+        d_h = jnp.einsum("snv,dv->snd", d_logits, kernel, preferred_element_type=jnp.float32)
+        d_kernel = d_kernel + jnp.einsum("snd,snv->sdv", h, d_logits, preferred_element_type=jnp.float32)
+        return (loss + block_loss, constrain(d_kernel, ("tokens", None, "vocab"))), d_h.astype(h.dtype)
 
     n, d = hidden.shape
+    blocks = n // (shares * chunk)
+    cut = lambda a: jnp.swapaxes(a.reshape(shares, blocks, chunk, *a.shape[1:]), 0, 1)  # [blocks, shares, chunk, ...]
     # Zeros typed like what the blocks add (inside a shard_map: varying wherever hidden or kernel is).
     like = lambda shape: jnp.zeros_like(hidden, jnp.float32, shape=shape) + jnp.zeros_like(kernel, jnp.float32,
                                                                                               shape=shape)
-    zeros = (like(()), like(kernel.shape))
-    (loss, d_kernel), d_hidden = jax.lax.scan(block, zeros, (hidden.reshape(n // chunk, chunk, d),
-                                                             labels.reshape(n // chunk, chunk)))
-    return loss, (d_hidden.reshape(n, d), d_kernel.astype(kernel.dtype))
+    zeros = (like(()), constrain(like((shares, *kernel.shape)), ("tokens", None, "vocab")))
+    (loss, d_kernel), d_hidden = jax.lax.scan(block, zeros, (cut(hidden), cut(labels)))
+    d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(n, d)
+    return loss, (d_hidden, jnp.sum(d_kernel, axis=0).astype(kernel.dtype))  # one reduction over the shares
 
 
-def _fused_bwd(chunk, vocab_size, res, g):
+def _fused_bwd(chunk, vocab_size, shares, res, g):
     d_hidden, d_kernel = res
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_kernel).astype(d_kernel.dtype), None
 
