@@ -30,16 +30,17 @@ def parse_layout(name: str) -> tuple[dict[str, int], list[str]]:
 
 
 def use_layout_devices(layout: str) -> None:
-    """Before JAX's backend starts: as many forced CPU devices as the layout's mesh, and the spare
-    pool thread `pjax.train` gives pipelines (accelerators are not affected)."""
+    """Before JAX's backend starts: as many forced CPU devices as the layout's mesh, and the pool
+    threads `pjax.train` gives pipelines (accelerators are not affected)."""
     import jax
 
-    from mesh.distributed import spare_cpu_thread
+    from mesh.distributed import pipeline_cpu_threads
     from mesh.mesh import MeshConfig
 
     sizes, _ = parse_layout(layout)
-    jax.config.update("jax_num_cpu_devices", sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"])
-    spare_cpu_thread(MeshConfig(**sizes))
+    devices = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
+    jax.config.update("jax_num_cpu_devices", devices)
+    pipeline_cpu_threads(MeshConfig(**sizes), devices)
 
 
 def layout_config(config: str, layout: str, overrides: list[str], devices: Any = None) -> tuple[Any, Any]:

@@ -29,10 +29,10 @@ import time
 import jax
 
 from mesh import MeshConfig
-from mesh.distributed import spare_cpu_thread
+from mesh.distributed import pipeline_cpu_threads
 
 jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend is affected; before any device use
-spare_cpu_thread(MeshConfig(pp=2))  # every run here pipelines: one pool thread more, as pjax.train gives
+pipeline_cpu_threads(MeshConfig(pp=2), 8)  # every run here pipelines: the pool pjax.train gives 8 devices
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

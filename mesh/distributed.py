@@ -79,20 +79,23 @@ def force_cpu_devices(mesh_cfg: MeshConfig, num_processes: int = 1) -> int:
 THREAD_POOL_ENV = "PJRT_NPROC"  # read once by XLA when the CPU client starts (`NPROC` is its fallback)
 
 
-def spare_cpu_thread(mesh_cfg: MeshConfig) -> int | None:
-    """Give XLA:CPU's thread pool one thread more than the cores when the mesh pipelines (pp > 1).
+def pipeline_cpu_threads(mesh_cfg: MeshConfig, devices: int) -> int | None:
+    """Size XLA:CPU's thread pools for a pipeline (pp > 1): max(cores + 1, 2 x devices) threads.
 
-    A forced CPU device that waits for a transfer (a `ppermute` rendezvous) blocks one of the
-    pool's threads. In a pipeline a stage can wait most of a tick while its neighbour computes,
-    and with as many threads as cores the waiting stage holds a core the busy one could use:
-    picotron-cpu at pp=2 ran at one core's speed (1.15 s per step, 1 device on 1 core: 1.15 s;
-    with cores + 1 threads ~1.0 s). Other layouts wait only briefly and lose 6-17% to the
-    oversubscription, so they keep the default. A value the user set is left alone. Returns the
-    thread count set, or None. Must run before JAX's backend starts. Meant for forced CPU devices;
-    on accelerator hosts XLA may size other host thread pools from it too (one thread more).
+    XLA:CPU runs each forced device's launch, and the ops of a launch that may run side by side,
+    on pools of max(PJRT_NPROC, devices) threads, and a thread in a collective blocks until every
+    participant arrives. A pipeline stage waits for much of a tick while its neighbour computes:
+    with as many threads as cores the waiting stage held a core the busy one could use (pp=2 ran
+    at one core's speed), hence one thread more than the cores. And a device can wait in a
+    collective on a second thread while its launch holds the first: with only `devices` threads,
+    dp2 x pp2 x tp2 at 8 micro-batches deadlocked (every thread waiting, one device's next op
+    queued behind them). Other layouts keep XLA's default. A value the user set is left alone.
+    Returns the thread count set, or None. Must run before JAX's backend starts; meant for forced
+    CPU devices (on accelerator hosts XLA may size other host pools from it too).
     """
     if mesh_cfg.pp <= 1 or THREAD_POOL_ENV in os.environ or "NPROC" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ[THREAD_POOL_ENV] = str(cores + 1)
-    return cores + 1
+    threads = max(cores + 1, 2 * devices)
+    os.environ[THREAD_POOL_ENV] = str(threads)
+    return threads

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
+from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
 from mesh.rules import constrain, flatten_tokens
@@ -260,7 +260,7 @@ def _main(args: argparse.Namespace) -> None:
     init_distributed()
     if names_a_mesh(named_keys(args.config, args.overrides)):
         n = force_cpu_devices(cfg.mesh)
-        spare_cpu_thread(cfg.mesh)
+        pipeline_cpu_threads(cfg.mesh, n)
     else:  # the config's mesh was made for its own model: fit one to this model instead
         n = force_cpu_devices(MeshConfig())
         model, _ = model_config(args)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from mesh.distributed import force_cpu_devices, init_distributed, spare_cpu_thread
+from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from pjax.cli import ArgumentParser, run_main, writable_dir
@@ -56,8 +56,8 @@ def _run(args: argparse.Namespace) -> None:
         cfg = adopt_hf_model(cfg, named)
     fit = cfg.train.init_from is not None and not names_a_mesh(named)  # nor is the default mesh the user's
     num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
-    force_cpu_devices(MeshConfig() if fit else cfg.mesh, num_processes)
-    spare_cpu_thread(cfg.mesh)
+    local = force_cpu_devices(MeshConfig() if fit else cfg.mesh, num_processes)
+    pipeline_cpu_threads(cfg.mesh, local)
     devices = None
     if fit:
         import jax

@@ -117,8 +117,8 @@ def in_process(monkeypatch) -> None:
     for module in (pjax_train, pjax_eval):
         monkeypatch.setattr(module, "force_cpu_devices", lambda *a: 8)
     train = pjax_train.train
-    monkeypatch.setattr(pjax_train, "train", lambda cfg, progress=True: train(
-        cfg, progress, devices=jax.devices()[:cfg.mesh.size] if cfg.mesh.dp > 0 else None))
+    monkeypatch.setattr(pjax_train, "train", lambda cfg, progress=True, devices=None: train(
+        cfg, progress, devices=devices or (jax.devices()[:cfg.mesh.size] if cfg.mesh.dp > 0 else None)))
 
 
 # (name, entry point, arguments given the fixtures (f: files, c: checkpoints, t: this test's tmp), in the line)
@@ -192,6 +192,12 @@ CASES: list[Case] = [
      lambda f, c, t: ["--coordinator", "127.0.0.1:1234", "--num_processes", "2", "--process_id", "2"],
      "--process_id=2 is invalid for --num_processes=2"),
     ("unknown option", "train", lambda f, c, t: ["--bogus"], "unrecognized arguments: --bogus"),
+    ("checkpoint.every without a dir", "train", lambda f, c, t: ["checkpoint.every=5"],
+     "checkpoint.every=5 is invalid; it saves only with a checkpoint.dir"),
+    ("pipeline schedule without a pipeline", "train", lambda f, c, t: ["pipeline.schedule=zb_v"],
+     "pipeline.schedule=zb_v and pipeline.virtual_stages=1 apply only when mesh.pp > 1"),
+    ("attention kernel under ring attention", "train", lambda f, c, t: ["mesh.cp=2", "train.attention=reference"],
+     "train.attention=reference has no effect with mesh.cp=2 and context.strategy=ring"),
     ("non-finite loss", "train", lambda f, c, t: ["train.lr=1e20", "train.warmup_steps=0", "train.steps=3"],
      "not finite; stopped (train.on_nonfinite=stop)"),
     ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),

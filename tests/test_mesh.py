@@ -95,18 +95,22 @@ def test_error_batch_not_divisible_by_micro_batches_times_dp():
         validate_batch(MeshConfig(dp=2), batch_size=12, grad_accum=4, seq_len=64)
 
 
-def test_spare_cpu_thread_only_for_pipelines_and_never_over_the_user(monkeypatch):
+def test_pipeline_cpu_threads_only_for_pipelines_and_never_over_the_user(monkeypatch):
     import os
 
-    from mesh.distributed import THREAD_POOL_ENV, spare_cpu_thread
+    from mesh.distributed import THREAD_POOL_ENV, pipeline_cpu_threads
 
     for var in (THREAD_POOL_ENV, "NPROC"):
         monkeypatch.delenv(var, raising=False)
-    assert spare_cpu_thread(MeshConfig(dp=2, tp=2)) is None and THREAD_POOL_ENV not in os.environ
-    n = spare_cpu_thread(MeshConfig(pp=2))
-    assert n == len(os.sched_getaffinity(0)) + 1 and os.environ[THREAD_POOL_ENV] == str(n)
+    assert pipeline_cpu_threads(MeshConfig(dp=2, tp=2), 4) is None and THREAD_POOL_ENV not in os.environ
+    cores = len(os.sched_getaffinity(0))
+    n = pipeline_cpu_threads(MeshConfig(pp=2), 2)
+    assert n == max(cores + 1, 4) and os.environ[THREAD_POOL_ENV] == str(n)  # a thread more than the cores
+    monkeypatch.delenv(THREAD_POOL_ENV)
+    n = pipeline_cpu_threads(MeshConfig(dp=2, pp=2, tp=2), 8)
+    assert n == max(cores + 1, 16) and os.environ[THREAD_POOL_ENV] == str(n)  # two threads per device
     monkeypatch.setenv(THREAD_POOL_ENV, "5")
-    assert spare_cpu_thread(MeshConfig(pp=2)) is None and os.environ[THREAD_POOL_ENV] == "5"
+    assert pipeline_cpu_threads(MeshConfig(pp=2), 2) is None and os.environ[THREAD_POOL_ENV] == "5"
     monkeypatch.delenv(THREAD_POOL_ENV)
     monkeypatch.setenv("NPROC", "3")
-    assert spare_cpu_thread(MeshConfig(pp=4)) is None and THREAD_POOL_ENV not in os.environ
+    assert pipeline_cpu_threads(MeshConfig(pp=4), 4) is None and THREAD_POOL_ENV not in os.environ

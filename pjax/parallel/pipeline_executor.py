@@ -133,6 +133,18 @@ def _send(tree: Any, perm: list[tuple[int, int]]) -> Any:
     return jax.tree.map(lambda a: lax.ppermute(a, PP, perm), tree)
 
 
+def _send_at(i: int, pairs: tuple) -> Callable[[list], list]:
+    """Send `state[i]` by one permute of `pairs`; the rest of `state` rides along unchanged."""
+    return lambda state: [*state[:i], _send(state[i], list(pairs)), *state[i + 1:]]
+
+
+def _lane_sends(state: list, i: int, which: jax.Array, sets: list, kind: str, lane: int) -> list:
+    """`state` after the permute of set `which` (0: none) of this lane's `sets` has sent `state[i]`."""
+    for k, pairs in enumerate(sets, 1):
+        state = _run_if(which == k, _scoped(send_scope(kind, lane, k), _send_at(i, pairs)), state)
+    return state
+
+
 def _scoped(part: str, fn: Callable) -> Callable:
     """`fn` under the name `pipeline_table.scope_name(part)`, which XLA keeps in the op names of
     its collectives (for `scope_runs`' accounting)."""
@@ -164,6 +176,10 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
 
     def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any, dict]:
         device = lax.axis_index(PP)
+        # A thread waiting in a collective blocks (XLA:CPU): with collectives in the tick's compute
+        # (tp, dp or cp left to XLA, ring attention in lockstep), a transfer waiting beside them could
+        # leave every thread waiting (ARCHITECTURE.md, "Pipelines on forced CPU devices").
+        ordered = lockstep or any(auto_size(jax.sharding.get_abstract_mesh(), a) > 1 for a in (DP, CP, TP))
         # The embedding and output layer are used by whole ticks: under ZeRO they are gathered over
         # dp once per step here (and their gradients reduce-scattered after), not in every tick.
         # (Leaving their dp split to XLA inside the ticks also trips its SPMD partitioner.)
@@ -266,21 +282,27 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
             grad_layers, d_embedded, pooled, send_cot = _run_if(
                 op == ps.BACKWARD, _scoped("backward", lambda state: backward(state, cotangents)),
                 (buf.grad_layers, buf.d_embedded, pooled, nothing))
-            if split:
-                grad_layers = _run_if(op == ps.WEIGHT, _scoped("weight", weight), grad_layers)
             # The transfers: activations to the next stage's device, cotangents to the previous
             # stage's, on the ticks where some device sends, by the permute of that tick's set of
             # pairs (a number every device agrees on), lane by lane; a device nothing reaches by a
-            # lane receives into the "nothing came" slot.
+            # lane receives into the "nothing came" slot. When the tick's compute holds collectives
+            # too, what the device sends and receives is carried through W's loop and every
+            # transfer's: one chain, so that it waits in one collective at a time (`ordered`).
+            state = [send_act, send_cot]
+            if split and ordered:
+                grad_layers, state = _run_if(op == ps.WEIGHT, _scoped("weight", lambda s: (weight(s[0]), s[1])),
+                                             (grad_layers, state))
+            elif split:
+                grad_layers = _run_if(op == ps.WEIGHT, _scoped("weight", weight), grad_layers)
             inbox = buf.inbox
             for lane, (recv_x, recv_dy, send_x, send_dy) in enumerate(lanes):
-                got_x, got_dy = send_act, send_cot
-                for k, pairs in enumerate(x_sets[lane], 1):
-                    send = _scoped(send_scope("x", lane, k), lambda a, pairs=pairs: _send(a, list(pairs)))
-                    got_x = _run_if(send_x == k, send, got_x)
-                for k, pairs in enumerate(dy_sets[lane], 1):
-                    send = _scoped(send_scope("dy", lane, k), lambda a, pairs=pairs: _send(a, list(pairs)))
-                    got_dy = _run_if(send_dy == k, send, got_dy)
+                if ordered:
+                    state = _lane_sends([*state, state[0]], len(state), send_x, x_sets[lane], "x", lane)
+                    state = _lane_sends([*state, state[1]], len(state), send_dy, dy_sets[lane], "dy", lane)
+                    got_x, got_dy = state[-2], state[-1]
+                else:  # each transfer free to start once what it sends is computed
+                    got_x = _lane_sends([send_act], 0, send_x, x_sets[lane], "x", lane)[0]
+                    got_dy = _lane_sends([send_cot], 0, send_dy, dy_sets[lane], "dy", lane)[0]
                 inbox, cotangents = _put(inbox, recv_x, got_x), _put(cotangents, recv_dy, got_dy)
             return Buffers(inbox=inbox, cotangents=cotangents,
                            slots=pooled, grad_layers=grad_layers, grad_head=grad_head, loss=loss,
