@@ -130,6 +130,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "use an integer >= 0 (0 saves only at the end)")
         _require(self.keep >= 1, "checkpoint.keep", self.keep, "use an integer >= 1")
+        _require(self.every == 0 or self.dir is not None, "checkpoint.every", self.every,
+                 "it saves only with a checkpoint.dir: set one, or checkpoint.every=0")
 
 
 @dataclasses.dataclass(frozen=True)

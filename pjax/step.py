@@ -212,8 +212,15 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
     if mc.pp > 1:
         pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
         pipeline_table.validate_split_backward(mc, pipeline, cfg.num_local_experts)
+    if mc.pp == 1 and (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
+        raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
+                          f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
     if mc.cp > 1:
         context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if context.strategy != "ulysses" and tc.attention != "auto":
+            raise ConfigError(f"train.attention={tc.attention} has no effect with mesh.cp={mc.cp} and context.strategy="
+                              f"{context.strategy}, which attends with its own online softmax; leave train.attention"
+                              f"=auto, or use context.strategy=ulysses, which runs that kernel.")
     if tc.sequence_parallel and mc.tp > 1:
         validate_sequence_parallel(mc, tc)
 
