@@ -43,13 +43,9 @@ is never read, and the steps before it are untouched.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
-import logging
 import os
-import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
@@ -61,9 +57,10 @@ from mesh.errors import ConfigError, first_line
 from mesh.mesh import PP
 from models import llama
 from models.config import SHAPE_KEYS, LlamaConfig
+from pjax import save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
-from pjax.dirlock import DirectoryLock
+from pjax.dirlock import take_run_lock
 from pjax.parallel.pipeline_layout import layer_order
 from pjax.step import TrainState, Trainer
 
@@ -72,8 +69,6 @@ FORMAT = 1  # bump when the items or their meaning change
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # Model keys a resume must agree on: the shapes (the padded vocabulary included) and their meaning.
 _MODEL_KEYS = (*SHAPE_KEYS, "make_vocab_size_divisible_by")
-# How a full disk (or quota) reads in the errors of Python, tensorstore ("[os_error_code='28']") and Orbax.
-_DISK_FULL = ("No space left on device", "Disk quota exceeded", "os_error_code='28'", "os_error_code='122'")
 
 
 class Restored(NamedTuple):
@@ -98,10 +93,10 @@ class Checkpointer:
         identity = layer_rows is None or np.array_equal(layer_rows, np.arange(len(layer_rows)))
         self._rows = None if identity else np.asarray(layer_rows)
         # Before the manager: opening the directory for writing already deletes temporary directories.
-        self._lock = None if read_only else _take_lock(self.directory, directory)
+        self._lock = None if read_only else take_run_lock(self.directory, directory)
         if not read_only:  # a save that fails has already printed its writes' failures when its wait raises
-            _quiet_disk_full_logs()
-            _quiet_abandoned_io()
+            save_faults.quiet_disk_full_logs()
+            save_faults.quiet_abandoned_io()
         self._in_flight: tuple[int, int] | None = None  # (step, bytes) of the save not yet waited for
         # read_only: nothing is created or cleaned up (Orbax's own read_only mode only adds warnings).
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
@@ -152,7 +147,7 @@ class Checkpointer:
             except ConfigError:
                 raise
             except Exception as e:
-                _quiet_abandoned_io()
+                save_faults.quiet_abandoned_io()
                 raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({first_line(e)}); "
                                   f"choose another step.") from None
         newest = self.resolve_step()
@@ -162,7 +157,7 @@ class Checkpointer:
             except ConfigError:
                 raise
             except Exception as e:
-                _quiet_abandoned_io()
+                save_faults.quiet_abandoned_io()
                 self.unreadable.append(candidate)
                 self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({first_line(e)}); "
                            f"trying the step before it.")
@@ -289,65 +284,15 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if not _is_disk_full(e) or self._in_flight is None:
+            if not save_faults.is_disk_full(e) or self._in_flight is None:
                 raise
             step, size = self._in_flight
             self._in_flight = None
-            done = sorted(int(p.name) for p in Path(self.directory).iterdir() if p.name.isdigit())
-            kept = (f"step{'s' * (len(done) > 1)} {', '.join(map(str, done))} {'are' if len(done) > 1 else 'is'} intact"
-                    if done else "no earlier step was saved")
-            free = shutil.disk_usage(self.directory).free
-            raise ConfigError(f"checkpoint.dir={self.directory} ran out of disk space while saving step {step}: one "
-                              f"checkpoint needs about {_size(size)} ({self.keep} kept: {_size(self.keep * size)}), "
-                              f"{_size(free)} is free; {kept}, and the partial step {step} will never be read. Free "
-                              f"space there or point checkpoint.dir at a larger disk, then rerun to resume.") from None
+            raise save_faults.disk_full_error(self.directory, step, size, self.keep) from None
 
     def _release(self) -> None:
         if self._lock is not None:
             self._lock.release()
-
-
-def _take_lock(directory: str, given: str) -> DirectoryLock | None:
-    """Process 0 locks `directory` for writing; in a multi-host job every process learns whether
-    it did, so that all of them stop together (only process 0 talks to the lock)."""
-    lock, refusal = None, None
-    if jax.process_index() == 0:
-        os.makedirs(directory, exist_ok=True)
-        try:
-            lock = DirectoryLock(directory)
-        except ConfigError as e:
-            refusal = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        if int(multihost_utils.broadcast_one_to_all(np.int32(refusal is None))) == 0 and refusal is None:
-            refusal = ConfigError(f"checkpoint.dir={given} is in use by another run (process 0 found it locked); wait "
-                                  f"for that run to end or stop it, or point checkpoint.dir at another directory.")
-    if refusal is not None:
-        raise refusal
-    return lock
-
-
-def _is_disk_full(error: BaseException) -> bool:
-    """Whether `error` (or one it came from) says the disk or the quota is full."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(mark in str(error) for mark in _DISK_FULL):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _size(num_bytes: float) -> str:
-    if num_bytes < 1024:
-        return f"{num_bytes:.0f} bytes"
-    for unit in ("KB", "MB", "GB"):
-        num_bytes /= 1024
-        if num_bytes < 1024 or unit == "GB":
-            return f"{num_bytes:.1f} {unit}"
 
 
 def layer_rows(trainer: Trainer) -> np.ndarray | None:
@@ -374,42 +319,6 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")
-
-
-def _quiet_abandoned_io() -> None:
-    """Keep a failed read's or write's leftovers off the terminal. When one array of a step cannot be
-    read (or written: a full disk), Orbax abandons the step's other reads (writes) and closes its
-    asyncio loop; tensorstore then completes them on its own threads, and each completion reports
-    "Event loop is closed" as an unraisable exception (a traceback each), asyncio logs "Task
-    exception was never retrieved", and Python warns of coroutines never awaited. Only those three
-    are dropped; everything else goes where it went."""
-    if getattr(sys.unraisablehook, "pjax_quiet", False):
-        return
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook.pjax_quiet = True
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(lambda r: "exception was never retrieved" not in r.getMessage())
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-
-
-def _quiet_disk_full_logs() -> None:
-    """Keep Orbax's account of a full disk off the terminal: each of its background threads logs the
-    failure with a traceback before the save's wait raises it, which `Checkpointer` then reports as
-    one line. Only records that say the disk is full are dropped."""
-    absl_logger = logging.getLogger("absl")
-    if not any(getattr(f, "pjax_disk_full", False) for f in absl_logger.filters):
-        def keep(record: logging.LogRecord) -> bool:
-            error = record.exc_info[1] if record.exc_info else None
-            return not (any(mark in record.getMessage() for mark in _DISK_FULL) or
-                        (error is not None and _is_disk_full(error)))
-
-        keep.pjax_disk_full = True
-        absl_logger.addFilter(keep)
 
 
 def _sync(name: str) -> None:

@@ -20,6 +20,9 @@ import os
 import socket
 import sys
 
+import jax
+import numpy as np
+
 from mesh.errors import ConfigError
 
 LOCK_NAME = ".pjax-lock"
@@ -61,3 +64,24 @@ class DirectoryLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def take_run_lock(directory: str, given: str) -> DirectoryLock | None:
+    """Process 0 locks `directory` for writing; in a multi-host job every process learns whether
+    it did, so that all of them stop together (only process 0 talks to the lock)."""
+    lock, refusal = None, None
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        try:
+            lock = DirectoryLock(directory)
+        except ConfigError as e:
+            refusal = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if int(multihost_utils.broadcast_one_to_all(np.int32(refusal is None))) == 0 and refusal is None:
+            refusal = ConfigError(f"checkpoint.dir={given} is in use by another run (process 0 found it locked); wait "
+                                  f"for that run to end or stop it, or point checkpoint.dir at another directory.")
+    if refusal is not None:
+        raise refusal
+    return lock
