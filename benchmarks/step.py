@@ -22,7 +22,7 @@ import time
 from common import compile_step, random_batch, use_layout_devices
 from pjax.malloc import huge_pages_env
 
-# Picotron on this 2-core machine, configs/picotron-cpu.yaml shape, fp32, tokens/s.
+# Picotron on this 2-core machine, pjax/assets/configs/picotron-cpu.yaml shape, fp32, tokens/s.
 PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
 
 

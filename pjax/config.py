@@ -7,6 +7,8 @@ names are a contract used by tests, docs and notebooks.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 from mesh.errors import ConfigError, shown
@@ -92,13 +94,24 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """The text and its tokenizer. A relative path is read from the working directory, else from
+    the files pjax ships (`pjax/assets/`): `data/prideprejudice.txt` is the shipped book."""
+
     path: str = "data/prideprejudice.txt"
     tokenizer: str = "data/tokenizer/gpt2"
-    cache_dir: str = "data/cache"
+    cache_dir: str | None = None  # the token cache; null: $XDG_CACHE_HOME/pjax/tokens (~/.cache/pjax/tokens)
     eval_fraction: float = 0.05  # held-out tail of the token stream
 
     def __post_init__(self) -> None:
         _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the tokenized corpus is cached: `cache_dir`, or the user's cache folder, never
+        inside the installed package (which may be read-only)."""
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pjax", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)

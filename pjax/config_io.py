@@ -1,8 +1,9 @@
 """Reading and writing run configs: YAML files plus `section.key=value` command-line overrides.
 
-`load_config("picotron-cpu", ["mesh.tp=2", "train.lr=3e-4"])` reads `configs/picotron-cpu.yaml`,
-applies the overrides, checks every value's type against the dataclass field it lands in, and
-builds a `Config` (whose own `__post_init__` checks reject impossible values). A YAML file may be
+`load_config("picotron-cpu", ["mesh.tp=2", "train.lr=3e-4"])` reads the shipped
+`pjax/assets/configs/picotron-cpu.yaml` (package data, found after any install), applies the
+overrides, checks every value's type against the dataclass field it lands in, and builds a
+`Config` (whose own `__post_init__` checks reject impossible values). A YAML file may be
 partial: missing keys keep their dataclass defaults. `dump_config` writes the fully resolved
 config back out, so a run directory records exactly what ran and `load_config` can replay it.
 """
@@ -20,9 +21,10 @@ from typing import Any, Sequence
 import yaml
 
 from mesh.errors import ConfigError, cut, first_line, shown
+from pjax import assets
 from pjax.config import Config
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = assets.CONFIGS
 DEFAULT_CONFIG = "debug"
 
 # section name -> its dataclass, in the order the YAML is written.
@@ -45,17 +47,19 @@ _Loader.add_implicit_resolver(
 
 
 def available_configs() -> list[str]:
-    """Names of the configs shipped in `configs/` (without `.yaml`)."""
+    """Names of the configs shipped in `pjax/assets/configs/` (without `.yaml`)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def resolve_config_path(path: str | None) -> Path:
-    """A config file for `path`: an existing file, or a bare name looked up in `configs/`."""
+    """A config file for `path`: a file from the working directory or among the shipped ones
+    (`configs/debug.yaml`), or a bare name of a shipped config ('picotron-cpu')."""
     if path is None:
         return CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml"
     given = Path(path)
-    if given.is_file():
-        return given
+    found = assets.locate(path)
+    if found is not None and found.is_file():
+        return found
     if given.parent == Path("."):  # a bare name such as 'picotron-cpu' or 'picotron-cpu.yaml'
         for candidate in (CONFIG_DIR / given.name, CONFIG_DIR / f"{given.name}.yaml"):
             if candidate.is_file():
@@ -64,7 +68,7 @@ def resolve_config_path(path: str | None) -> Path:
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Load a YAML config (default `configs/debug.yaml`) and apply `section.key=value` overrides."""
+    """Load a YAML config (default: the shipped `debug`) and apply `section.key=value` overrides."""
     file = resolve_config_path(path)
     text = _read_text(file)
     try:

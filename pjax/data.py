@@ -19,23 +19,20 @@ from jax.sharding import Mesh
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from mesh.errors import ConfigError, first_line
+from pjax import assets
 from pjax.batches import DataIterator
 from pjax.config import DataConfig, TrainConfig
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 _CACHE_FORMAT = 1  # bump when the cache layout or the tokenization procedure changes
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 _BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
 
 
 def _local_path(spec: str) -> Path | None:
-    """The existing file or folder `spec` names: relative to the working directory, else to the
-    repository root (so the embedded default data is found from any working directory)."""
-    for path in (Path(spec).expanduser(), _REPO_ROOT / spec):
-        if path.exists():
-            return path
-    return None
+    """The existing file or folder `spec` names: relative to the working directory, else among
+    the files pjax ships (so the default text and tokenizer are found after any install)."""
+    return assets.locate(spec)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -250,7 +247,7 @@ def cache_key(spec: str, tokenizer: Any) -> str:
 def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
     """The whole corpus as a read-only memory-mapped token array, tokenizing it on first use."""
     dtype = np.dtype(token_dtype(tokenizer.get_vocab_size()))
-    cache_dir = Path(data_cfg.cache_dir)
+    cache_dir = data_cfg.cache_path
     path = cache_dir / f"tokens-{cache_key(data_cfg.path, tokenizer)}-{dtype.name}.bin"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)

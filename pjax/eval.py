@@ -46,6 +46,7 @@ from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
 from models.hf import load_hf, read_hf_config
+from pjax import assets
 from pjax.checkpoint import Checkpointer
 from pjax.cli import ArgumentParser, run_main
 from pjax.config import Config
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
     """Evaluate (returns and prints the metrics) or generate (returns and prints the text) on `mesh`."""
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size={args.batch_size} is invalid; use an integer >= 1.")
-    if args.text is not None and not Path(args.text).exists():
+    if args.text is not None and assets.locate(args.text) is None:
         raise ConfigError(f"--text {args.text} does not exist; pass a .txt, .jsonl or .parquet file or a folder.")
     # A pjax checkpoint's stored config knows the model and the tokenizer; a HF one may ship its tokenizer.
     model_cfg, default_tokenizer = model_config(args)

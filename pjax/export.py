@@ -20,6 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from models import llama
 from models.hf import save_hf
+from pjax import assets
 from pjax.checkpoint import Checkpointer
 from pjax.cli import ArgumentParser, run_main, writable_dir
 
@@ -36,8 +37,11 @@ def export(checkpoint: str, out: str, step: int | None = None) -> int:
         step, cfg, params = ckpt.restore_params(on_host, step)
     if jax.process_index() == 0:
         save_hf(params, cfg.model, out)
-        tokenizer = Path(cfg.data.tokenizer, "tokenizer.json")
-        if tokenizer.is_file():  # then `pjax.eval --hf OUT` finds the tokenizer the model was trained with
+        tokenizer = assets.locate(cfg.data.tokenizer)  # a tokenizer.json or a folder; may be a shipped one
+        if tokenizer is not None and tokenizer.is_dir():
+            tokenizer = tokenizer / "tokenizer.json"
+        if tokenizer is not None and tokenizer.is_file() and tokenizer.suffix == ".json":
+            # then `pjax.eval --hf OUT` finds the tokenizer the model was trained with
             shutil.copy(tokenizer, Path(out, "tokenizer.json"))
     return step
 

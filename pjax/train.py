@@ -2,8 +2,8 @@
 
 Top to bottom: config -> devices and mesh -> data -> sharded state -> compiled step -> loop
 (progress bar, metrics.jsonl, TensorBoard, held-out loss). With no arguments it trains the
-tiny LLaMA of configs/debug.yaml on the shipped Pride and Prejudice text, on forced CPU devices
-when no accelerator is present.
+tiny LLaMA of the shipped debug config on the shipped Pride and Prejudice text, on forced CPU
+devices when no accelerator is present.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pjax.progress import ProgressBar, StopFlag
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = ArgumentParser(prog="python -m pjax.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None, help="a config name in configs/ or a YAML path (default: debug)")
+    ap.add_argument("--config", default=None, help="a shipped config name (pjax/assets/configs/) or a YAML path (default: debug)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.tp=2 train.steps=50")
     ap.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
     ap.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
@@ -88,7 +88,7 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     """
     from pjax.resume import open_run
 
-    for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", cfg.data.cache_dir),
+    for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", str(cfg.data.cache_path)),
                       ("checkpoint.dir", cfg.checkpoint.dir)):
         if path is not None:  # before any work: a path that cannot be written loses nothing
             writable_dir(path, key)

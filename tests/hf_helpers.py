@@ -9,6 +9,7 @@ import torch
 import transformers
 
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "pjax" / "assets"  # the files pjax ships as package data
 
 
 def random_hf_llama(path: Path, seed: int = 0, **shape) -> transformers.LlamaForCausalLM:
@@ -21,7 +22,7 @@ def random_hf_llama(path: Path, seed: int = 0, **shape) -> transformers.LlamaFor
 
 def short_text(path: Path, chars: int) -> Path:
     """The first `chars` characters of the shipped Pride and Prejudice, written to `path`."""
-    path.write_text((REPO / "data/prideprejudice.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    path.write_text((SHIPPED / "data/prideprejudice.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
     return path
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig, make_mesh
+from pjax import assets
 from pjax.checkpoint import Checkpointer, layer_rows, saving_in_progress
 from pjax.config import PipelineConfig
 from pjax.config_io import load_config
@@ -362,7 +363,7 @@ def test_eval_on_a_checkpoint_equals_eval_on_its_hf_export(uninterrupted, export
     from pjax import eval as pjax_eval
 
     text = tmp_path / "text.txt"
-    text.write_text((REPO / "data" / "prideprejudice.txt").read_text()[:3000])
+    text.write_text((assets.ROOT / "data" / "prideprejudice.txt").read_text()[:3000])
     cfg = load_config("debug", ["mesh.dp=2", "mesh.tp=2"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
     ours = pjax_eval.run(pjax_eval.parse_args(["--checkpoint", str(uninterrupted[0] / "ckpt"), "--text", str(text)]),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ import pytest
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
+from pjax import assets, data
 from pjax.config import Config
-from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config
+from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config, resolve_config_path
 
 REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b", "mixtral-8x7b"]
 REPO = Path(__file__).resolve().parent.parent
@@ -79,12 +81,55 @@ def test_real_shape_parameter_counts_match_the_released_models():
     assert billions["mixtral-8x7b"] == pytest.approx(46.70, abs=1e-2)
 
 
-def test_data_paths_in_shipped_configs_exist_or_are_built_on_first_use():
+def test_data_paths_in_shipped_configs_are_shipped_files():
     for name in available_configs():
-        data = load_config(name).data
-        assert (REPO / data.path).is_file(), f"{name}: {data.path}"
-        if data.tokenizer != "data/tokenizer/bpe4096":  # trained from the shipped text on first use
-            assert (REPO / data.tokenizer).exists(), f"{name}: {data.tokenizer}"
+        data_cfg = load_config(name).data
+        shipped_text = assets.shipped(data_cfg.path)
+        assert shipped_text is not None and shipped_text.is_file(), f"{name}: {data_cfg.path}"
+        assert assets.shipped(data_cfg.tokenizer) is not None, f"{name}: {data_cfg.tokenizer}"
+
+
+def test_named_configs_and_the_shipped_text_resolve_through_the_package_from_any_directory(tmp_path, monkeypatch):
+    assert assets.ROOT == Path(str(importlib.resources.files("pjax.assets"))) and CONFIG_DIR == assets.ROOT / "configs"
+    monkeypatch.chdir(tmp_path)  # nothing of the repository around
+    assert resolve_config_path("picotron-cpu") == CONFIG_DIR / "picotron-cpu.yaml"
+    assert resolve_config_path("configs/picotron-cpu.yaml") == CONFIG_DIR / "picotron-cpu.yaml"
+    assert resolve_config_path(None) == CONFIG_DIR / "debug.yaml"
+    data_cfg = load_config().data
+    assert assets.locate(data_cfg.path) == assets.ROOT / "data" / "prideprejudice.txt"
+    assert data.source_files(data_cfg.path) == [assets.ROOT / "data" / "prideprejudice.txt"]
+    assert data.load_tokenizer(data_cfg.tokenizer).get_vocab_size() == 4096
+
+
+def test_a_file_in_the_working_directory_wins_over_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prideprejudice.txt").write_text("my own text")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "picotron-cpu.yaml").write_text("train:\n  steps: 7\n")
+    assert assets.locate("data/prideprejudice.txt") == Path("data/prideprejudice.txt")
+    assert load_config("configs/picotron-cpu.yaml").train.steps == 7
+    assert load_config("picotron-cpu").model.vocab_size == 4096  # a bare name is always a shipped config
+
+
+def test_the_token_cache_defaults_to_the_user_cache_not_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert load_config().data.cache_path == tmp_path / "pjax" / "tokens"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert load_config().data.cache_path == Path.home() / ".cache" / "pjax" / "tokens"
+    assert load_config(overrides=["data.cache_dir=~/tokens"]).data.cache_path == Path.home() / "tokens"
+
+
+def test_every_shipped_file_is_declared_as_package_data():
+    """A file under pjax/assets that no package-data pattern in pyproject.toml covers would be
+    missing from a wheel (`pip install .` or `git+URL`); the CI install check catches it too."""
+    tomllib = pytest.importorskip("tomllib")
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pjax.assets"]
+    files = [p.relative_to(assets.ROOT) for p in assets.ROOT.rglob("*")
+             if p.is_file() and p.suffix not in (".py", ".pyc")]
+    # Path.match anchors at the right; equal depth makes it a whole-path match, as setuptools' globs are.
+    covered = lambda f: any(f.match(pattern) and len(f.parts) == len(Path(pattern).parts) for pattern in patterns)
+    assert len(files) >= 10 and [f for f in files if not covered(f)] == []
 
 
 def test_no_path_loads_debug_yaml():

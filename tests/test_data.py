@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,11 +10,10 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
-from pjax import data
+from pjax import assets, data
 from pjax.batches import DataIterator, epoch_order
 from pjax.config import DataConfig, TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ = 32
 
 
@@ -26,7 +24,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tokens(tokenizer, tmp_path_factory) -> np.ndarray:
-    cfg = DataConfig(path=str(REPO / "data/prideprejudice.txt"), cache_dir=str(tmp_path_factory.mktemp("cache")))
+    cfg = DataConfig(path=str(assets.ROOT / "data/prideprejudice.txt"), cache_dir=str(tmp_path_factory.mktemp("cache")))
     return data.load_tokens(cfg, tokenizer)
 
 
@@ -48,7 +46,7 @@ def test_tokenizer_loads_shipped_gpt2_files_from_any_working_directory(tmp_path,
 
 
 def test_chunked_tokenization_equals_tokenizing_the_whole_text(tokenizer, tokens):
-    text = (REPO / "data/prideprejudice.txt").read_text(encoding="utf-8")
+    text = (assets.ROOT / "data/prideprejudice.txt").read_text(encoding="utf-8")
     assert tokens.dtype == np.uint16
     np.testing.assert_array_equal(tokens, tokenizer.encode(text).ids)
     assert 150_000 < len(tokens) < 180_000

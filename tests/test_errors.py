@@ -12,7 +12,7 @@ import jax
 import pytest
 import safetensors.numpy
 
-from hf_helpers import REPO, random_hf_llama
+from hf_helpers import SHIPPED, random_hf_llama
 from pjax import eval as pjax_eval
 from pjax import export as pjax_export
 from pjax import plot as pjax_plot
@@ -256,7 +256,7 @@ def test_a_damaged_newest_step_falls_back_with_a_warning_and_keeps_its_files(che
     damage(tmp_path / "ckpt" / "2")
     damaged = snapshot(tmp_path / "ckpt" / "2")
     monkeypatch.setattr(pjax_eval, "force_cpu_devices", lambda *a: 8)
-    text = REPO / "data" / "prideprejudice.txt"
+    text = SHIPPED / "data" / "prideprejudice.txt"
     # Reading (eval): step 1 is used, nothing on disk changes.
     assert pjax_eval.main(["--checkpoint", str(tmp_path / "ckpt"), "--text", str(text), "--batch_size", "2"]) == 0
     err = capfd.readouterr().err

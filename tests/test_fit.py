@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_helpers import REPO, random_hf_llama, short_text, transformers_mean_loss
+from hf_helpers import SHIPPED, random_hf_llama, short_text, transformers_mean_loss
 from mesh import MeshConfig
 from mesh.validate import fit_mesh
 from pjax import eval as pjax_eval
@@ -97,7 +97,7 @@ def small_hf(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("small_hf")
     random_hf_llama(path, seed=1, vocab_size=49152, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                     num_key_value_heads=2, intermediate_size=96)
-    shutil.copy(REPO / "data/tokenizer/smollm2/tokenizer.json", path / "tokenizer.json")
+    shutil.copy(SHIPPED / "data/tokenizer/smollm2/tokenizer.json", path / "tokenizer.json")
     return path
 
 

@@ -25,7 +25,7 @@ from pjax.plan.profiles import PROFILES  # noqa: E402
 
 def parse_args(argv: Sequence[str] | None) -> Any:
     ap = ArgumentParser(prog="python -m pjax.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="debug", help="a name in configs/ or a YAML file")
+    ap.add_argument("--config", default="debug", help="a shipped config name (pjax/assets/configs/) or a YAML file")
     ap.add_argument("--devices", type=int, required=True, help="how many devices (GPUs) in all")
     ap.add_argument("--device-kind", dest="device_kind", default="h100", choices=list(PROFILES))
     ap.add_argument("--hosts", type=int, default=None, help="hosts the devices are on (default: 8 devices per host)")
