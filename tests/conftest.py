@@ -3,6 +3,9 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The pipelines here run in this process: the thread pools pjax.train gives 8 devices that pipeline
+# (mesh.distributed.pipeline_cpu_threads), so no test waits on a pool with every thread in a collective.
+os.environ.setdefault("PJRT_NPROC", "16")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
