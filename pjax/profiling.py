@@ -4,8 +4,8 @@ The trace goes to `<log.dir>/profile/plugins/profile/<time>/`, the layout Tensor
 plugin reads (`tensorboard --logdir <log.dir>/profile`), with a `perfetto_trace.json.gz` beside it
 for https://ui.perfetto.dev. The loop keeps up to two steps in flight, so the trace starts once
 the step before `start` has finished on the device and stops once step `start + count - 1` has:
-it holds those steps' device work and no other step's. Waiting at those two points changes
-when the host dispatches, never what a step computes.
+it holds those steps' device work and no other training step's. Waiting at those two points
+changes when the host dispatches, never what a step computes.
 """
 from __future__ import annotations
 
