@@ -123,6 +123,9 @@ class LogConfig:
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU where the device kind is unknown (CPU)
     spike_sigma: float = 6.0  # report a loss this many standard deviations above the recent mean (0: never)
     inspect: bool = False  # print the step's memory per device and its collectives per mesh axes at start-up
+    # [start, count]: a jax.profiler trace of `count` steps from step `start` in <dir>/profile (pjax/profiling.py);
+    # null: none.
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "log.every", self.every, "use an integer >= 1")
@@ -131,6 +134,11 @@ class LogConfig:
         _require(self.peak_flops is None or self.peak_flops > 0, "log.peak_flops", self.peak_flops,
                  "use a positive FLOP/s figure or null")
         _require(self.spike_sigma >= 0, "log.spike_sigma", self.spike_sigma, "use a value >= 0 (0 turns it off)")
+        steps = self.profile_steps
+        _require(steps is None or (isinstance(steps, tuple) and len(steps) == 2 and
+                                   all(type(n) is int and n >= 1 for n in steps)),
+                 "log.profile_steps", list(steps) if isinstance(steps, tuple) else steps,
+                 "use [start, count] (trace count >= 1 steps from step start >= 1), or null for no trace")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,8 +158,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """The config as nested plain dicts (section -> key -> value), every field resolved."""
-    return dataclasses.asdict(cfg)
+    """The config as nested plain dicts (section -> key -> value), every field resolved; a tuple
+    (`log.profile_steps`) becomes a list, which YAML's safe dumper and JSON both write."""
+    return {section: {key: list(value) if isinstance(value, tuple) else value for key, value in body.items()}
+            for section, body in dataclasses.asdict(cfg).items()}
 
 
 def dump_config(cfg: Config) -> str:
@@ -188,6 +190,28 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
     base = next(t for t in typing.get_args(kind) if t is not type(None)) if optional else kind
     if value is None and optional:
         return None
+    if typing.get_origin(base) is tuple:  # a fixed-length YAML list, e.g. `profile_steps: [3, 5]`
+        items = typing.get_args(base)
+        if isinstance(value, (list, tuple)) and len(value) == len(items):
+            converted = tuple(_scalar(name, kind, item, source) for kind, item in zip(items, value))
+            if _WRONG not in converted:
+                return converted
+        wanted = f"a list of {len(items)} {_PLURAL[items[0]]}"  # pjax's tuples hold one type
+        raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
+    converted = _scalar(name, base, value, source)
+    if converted is not _WRONG:
+        return converted
+    wanted = {bool: "true or false", int: "an integer", float: "a finite number",
+              str: "a string (quote it if YAML reads it as something else)"}[base]
+    raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
+
+
+_WRONG = object()  # _scalar's answer for a value of another type
+_PLURAL = {bool: "booleans", int: "integers", float: "finite numbers", str: "strings"}
+
+
+def _scalar(name: str, base: type, value: Any, source: str) -> Any:
+    """`value` as a `base` (int->float and integral float->int converted), or `_WRONG`."""
     if base is bool and isinstance(value, bool):
         return value
     if base is int and not isinstance(value, bool):
@@ -201,9 +225,7 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
         return float(value)
     if base is str and isinstance(value, str):
         return value
-    wanted = {bool: "true or false", int: "an integer", float: "a finite number",
-              str: "a string (quote it if YAML reads it as something else)"}[base]
-    raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
+    return _WRONG
 
 
 def _did_you_mean(word: str, choices: Any) -> str:

@@ -86,8 +86,10 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
 
     `devices` defaults to all devices; tests pass a subset to run several layouts in one process.
     """
+    from pjax.profiling import check_profile_steps
     from pjax.resume import open_run
 
+    check_profile_steps(cfg.log.profile_steps, cfg.train.steps)
     for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", str(cfg.data.cache_path)),
                       ("checkpoint.dir", cfg.checkpoint.dir)):
         if path is not None:  # before any work: a path that cannot be written loses nothing
@@ -179,6 +181,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     from pjax.divergence import DivergenceGuard
     from models.moe import ROUTER_METRICS
     from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops, routing_group_tokens
+    from pjax.profiling import StepProfiler
 
     tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
     start = int(state.step)
@@ -193,6 +196,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     stop = StopFlag()
     bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
                       initial=start)
+    profiler = StepProfiler(cfg.log.profile_steps, cfg.log.dir, start + 1, bar.note, bar.warn)
 
     def write(record: dict[str, Any]) -> None:
         writer.write(record)
@@ -212,7 +216,10 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     t_last, steps_since, pending = time.perf_counter(), 0, None
     try:
         for step in range(start + 1, tc.steps + 1):
-            state, metrics = trainer.step(state, next(train_iter))
+            profiler.start_if_due(step, state)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):  # TensorBoard's step view
+                state, metrics = trainer.step(state, next(train_iter))
+            profiler.stop_if_due(step, (state, metrics))
             # The previous step is (nearly) done: reading its flags now costs no extra wait, and
             # keeps at most two steps in flight (an unbounded queue of dispatched steps can
             # deadlock XLA:CPU's in-process collectives on few cores).
@@ -256,6 +263,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 bar.note(f"stopping at step {step} on {stop.requested}")
                 break
     finally:
+        profiler.close()
         bar.close()
         writer.close()
         stop.restore()

@@ -179,7 +179,7 @@ def test_exponent_floats_without_dot_load_as_numbers_from_yaml(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
 def test_dump_then_load_round_trips(name, tmp_path):
-    cfg = load_config(name, ["train.lr=3e-4", "log.peak_flops=1e12"])
+    cfg = load_config(name, ["train.lr=3e-4", "log.peak_flops=1e12", "log.profile_steps=[3, 5]"])
     assert load_config(write(tmp_path, dump_config(cfg))) == cfg
 
 
@@ -217,6 +217,9 @@ def test_config_to_dict_is_plain_nested_dicts():
     d = config_to_dict(load_config())
     assert d["train"]["steps"] == 200 and d["model"]["head_dim"] == 32 and d["checkpoint"]["dir"] is None
     assert all(type(v) is dict for v in d.values())
+    assert d["log"]["profile_steps"] is None
+    # A tuple key comes out as a list: YAML's safe dumper refuses tuples, and JSON has none.
+    assert config_to_dict(load_config(overrides=["log.profile_steps=[3,5]"]))["log"]["profile_steps"] == [3, 5]
 
 
 @pytest.mark.parametrize("section,keys", CONTRACT_KEYS.items())
@@ -258,6 +261,9 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     ("model.tie_word_embeddings=1", r"model.tie_word_embeddings must be true or false, got 1"),
     ("data.path=123", r"data.path must be a string"),
     ("checkpoint.dir=[a, b]", r"checkpoint.dir must be a string .*or null, got a list"),
+    ("log.profile_steps=5", r"log.profile_steps must be a list of 2 integers or null, got 5"),
+    ("log.profile_steps=[3]", r"log.profile_steps must be a list of 2 integers or null, got a list \[3\]"),
+    ("log.profile_steps=[3, x]", r"log.profile_steps must be a list of 2 integers or null, got a list \[3, 'x'\]"),
 ])
 def test_wrong_type_names_key_and_value(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -306,6 +312,7 @@ def test_non_mapping_section_is_rejected(tmp_path):
     ("pipeline.virtual_stages=0", "pipeline.virtual_stages"), ("log.every=0", "log.every"),
     ("log.eval_every=-1", "log.eval_every"), ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep=0", "checkpoint.keep"), ("data.eval_fraction=1.0", "data.eval_fraction"),
+    ("log.profile_steps=[0,5]", "log.profile_steps"), ("log.profile_steps=[3,0]", "log.profile_steps"),
 ])
 def test_impossible_value_names_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid; "):

@@ -90,6 +90,29 @@ def test_dp2_tp2_losses_equal_one_device(tmp_path):
     assert max(abs(a - b) for a, b in zip(one, sharded)) <= 1e-5, (one, sharded)
 
 
+def test_profile_steps_trace_exactly_those_steps_and_leave_the_losses_unchanged(tmp_path, capsys):
+    """log.profile_steps=[2, 2]: a jax.profiler trace of steps 2 and 3 under <log.dir>/profile, each
+    step named for TensorBoard's step view, and losses equal to a run without it (CPU fp32)."""
+    def run(name: str, *extra: str) -> list[float]:
+        cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", "train.steps=4", "train.batch_size=4",
+                                    "train.seq_len=32", "log.every=1", "log.eval_every=0", f"log.dir={tmp_path}/{name}",
+                                    f"data.cache_dir={tmp_path}/cache", *extra])
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:1])]
+
+    plain = run("plain")
+    assert not (tmp_path / "plain" / "profile").exists()  # off by default
+    traced = run("traced", "log.profile_steps=[2,2]")
+    assert traced == plain and len(plain) == 4
+    [trace] = (tmp_path / "traced" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    assert (trace.parent / "perfetto_trace.json.gz").is_file()
+    assert f"profile of steps 2 to 3: {trace.parent} (tensorboard --logdir" in capsys.readouterr().out
+    data = jax.profiler.ProfileData.from_file(str(trace))
+    lines = [line for plane in data.planes for line in plane.lines]
+    steps = [dict(e.stats)["step_num"] for line in lines for e in line.events if e.name == "train"]
+    assert sorted(steps) == [2, 3]
+    assert any(line.name.startswith("tf_XLAEigen") and list(line.events) for line in lines)  # XLA:CPU's work
+
+
 def test_tokenizer_larger_than_vocab_is_a_config_error(tmp_path):
     cfg = load_config("debug", ["model.vocab_size=1024", "mesh.dp=1", "mesh.tp=1", f"data.cache_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="has 4096 tokens but model.vocab_size=1024"):
