@@ -7,10 +7,11 @@ after that XLA's device count and the process group are fixed.
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 
-from mesh.errors import ConfigError, first_line
+from mesh.errors import ConfigError, first_line, shown
 from mesh.mesh import MeshConfig
 
 DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
@@ -18,32 +19,91 @@ DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> int:
-    """Join a multi-process run when asked to: explicit arguments, or a SLURM job of several tasks.
+    """Join a multi-process run when asked to: explicit arguments, or an srun step of several tasks.
 
     Returns the number of processes (1 when running alone). One process per host, each seeing
-    its local accelerators; under SLURM JAX finds the coordinator in the environment itself.
+    all its local accelerators. Precedence: explicit arguments name the coordinator; under SLURM
+    their count and index must agree with SLURM_NTASKS and SLURM_PROCID (srun started exactly
+    those processes, so any other count would wait for processes that never come).
     """
     explicit = coordinator is not None or num_processes is not None or process_id is not None
-    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
-    if not (explicit or slurm):
-        return 1
     if explicit:
         check_process_flags(coordinator, num_processes, process_id)
+    slurm = slurm_process()
+    if slurm and explicit:
+        check_flags_match_slurm(num_processes, process_id, *slurm[1:])
+    elif slurm:
+        coordinator, num_processes, process_id = slurm
+    elif not explicit:
+        return 1
     # CPU-only multi-process runs need a collectives backend; gloo ships with jaxlib. This only
     # affects the CPU backend, so it is harmless on GPU hosts.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        if explicit:
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                       process_id=process_id)
-            return num_processes
-        jax.distributed.initialize()
+        # "deactivate": with every value given, JAX's own SLURM/Open MPI detection would still set
+        # local_device_ids to SLURM_LOCALID, leaving each process one GPU (JAX's one process per
+        # GPU); pjax runs one process per host over all its GPUs.
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, cluster_detection_method="deactivate")
     except Exception as e:  # an unreachable coordinator, a refused connection, a timeout
-        where = f"at {coordinator} as process {process_id} of {num_processes}" if explicit else "under SLURM"
-        raise ConfigError(f"could not join the multi-process run {where} ({first_line(e)}); "
-                          f"start every process with the same "
-                          f"--coordinator and --num_processes and its own --process_id.") from None
-    return int(os.environ["SLURM_NTASKS"])
+        fix = ("SLURM's environment named these: check that every task is in the same srun step and that the "
+               "port is free (JAX_COORDINATOR_PORT picks another)" if slurm and not explicit else
+               "start every process with the same --coordinator and --num_processes and its own --process_id")
+        raise ConfigError(f"could not join the multi-process run at {coordinator} as process {process_id} of "
+                          f"{num_processes} ({first_line(e)}); {fix}.") from None
+    return num_processes
+
+
+SLURM_BASE_PORT, SLURM_PORTS = 61440, 4096  # JAX's rule: port = 61440 + SLURM_JOB_ID mod 4096
+
+
+def slurm_process() -> tuple[str, int, int] | None:
+    """(coordinator host:port, process count, this process's index) in an srun step of several
+    tasks; None outside SLURM or with one task.
+
+    The same values JAX's own detection (jax/_src/clusters/slurm_cluster.py) derives: the
+    coordinator is the step's first node, on port 61440 + SLURM_JOB_ID mod 4096 unless
+    JAX_COORDINATOR_PORT names one.
+    """
+    if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return None
+    tasks, rank = slurm_int("SLURM_NTASKS"), slurm_int("SLURM_PROCID")
+    if tasks <= 1:
+        return None
+    nodes = os.environ.get("SLURM_STEP_NODELIST", "")
+    if not nodes:  # e.g. the batch script itself, which runs once whatever --ntasks says
+        raise ConfigError(f"SLURM_NTASKS={tasks} but this process is not in an srun step (no SLURM_STEP_NODELIST); "
+                          f"start every task with `srun python -m pjax.train ...`, or pass --coordinator, "
+                          f"--num_processes and --process_id.")
+    if not 0 <= rank < tasks:
+        raise ConfigError(f"SLURM_PROCID={rank} is invalid for SLURM_NTASKS={tasks}; SLURM's environment is "
+                          f"inconsistent (was it copied from another step?).")
+    port = os.environ.get("JAX_COORDINATOR_PORT") or str(SLURM_BASE_PORT + slurm_int("SLURM_JOB_ID") % SLURM_PORTS)
+    return f"{first_slurm_host(nodes)}:{port}", tasks, rank
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'n001', 'n001,x2', 'n[001-015],x2', 'n[001,007-015]' -> 'n001'."""
+    match = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodelist)
+    return match.group(1) + (match.group(2) or "")
+
+
+def slurm_int(name: str) -> int:
+    """A SLURM variable that must hold a whole number, or a one-line error naming it."""
+    value = os.environ.get(name)
+    if value is None or not value.strip().isdigit():
+        said = " is not set" if value is None else f"={shown(value)} is not a whole number"
+        raise ConfigError(f"{name}{said}; srun sets it in every task, so start pjax with srun or unset the "
+                          f"SLURM_* variables.")
+    return int(value)
+
+
+def check_flags_match_slurm(num_processes: int, process_id: int, tasks: int, rank: int) -> None:
+    """Under srun, explicit flags may move the coordinator but not change the processes SLURM started."""
+    if num_processes != tasks or process_id != rank:
+        raise ConfigError(f"--num_processes={num_processes} --process_id={process_id} disagree with SLURM's "
+                          f"SLURM_NTASKS={tasks} SLURM_PROCID={rank}; under srun drop the flags (SLURM's "
+                          f"environment is enough) or make them match.")
 
 
 def check_process_flags(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:

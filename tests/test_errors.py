@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator
@@ -121,8 +122,11 @@ def in_process(monkeypatch) -> None:
         cfg, progress, devices=devices or (jax.devices()[:cfg.mesh.size] if cfg.mesh.dp > 0 else None)))
 
 
-# (name, entry point, arguments given the fixtures (f: files, c: checkpoints, t: this test's tmp), in the line)
-Case = tuple[str, str, Callable[[dict, dict, Path], list[str]], str]
+# (name, entry point, arguments given the fixtures (f: files, c: checkpoints, t: this test's tmp), in the line,
+# and optionally the environment variables the case runs under, as srun would set them)
+Case = tuple[str, str, Callable[[dict, dict, Path], list[str]], str] | tuple[str, str, Callable, str, dict[str, str]]
+SRUN = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "localhost"}
 CASES: list[Case] = [
     ("mesh tp 0", "train", lambda f, c, t: ["mesh.tp=0"], "mesh.tp=0 is invalid"),
     ("mesh dp 0", "train", lambda f, c, t: ["mesh.dp=0"], "mesh.dp=0 is invalid"),
@@ -191,6 +195,14 @@ CASES: list[Case] = [
     ("process id out of range", "train",
      lambda f, c, t: ["--coordinator", "127.0.0.1:1234", "--num_processes", "2", "--process_id", "2"],
      "--process_id=2 is invalid for --num_processes=2"),
+    ("SLURM tasks outside srun", "train", lambda f, c, t: [],
+     "SLURM_NTASKS=2 but this process is not in an srun step", {**SRUN, "SLURM_STEP_NODELIST": None}),
+    ("SLURM without a job id", "train", lambda f, c, t: [], "SLURM_JOB_ID is not set", {**SRUN, "SLURM_JOB_ID": None}),
+    ("SLURM process id out of range", "train", lambda f, c, t: [], "SLURM_PROCID=2 is invalid for SLURM_NTASKS=2",
+     {**SRUN, "SLURM_PROCID": "2"}),
+    ("flags disagree with SLURM", "train",
+     lambda f, c, t: ["--coordinator", "127.0.0.1:1234", "--num_processes", "4", "--process_id", "0"],
+     "--num_processes=4 --process_id=0 disagree with SLURM's SLURM_NTASKS=2 SLURM_PROCID=0", SRUN),
     ("unknown option", "train", lambda f, c, t: ["--bogus"], "unrecognized arguments: --bogus"),
     ("checkpoint.every without a dir", "train", lambda f, c, t: ["checkpoint.every=5"],
      "checkpoint.every=5 is invalid; it saves only with a checkpoint.dir"),
@@ -230,8 +242,13 @@ CASES: list[Case] = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_error_line_exit_2_and_no_lost_checkpoint(case, files, checkpoints, tmp_path, monkeypatch,
                                                                     capfd):
-    name, tool, make_argv, expected = case
+    name, tool, make_argv, expected, *environment = case
     in_process(monkeypatch)
+    for key in [k for k in os.environ if k.startswith("SLURM_")] + ["JAX_COORDINATOR_PORT"]:
+        monkeypatch.delenv(key, raising=False)  # a case runs as outside SLURM unless it says otherwise
+    for key, value in (environment[0] if environment else {}).items():
+        if value is not None:
+            monkeypatch.setenv(key, value)
     argv = make_argv(files, checkpoints, tmp_path)
     if tool == "train":
         argv = ["--no_progress", *SMALL, f"log.dir={tmp_path}/run", f"data.cache_dir={checkpoints['cache']}", *argv]
