@@ -201,6 +201,11 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
         return float(value)
     if base is str and isinstance(value, str):
         return value
+    if typing.get_origin(base) is tuple:  # tuple[str, ...]: a YAML list, e.g. [q_proj, k_proj] (frozen: a tuple)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name} must be a list of strings such as [a, b]{' or null' if optional else ''}, "
+                          f"got {_show(value)} (in {source}).")
     wanted = {bool: "true or false", int: "an integer", float: "a finite number",
               str: "a string (quote it if YAML reads it as something else)"}[base]
     raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
