@@ -198,6 +198,8 @@ CASES: list[Case] = [
      "pipeline.schedule=zb_v and pipeline.virtual_stages=1 apply only when mesh.pp > 1"),
     ("attention kernel under ring attention", "train", lambda f, c, t: ["mesh.cp=2", "train.attention=reference"],
      "train.attention=reference has no effect with mesh.cp=2 and context.strategy=ring"),
+    ("remat names without remat=names", "train", lambda f, c, t: ["train.remat_names=[q_proj, o_proj]"],
+     "train.remat_names=['q_proj', 'o_proj'] is invalid; it applies only with train.remat=names"),
     ("non-finite loss", "train", lambda f, c, t: ["train.lr=1e20", "train.warmup_steps=0", "train.steps=3"],
      "not finite; stopped (train.on_nonfinite=stop)"),
     ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),
