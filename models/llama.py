@@ -28,11 +28,12 @@ transposes; on GPU it costs nothing. Attention alone sees [B, T, heads, Dh].
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mesh.rules import constrain, flatten_tokens, unflatten_tokens
 from models import deferred_grads
@@ -41,17 +42,9 @@ from models.attention import reference_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, moe_mlp
 from models.projection import ProjectFn, plain_projection, select_projection
+from models.remat import DEFAULT_NAMES, policy
 
 Params = dict[str, Any]
-
-REMAT_POLICIES: dict[str, Any] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
-
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> jax.Array:
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
@@ -160,19 +153,23 @@ class DecoderLayer(nn.Module):
         # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
         # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand (under
         # sequence parallelism the ops write their all-gather and reduce-scatter themselves).
-        y = rms_norm(x, attn_norm, c.rms_norm_eps)
+        # checkpoint_name tags (models/remat.py: NAMES) are for train.remat=names; outside jax.checkpoint
+        # they are the identity. They go on the projections' outputs, outside any custom_vjp form.
+        y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps), "attn_norm")
         # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
         q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
+        q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
-        o = row(o.reshape(o.shape[0], -1), cast(wo).reshape(-1, wo.shape[-1]), "o")
+        o = checkpoint_name(o.reshape(o.shape[0], -1), "attn_out")
+        o = checkpoint_name(row(o, cast(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
         x = x + constrain(o, residual)
 
         # SwiGLU MLP: gate/up column-parallel, down row-parallel. MoE: routed to experts (models/moe.py).
-        y = rms_norm(x, mlp_norm, c.rms_norm_eps)
+        y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps), "mlp_norm")
         if e:
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
@@ -186,6 +183,7 @@ class DecoderLayer(nn.Module):
                                   capacity_factor=self.moe.capacity_factor)
             return x + constrain(down, residual), stats
         gate, up = column(y, [cast(w_gate), cast(w_up)], "gate_up")
+        gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
         down = row(gated, cast(w_down), "down")
         return x + constrain(down, residual), None
@@ -268,12 +266,14 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
 
 
 def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
-               dtype=jnp.float32, remat: str = "none", scan: bool = True,
+               dtype=jnp.float32, remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES,
+               scan: bool = True,
                attention_fn: Callable[..., jax.Array] = reference_attention,
                moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False, taps: dict | None = None
                ) -> tuple[jax.Array, RouterStats | None]:
     """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
     Returns the output and, for MoE layers, their router statistics summed over the layers.
+    `remat` is the policy on each layer's body; with 'names', `remat_names` are the activations kept.
     `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients.
     Unrolled (`scan=False`), `layer_params` and `taps` may also be lists of per-layer trees: a
     pipeline stage slices them outside its VJP, so the slices are not kept as residuals."""
@@ -285,10 +285,8 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
         p, t = p_taps
         return layer.apply({"params": p}, h, positions, tables, t)
 
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+        body = jax.checkpoint(body, policy=policy(remat, remat_names), prevent_cse=not scan)
     if scan:
         x, stats = jax.lax.scan(body, x, (layer_params, taps))  # stats: stacked per layer (None: dense)
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)

@@ -15,10 +15,12 @@ from mesh.errors import ConfigError, shown
 from mesh.mesh import MeshConfig
 from models.config import LlamaConfig
 from models.moe import MoeConfig
+from models.remat import DEFAULT_NAMES as DEFAULT_REMAT_NAMES
+from models.remat import NAMES as REMAT_NAMES
 
 # The choices each string option accepts; the first is the default.
 DTYPES = ("auto", "float32", "bfloat16")
-REMATS = ("none", "full", "dots", "dots_no_batch", "offload")
+REMATS = ("none", "full", "dots", "dots_no_batch", "offload", "names")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1", "zb_v")
@@ -58,7 +60,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     dtype: str = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
-    remat: str = "none"  # none | full | dots | dots_no_batch | offload
+    remat: str = "none"  # none | full | dots | dots_no_batch | offload | names
+    # remat=names: the activations kept (models/remat.py: NAMES); null: q_proj, k_proj, v_proj, o_proj.
+    remat_names: tuple[str, ...] | None = None
     zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
     # Megatron's sequence parallelism (tp > 1): the residual stream, norms and embedding output
     # split over tp along the tokens; each TP all-reduce becomes a reduce-scatter + all-gather.
@@ -87,9 +91,22 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use a value >= 0 (0 disables clipping)")
         _require_choice("train.dtype", self.dtype, DTYPES)
         _require_choice("train.remat", self.remat, REMATS)
+        if self.remat_names is not None:
+            unknown = [n for n in self.remat_names if n not in REMAT_NAMES]
+            _require(not unknown, "train.remat_names", list(self.remat_names),
+                     f"{', '.join(map(repr, unknown))} {'is not a name' if len(unknown) == 1 else 'are not names'}; choose from {', '.join(REMAT_NAMES)}")
+            _require(self.remat == "names", "train.remat_names", list(self.remat_names),
+                     f"it applies only with train.remat=names (train.remat={self.remat}): set that, "
+                     "or leave train.remat_names unset")
         _require_choice("train.zero", self.zero, ZERO_STAGES)
         _require_choice("train.attention", self.attention, ATTENTIONS)
         _require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
+
+
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """The activations remat=names keeps: `remat_names`, or the default list when it is null."""
+        return DEFAULT_REMAT_NAMES if self.remat_names is None else self.remat_names
 
 
 @dataclasses.dataclass(frozen=True)

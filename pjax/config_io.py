@@ -190,13 +190,17 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
     base = next(t for t in typing.get_args(kind) if t is not type(None)) if optional else kind
     if value is None and optional:
         return None
-    if typing.get_origin(base) is tuple:  # a fixed-length YAML list, e.g. `profile_steps: [3, 5]`
+    if typing.get_origin(base) is tuple:  # a YAML list: `profile_steps: [3, 5]`, `remat_names: [q_proj, k_proj]`
         items = typing.get_args(base)
-        if isinstance(value, (list, tuple)) and len(value) == len(items):
-            converted = tuple(_scalar(name, kind, item, source) for kind, item in zip(items, value))
+        any_length = items[-1] is Ellipsis  # tuple[str, ...]
+        if isinstance(value, (list, tuple)) and (any_length or len(value) == len(items)):
+            kinds = [items[0]] * len(value) if any_length else items
+            converted = tuple(_scalar(name, kind, item, source) for kind, item in zip(kinds, value))
             if _WRONG not in converted:
                 return converted
-        wanted = f"a list of {len(items)} {_PLURAL[items[0]]}"  # pjax's tuples hold one type
+        # pjax's tuples hold one type
+        wanted = (f"a list of {_PLURAL[items[0]]} such as [a, b]" if any_length
+                  else f"a list of {len(items)} {_PLURAL[items[0]]}")
         raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")
     converted = _scalar(name, base, value, source)
     if converted is not _WRONG:

@@ -59,7 +59,8 @@ def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig, atten
     token count, so that dividing by the count gives mean cross-entropy + coef * each router loss."""
     dtype = compute_dtype(tc.dtype)
     hidden, stats = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
-                                       scan=tc.scan_layers, attention_fn=attention_fn or select_attention(tc.attention),
+                                       remat_names=tc.saved_names, scan=tc.scan_layers,
+                                       attention_fn=attention_fn or select_attention(tc.attention),
                                        moe=moe, sequence_parallel=tc.sequence_parallel)
     loss, count = vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg),
                                                flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size,

@@ -320,11 +320,31 @@ def test_impossible_value_names_key(override, key):
 
 
 def test_choice_errors_list_the_valid_choices():
-    remats = "none, full, dots, dots_no_batch, offload"
+    remats = "none, full, dots, dots_no_batch, offload, names"
     with pytest.raises(ConfigError, match=rf"train.remat='some' is invalid; choose one of {remats}"):
         load_config(overrides=["train.remat=some"])
     with pytest.raises(ConfigError, match=r"pipeline.schedule='gpipe' is invalid; choose one of 1f1b, 1f1b_lockstep, afab, interleaved"):
         load_config(overrides=["pipeline.schedule=gpipe"])
+
+
+def test_remat_names_is_a_list_checked_against_the_layer_names(tmp_path):
+    train = load_config(overrides=["train.remat=names", "train.remat_names=[q_proj, gate_proj]"]).train
+    assert train.remat_names == ("q_proj", "gate_proj") and train.saved_names == ("q_proj", "gate_proj")
+    assert load_config(overrides=["train.remat=names"]).train.saved_names == ("q_proj", "k_proj", "v_proj", "o_proj")
+    cfg = load_config(write(tmp_path, "train:\n  remat: names\n  remat_names:\n  - attn_out\n"))
+    assert cfg.train.remat_names == ("attn_out",) and load_config(write(tmp_path, dump_config(cfg))) == cfg
+    with pytest.raises(ConfigError, match=r"^train.remat_names=\['q_prj'\] is invalid; 'q_prj' is not a name; "
+                                          r"choose from attn_norm, q_proj, k_proj, v_proj, attn_out, o_proj, "
+                                          r"mlp_norm, gate_proj, up_proj\.$"):
+        load_config(overrides=["train.remat=names", "train.remat_names=[q_prj]"])
+    with pytest.raises(ConfigError, match=r"^train.remat_names must be a list of strings"):
+        load_config(overrides=["train.remat=names", "train.remat_names=q_proj"])
+
+
+def test_remat_names_without_remat_names_is_an_error_not_ignored():
+    with pytest.raises(ConfigError, match=r"^train.remat_names=\['q_proj'\] is invalid; it applies only with "
+                                          r"train.remat=names \(train.remat=dots\)"):
+        load_config(overrides=["train.remat=dots", "train.remat_names=[q_proj]"])
 
 
 def test_model_shape_errors_propagate_from_llama_config():

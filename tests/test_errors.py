@@ -214,6 +214,8 @@ CASES: list[Case] = [
      "log.profile_steps=[0, 5] is invalid; use [start, count]"),
     ("profile steps past train.steps", "train", lambda f, c, t: ["train.steps=4", "log.profile_steps=[3,5]"],
      "log.profile_steps=[3, 5] traces steps 3 to 7, past train.steps=4"),
+    ("remat names without remat=names", "train", lambda f, c, t: ["train.remat_names=[q_proj, o_proj]"],
+     "train.remat_names=['q_proj', 'o_proj'] is invalid; it applies only with train.remat=names"),
     ("non-finite loss", "train", lambda f, c, t: ["train.lr=1e20", "train.warmup_steps=0", "train.steps=3"],
      "not finite; stopped (train.on_nonfinite=stop)"),
     ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),

@@ -235,6 +235,14 @@ def test_tied_embeddings_collect_both_gradients_across_the_pipeline():
     assert_grads_close(grads, ref_grads)
 
 
+def test_zero_bubble_pipeline_with_remat_names_equals_one_device():
+    """train.remat=names in a pipeline stage whose projections hand their weight gradients to W (taps)."""
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _ = run(4, pp=2, schedule="zb_h1", remat="names")
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
 @pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zb_h1", "zb_v"])
 def test_pipeline_with_data_and_tensor_parallelism_equals_one_device(schedule):
     ref_loss, ref_grads, _ = run(4)

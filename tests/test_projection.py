@@ -31,5 +31,5 @@ def test_transposed_projection_has_the_plain_values_and_gradients():
 def test_cpu_without_remat_takes_the_transposed_form_and_remat_the_plain_one():
     assert jax.default_backend() == "cpu"
     assert select_projection("none") is transposed_projection
-    for remat in ("full", "dots", "dots_no_batch", "offload"):
+    for remat in ("full", "dots", "dots_no_batch", "offload", "names"):
         assert select_projection(remat) is plain_projection  # dot policies must still see dots

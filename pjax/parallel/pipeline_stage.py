@@ -94,9 +94,9 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
 
     def layers(w, act, positions, taps=None):
         x, stats = act
-        y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, scan=scan,
-                                  attention_fn=attention_fn, moe=moe, sequence_parallel=tc.sequence_parallel,
-                                  taps=taps)
+        y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, remat_names=tc.saved_names,
+                                  scan=scan, attention_fn=attention_fn, moe=moe,
+                                  sequence_parallel=tc.sequence_parallel, taps=taps)
         return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
 
     def loss(shared, act, labels):

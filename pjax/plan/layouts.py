@@ -122,8 +122,11 @@ def apply(config: Config, layout: Layout) -> Config:
     remat=full also scans the layers: unrolled, XLA merges each layer's recomputation with its
     forward and the memory stays what it was without remat (measured on smollm-1.7b)."""
     scan = config.train.scan_layers or layout.remat == "full"
-    train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, grad_accum=layout.grad_accum,
-                                scan_layers=scan, sequence_parallel=layout.sequence_parallel)
+    # The config's remat_names go with its own remat=names; any other policy must not carry them.
+    names = config.train.remat_names if layout.remat == "names" else None
+    train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, remat_names=names,
+                                grad_accum=layout.grad_accum, scan_layers=scan,
+                                sequence_parallel=layout.sequence_parallel)
     pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
     context = dataclasses.replace(config.context, strategy=layout.context)
     return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline, context=context)
