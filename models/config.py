@@ -22,6 +22,12 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_local_experts", "num_experts_per_tok")
 MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef")
 
+
+def shape_keys(num_local_experts: int) -> tuple[str, ...]:
+    """The SHAPE_KEYS a checkpoint of a model with this many experts must match: a dense model (0)
+    reads no num_experts_per_tok, so a value there must not refuse a resume."""
+    return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k != "num_experts_per_tok")
+
 # RoPE scalings pjax implements (`models.llama.rope_inv_freq`), each with the model keys it needs; each
 # key is HF's rope_scaling key with a "rope_" prefix (rope_factor is rope_scaling's "factor").
 ROPE_TYPES: dict[str, tuple[str, ...]] = {

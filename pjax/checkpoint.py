@@ -56,7 +56,7 @@ import orbax.checkpoint as ocp
 from mesh.errors import ConfigError, first_line
 from mesh.mesh import PP
 from models import llama
-from models.config import SHAPE_KEYS, LlamaConfig
+from models.config import LlamaConfig, shape_keys
 from pjax import save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
@@ -67,8 +67,6 @@ from pjax.step import TrainState, Trainer
 T = TypeVar("T")
 FORMAT = 1  # bump when the items or their meaning change
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-# Model keys a resume must agree on: the shapes (the padded vocabulary included) and their meaning.
-_MODEL_KEYS = (*SHAPE_KEYS, "make_vocab_size_divisible_by")
 
 
 class Restored(NamedTuple):
@@ -312,8 +310,10 @@ def saving_in_progress(directory: str | Path) -> list[Path]:
 def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     """A ConfigError unless `cfg` can continue a run saved under `saved` (any mesh; same model and optimizer)."""
     ours, theirs = config_to_dict(cfg), config_to_dict(saved)
+    # The shapes (the padded vocabulary included) and their meaning.
+    keys = (*shape_keys(cfg.model.num_local_experts), "make_vocab_size_divisible_by")
     diff = [f"model.{k}={ours['model'][k]} (checkpoint: {theirs['model'][k]})"
-            for k in _MODEL_KEYS if ours["model"][k] != theirs["model"][k]]
+            for k in keys if ours["model"][k] != theirs["model"][k]]
     if (cfg.train.grad_clip > 0) != (saved.train.grad_clip > 0):  # clipping adds an optimizer-state node
         diff.append(f"train.grad_clip={cfg.train.grad_clip} (checkpoint: {saved.train.grad_clip})")
     if diff:

@@ -81,6 +81,8 @@ class TrainConfig:
         _require(self.schedule_steps is None or self.schedule_steps >= 1, "train.schedule_steps", self.schedule_steps,
                  "use an integer >= 1, or null for train.steps")
         _require_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        # jax.random.key keeps the low 32 bits without x64: seed 2**32 would initialise like seed 0.
+        _require(0 <= self.seed < 2**32, "train.seed", self.seed, "use an integer in [0, 2**32)")
         _require(self.lr > 0, "train.lr", self.lr, "use a learning rate > 0")
         _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use an integer >= 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")

@@ -27,7 +27,7 @@ from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
-from models.config import SHAPE_KEYS, LlamaConfig
+from models.config import LlamaConfig, shape_keys
 from models.moe import MoeConfig, router_loss
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
@@ -297,7 +297,8 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
     hf_cfg, params = load_hf(init_from, trainer.state_sharding.params,
                              make_vocab_size_divisible_by=trainer.cfg.make_vocab_size_divisible_by)
     ours, theirs = dataclasses.asdict(trainer.cfg), dataclasses.asdict(hf_cfg)
-    diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in SHAPE_KEYS if ours[k] != theirs[k]]
+    diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in shape_keys(trainer.cfg.num_local_experts)
+            if ours[k] != theirs[k]]
     if diff:
         raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
                           f"set those model keys to the checkpoint's values.")

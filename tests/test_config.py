@@ -313,6 +313,7 @@ def test_non_mapping_section_is_rejected(tmp_path):
     ("log.eval_every=-1", "log.eval_every"), ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep=0", "checkpoint.keep"), ("data.eval_fraction=1.0", "data.eval_fraction"),
     ("log.profile_steps=[0,5]", "log.profile_steps"), ("log.profile_steps=[3,0]", "log.profile_steps"),
+    ("train.seed=-1", "train.seed"), ("train.seed=4294967296", "train.seed"),
 ])
 def test_impossible_value_names_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid; "):
@@ -354,3 +355,17 @@ def test_model_shape_errors_propagate_from_llama_config():
 
 def test_mesh_sizes_are_left_to_mesh_validation():
     assert load_config(overrides=["mesh.tp=3"]).mesh == MeshConfig(dp=-1, pp=1, cp=1, tp=3)
+
+
+def test_a_dense_checkpoint_resumes_whatever_num_experts_per_tok_says():
+    """A dense model reads no num_experts_per_tok: a value there must not refuse a resume, while an
+    MoE model's top-k (and any dense shape key) still must match."""
+    from pjax.checkpoint import check_compatible
+
+    saved = load_config()
+    check_compatible(saved, load_config(overrides=["model.num_experts_per_tok=1"]), "in runs/x")
+    with pytest.raises(ConfigError, match=r"model.hidden_size=64 \(checkpoint: 128\)"):
+        check_compatible(saved, load_config(overrides=["model.hidden_size=64"]), "in runs/x")
+    moe = load_config("mixtral-tiny")
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=1 \(checkpoint: 2\)"):
+        check_compatible(moe, load_config("mixtral-tiny", ["model.num_experts_per_tok=1"]), "in runs/x")
