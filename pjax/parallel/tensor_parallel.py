@@ -17,12 +17,12 @@ target logit picked with a mask), so each device keeps its slice of the logits a
 `chunk` fuses the output layer with the loss over blocks of tokens (a `lax.scan` whose
 `custom_vjp` computes each block's gradients as it goes): the [tokens, vocab] logits never exist
 whole, only [chunk, vocab] at a time, which is what large vocabularies need (Llama 3's 128k
-logits of an 8k-token micro-batch are 4 GB in fp32). (On this CPU the head alone runs ~25%
-faster in 512-token blocks, but the whole step ~5% slower at a 4,096-token vocabulary, so it is
-off by default.) Where the tokens are split over dp/cp automatically (ZeRO-3, MoE), each block
-takes `chunk` tokens of every device's share, and the output layer's gradient is summed per
-share through the blocks and reduced once after them: summed over the whole block, XLA would
-reduce it over the token split once per block.
+logits of an 8k-token micro-batch are 4 GB in fp32). It is off by default: at small
+vocabularies the blocks cost more step time than the logits they save (benchmarks/README.md).
+Where the tokens are split over dp/cp automatically (ZeRO-3, MoE), each block takes `chunk`
+tokens of every device's share, and the output layer's gradient is summed per share through the
+blocks and reduced once after them: summed over the whole block, XLA would reduce it over the
+token split once per block.
 """
 from __future__ import annotations
 
