@@ -179,8 +179,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     import jax
 
     from pjax.divergence import DivergenceGuard
-    from models.moe import ROUTER_METRICS
-    from pjax.metrics import MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops, routing_group_tokens
+    from pjax.metrics import MetricsWriter, mfu, model_flops_per_token, peak_flops, routing_group_tokens
     from pjax.profiling import StepProfiler
 
     tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
@@ -237,12 +236,8 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             if log_now:
                 step_time = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / step_time
-                record = {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
-                          "lr": float(host["lr"]), "tokens_per_sec": tps,
-                          "mfu": mfu(tps, flops_per_token, run.trainer.mesh.devices.size, peak),
-                          "step_time_s": step_time, "skipped_steps": guard.skipped,
-                          **memory_per_device(run.local_devices, run.memory_estimate),
-                          **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}  # MoE models
+                record = _step_record(step, host, run, step_time, tps,
+                                      mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped)
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 write(record)
@@ -270,6 +265,18 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     if jax.process_index() == 0:
         print(f"metrics: {writer.path}")
     return records
+
+
+def _step_record(step: int, host: dict, run: _Run, step_time: float, tokens_per_sec: float, mfu: float | None,
+                 skipped: int) -> dict[str, Any]:
+    """One logged step's metrics.jsonl record (an MoE model's router metrics included)."""
+    from models.moe import ROUTER_METRICS
+    from pjax.metrics import memory_per_device
+
+    return {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
+            "lr": float(host["lr"]), "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time_s": step_time,
+            "skipped_steps": skipped, **memory_per_device(run.local_devices, run.memory_estimate),
+            **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}
 
 
 def local_devices(mesh: Any) -> list[Any]:
