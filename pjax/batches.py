@@ -53,14 +53,18 @@ def read_windows(tokens: np.ndarray, ids: np.ndarray, seq_len: int) -> np.ndarra
     return np.asarray(tokens[offsets], dtype=np.int32)
 
 
-def batch_arrays(tokens: np.ndarray, ids: np.ndarray, seq_len: int, columns: np.ndarray) -> dict[str, np.ndarray]:
-    """inputs/labels/positions for windows `ids`, at the (laid-out) sequence positions `columns`."""
-    windows = read_windows(tokens, ids, seq_len)
+def window_arrays(windows: np.ndarray, columns: np.ndarray) -> dict[str, np.ndarray]:
+    """inputs/labels/positions of windows [..., seq_len + 1] at the (laid-out) sequence positions `columns`."""
     return {
         "inputs": windows[..., columns],
         "labels": windows[..., columns + 1],
-        "positions": np.broadcast_to(columns.astype(np.int32), (*ids.shape, len(columns))).copy(),
+        "positions": np.broadcast_to(columns.astype(np.int32), (*windows.shape[:-1], len(columns))).copy(),
     }
+
+
+def batch_arrays(tokens: np.ndarray, ids: np.ndarray, seq_len: int, columns: np.ndarray) -> dict[str, np.ndarray]:
+    """inputs/labels/positions for windows `ids`, at the (laid-out) sequence positions `columns`."""
+    return window_arrays(read_windows(tokens, ids, seq_len), columns)
 
 
 def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -78,6 +82,38 @@ def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]
     return tuple(indices)
 
 
+class BatchLayout:
+    """Where a global batch [grad_accum, batch_size // grad_accum, seq_len] goes: checked against the
+    mesh, sharded P(None, dp, cp), each process holding only its rows and sequence chunks."""
+
+    def __init__(self, seq_len: int, batch_size: int, grad_accum: int, mesh: Mesh | None = None,
+                 sequence_layout: SequenceLayout = identity_layout) -> None:
+        if mesh is None:
+            if min(seq_len, batch_size, grad_accum) < 1 or batch_size % grad_accum:
+                raise ConfigError(f"train.batch_size={batch_size} is not divisible by train.grad_accum={grad_accum} "
+                                  f"(all three of batch_size, grad_accum, seq_len must be positive); change one.")
+        else:
+            validate_batch(MeshConfig.of(mesh), batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+        self.columns = np.asarray(sequence_layout(np.arange(seq_len)))
+        if not np.array_equal(np.sort(self.columns), np.arange(seq_len)):
+            raise ValueError("sequence_layout must permute the last axis (it returned something else for arange).")
+        self.global_shape = (grad_accum, batch_size // grad_accum, seq_len)
+        self.sharding = None if mesh is None else NamedSharding(mesh, P(None, DP, CP))
+        if self.sharding is not None:
+            self._local = process_local_indices(self.sharding, self.global_shape)
+
+    def local(self, rows: np.ndarray) -> np.ndarray:
+        """The part of a [grad_accum, micro_batch, ...] array whose rows this process's devices hold."""
+        return rows if self.sharding is None else rows[np.ix_(self._local[0], self._local[1])]
+
+    def place(self, windows: np.ndarray) -> Batch:
+        """This process's windows [.., .., seq_len + 1] (`local`'s rows) -> the sharded global batch."""
+        if self.sharding is None:
+            return {k: jnp.asarray(v) for k, v in window_arrays(windows, self.columns).items()}
+        local = window_arrays(windows, self.columns[self._local[2]])
+        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
+
+
 class DataIterator:
     """Endless, resumable iterator of global batches {'inputs', 'labels', 'positions'}, each
     int32 [grad_accum, batch_size // grad_accum, seq_len]."""
@@ -85,13 +121,7 @@ class DataIterator:
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, grad_accum: int, seed: int,
                  mesh: Mesh | None = None, *, eval_tokens: np.ndarray | None = None,
                  sequence_layout: SequenceLayout = identity_layout) -> None:
-        if mesh is None:
-            if min(seq_len, batch_size, grad_accum) < 1 or batch_size % grad_accum:
-                raise ConfigError(f"train.batch_size={batch_size} is not divisible by train.grad_accum={grad_accum} "
-                                  f"(all three of batch_size, grad_accum, seq_len must be positive); change one.")
-        else:
-            sizes = MeshConfig.of(mesh)
-            validate_batch(sizes, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+        self.layout = BatchLayout(seq_len, batch_size, grad_accum, mesh, sequence_layout)
         self.tokens, self.eval_tokens = tokens, eval_tokens
         self.seq_len, self.batch_size, self.grad_accum, self.seed = seq_len, batch_size, grad_accum, seed
         self.micro_batch = batch_size // grad_accum
@@ -102,13 +132,6 @@ class DataIterator:
                 f"{seq_len}, fewer than train.batch_size={batch_size}; use more data or a smaller seq_len or batch_size."
             )
         self.batches_per_epoch = self.num_windows // batch_size
-        self.columns = np.asarray(sequence_layout(np.arange(seq_len)))
-        if not np.array_equal(np.sort(self.columns), np.arange(seq_len)):
-            raise ValueError("sequence_layout must permute the last axis (it returned something else for arange).")
-        self.global_shape = (grad_accum, self.micro_batch, seq_len)
-        self.sharding = None if mesh is None else NamedSharding(mesh, P(None, DP, CP))
-        if self.sharding is not None:
-            self._local = process_local_indices(self.sharding, self.global_shape)
         self.epoch = 0
         self.step_in_epoch = 0
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), the current epoch's
@@ -123,7 +146,7 @@ class DataIterator:
 
     def global_batch(self, epoch: int, step_in_epoch: int) -> dict[str, np.ndarray]:
         """The whole global batch as numpy arrays (for checks and debugging; training uses next())."""
-        return batch_arrays(self.tokens, self.window_ids(epoch, step_in_epoch), self.seq_len, self.columns)
+        return batch_arrays(self.tokens, self.window_ids(epoch, step_in_epoch), self.seq_len, self.layout.columns)
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> "DataIterator":
@@ -136,8 +159,8 @@ class DataIterator:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         return batch
 
-    def num_eval_batches(self) -> int:
-        """Whole batches in the held-out split; a ConfigError if there is not even one."""
+    def num_eval_batches(self, limit: int | None = None) -> int:
+        """Whole batches in the held-out split (at most `limit`); a ConfigError if there is not even one."""
         if self.eval_tokens is None:
             raise ValueError("this DataIterator was built without eval_tokens.")
         available = num_windows(len(self.eval_tokens), self.seq_len) // self.batch_size
@@ -147,20 +170,16 @@ class DataIterator:
                 f"{self.batch_size} windows of train.seq_len={self.seq_len}; raise data.eval_fraction, shrink the "
                 f"batch or set log.eval_every=0."
             )
-        return available
+        return available if limit is None else min(available, limit)
 
     def eval_batches(self, n: int) -> Iterator[Batch]:
         """At most `n` batches of the held-out windows, in stream order (no shuffle)."""
-        for k in range(min(n, self.num_eval_batches())):
+        for k in range(self.num_eval_batches(n)):
             ids = np.arange(k * self.batch_size, (k + 1) * self.batch_size).reshape(self.grad_accum, self.micro_batch)
             yield self._assemble(self.eval_tokens, ids)
 
     def _assemble(self, tokens: np.ndarray, ids: np.ndarray) -> Batch:
-        if self.sharding is None:
-            return {k: jnp.asarray(v) for k, v in batch_arrays(tokens, ids, self.seq_len, self.columns).items()}
-        micro, rows, cols = self._local
-        local = batch_arrays(tokens, ids[np.ix_(micro, rows)], self.seq_len, self.columns[cols])
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
+        return self.layout.place(read_windows(tokens, self.layout.local(ids), self.seq_len))
 
     # -- checkpointing -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -170,6 +189,9 @@ class DataIterator:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state()` was taken."""
+        if state.get("streaming"):
+            raise ConfigError("the checkpoint's data position is a streamed one (data.streaming=true); resume with "
+                              "data.streaming=true, or start afresh.")
         ours = self.state()
         keys = ("seed", "batch_size", "seq_len", "num_windows")
         if any(state[k] != ours[k] for k in keys):
