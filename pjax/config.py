@@ -119,10 +119,25 @@ class DataConfig:
     path: str = "data/prideprejudice.txt"
     tokenizer: str = "data/tokenizer/gpt2"
     cache_dir: str | None = None  # the token cache; null: $XDG_CACHE_HOME/pjax/tokens (~/.cache/pjax/tokens)
-    eval_fraction: float = 0.05  # held-out tail of the token stream
+    eval_fraction: float = 0.05  # held-out tail of the token stream (streamed: every round(1/f)-th document)
+    split: str = "train"  # a HuggingFace dataset's split
+    column: str = "text"  # the text's JSONL field, parquet or dataset column
+    # Read, tokenize and pack documents as training consumes them (no token cache, stream order);
+    # for corpora too big to tokenize up front (pjax/data_stream.py).
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
+        _require(bool(self.split), "data.split", self.split, "name a split of the dataset, e.g. train")
+        _require(bool(self.column), "data.column", self.column, "name the column that holds the text, e.g. text")
+        _require(not self.streaming or self.eval_fraction <= 0.5, "data.eval_fraction", self.eval_fraction,
+                 "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5")
+
+    @property
+    def eval_stride(self) -> int:
+        """Streaming holds out every eval_stride-th document (0: none): a fraction of a corpus
+        whose length is unknown until it has been read."""
+        return round(1 / self.eval_fraction) if self.eval_fraction > 0 else 0
 
     @property
     def cache_path(self) -> Path:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import uuid
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -22,6 +23,7 @@ from mesh.errors import ConfigError, first_line
 from pjax import assets
 from pjax.batches import DataIterator
 from pjax.config import DataConfig, TrainConfig
+from pjax.data_hub import hub_documents, is_saved_dataset
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_FORMAT = 1  # bump when the cache layout or the tokenization procedure changes
@@ -88,12 +90,22 @@ def eos_id(tokenizer: Any) -> int | None:
 # Text sources: each yields documents (one per .txt file, JSON line, parquet row, dataset row)
 # ---------------------------------------------------------------------------------------------
 
+def saved_dataset(spec: str) -> Path | None:
+    """The folder `data.path` names if `save_to_disk` wrote it (read by pjax/data_hub.py)."""
+    path = _local_path(spec)
+    return path if path is not None and is_saved_dataset(path) else None
+
+
 def source_files(spec: str) -> list[Path] | None:
-    """The text files behind `data.path` (a file, or a folder's files sorted), or None for a hub name."""
+    """The text files behind `data.path` (a file, or a folder's files sorted), or None for a
+    HuggingFace dataset (a hub name or a saved folder)."""
     path = _local_path(spec)
     if path is None:
         if _looks_like_path(spec):
-            raise ConfigError(f"data.path={spec} does not exist; point it at a .txt/.jsonl/.parquet file or a folder of them.")
+            raise ConfigError(f"data.path={spec} does not exist; point it at a .txt/.jsonl/.parquet file, a folder of "
+                              f"them or a dataset saved with save_to_disk.")
+        return None
+    if is_saved_dataset(path):
         return None
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
@@ -105,10 +117,11 @@ def source_files(spec: str) -> list[Path] | None:
     return [path]
 
 
-def _text(where: str, text: Any) -> str:
+def _text(where: str, text: Any, column: str = "text") -> str:
     """`text` if it is a usable document, else the one-line error for the place it came from."""
     if not isinstance(text, str):
-        raise ConfigError(f"{where} has \"text\" {_show(text)}, not a string; every document needs its text as a string.")
+        raise ConfigError(f"{where} has \"{column}\" {_show(text)}, not a string; every document needs its text as a "
+                          f"string (data.column names the field).")
     if "\x00" in text:
         raise ConfigError(f"{where} holds NUL bytes, so it looks like a binary file, not text; point data.path at "
                           f"UTF-8 text.")
@@ -119,7 +132,7 @@ def _show(value: Any) -> str:
     return "null" if value is None else f"of type {type(value).__name__}"
 
 
-def _jsonl_documents(path: Path) -> Iterator[str]:
+def _jsonl_documents(path: Path, column: str) -> Iterator[str]:
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -129,20 +142,20 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where} is not valid JSON ({e.msg}); fix or remove that line.") from None
-            if not isinstance(record, dict) or "text" not in record:
-                raise ConfigError(f"{where} has no \"text\" field; every JSON line needs one, e.g. "
-                                  f"{{\"text\": \"...\"}}.")
-            yield _text(where, record["text"])
+            if not isinstance(record, dict) or column not in record:
+                raise ConfigError(f"{where} has no \"{column}\" field; every JSON line needs one, e.g. "
+                                  f"{{\"{column}\": \"...\"}}, or set data.column to the field holding the text.")
+            yield _text(where, record[column], column)
 
 
-def _file_documents(path: Path) -> Iterator[str]:
+def _file_documents(path: Path, column: str) -> Iterator[str]:
     try:
         if path.suffix == ".txt":
             yield _text(str(path), path.read_text(encoding="utf-8"))
         elif path.suffix == ".jsonl":
-            yield from _jsonl_documents(path)
+            yield from _jsonl_documents(path, column)
         else:
-            yield from _parquet_documents(path)
+            yield from _parquet_documents(path, column)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                           f"convert it to UTF-8 or point data.path at a text file.") from None
@@ -150,7 +163,7 @@ def _file_documents(path: Path) -> Iterator[str]:
         raise ConfigError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions.") from None
 
 
-def _parquet_documents(path: Path) -> Iterator[str]:
+def _parquet_documents(path: Path, column: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq  # optional: only parquet sources need it
     except ImportError as e:
@@ -159,38 +172,30 @@ def _parquet_documents(path: Path) -> Iterator[str]:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends
         raise ConfigError(f"{path} is not a valid parquet file ({first_line(e)}); re-write it.") from None
-    if "text" not in parquet.schema_arrow.names:
-        raise ConfigError(f"{path} has no \"text\" column; parquet sources need one.")
+    if column not in parquet.schema_arrow.names:
+        raise ConfigError(f"{path} has no \"{column}\" column (it has {', '.join(parquet.schema_arrow.names)}); "
+                          f"set data.column to the one holding the text.")
     row = 0
-    for batch in parquet.iter_batches(columns=["text"]):
+    for batch in parquet.iter_batches(columns=[column]):
         for text in batch.column(0).to_pylist():
-            yield _text(f"{path} row {row}", text)
+            yield _text(f"{path} row {row}", text, column)
             row += 1
 
 
-def _hub_documents(name: str) -> Iterator[str]:
-    try:
-        import datasets  # optional and slow to import: only hub sources need it
-    except ImportError as e:
-        raise ConfigError(f"data.path={name} is not a local path; to load it from the HuggingFace hub run "
-                          f"`pip install datasets`, or point data.path at a local file.") from e
-    try:
-        dataset = datasets.load_dataset(name, split="train")
-    except Exception as e:
-        raise ConfigError(f"data.path={name} is not a local path and could not be loaded from the HuggingFace hub "
-                          f"(unreachable or unknown name); point data.path at a local file.") from e
-    for row in dataset:
-        yield row["text"]
-
-
-def documents(spec: str) -> Iterator[str]:
-    """Every document of `data.path`, in a fixed order."""
+def documents(spec: str, *, split: str = "train", column: str = "text", start: int = 0,
+              streaming: bool = False) -> Iterator[str]:
+    """Every document of `data.path` from document `start` on, in a fixed order; `streaming`
+    reads a HuggingFace dataset as a stream (local files are always read lazily)."""
     files = source_files(spec)
     if files is None:
-        yield from _hub_documents(spec)
-    else:
-        for path in files:
-            yield from _file_documents(path)
+        rows = hub_documents(spec, saved_dataset(spec), split, column, start, streaming)
+        for row, text in enumerate(rows, start):
+            yield _text(f"data.path={spec} (split {split}) row {row}", text, column)
+        return
+    if split != "train":
+        raise ConfigError(f"data.split={split} applies only to a HuggingFace dataset (a hub name or a folder saved "
+                          f"with save_to_disk); data.path={spec} is neither, so leave data.split at train.")
+    yield from islice((doc for path in files for doc in _file_documents(path, column)), start, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +207,13 @@ def _pieces(text: str) -> list[str]:
     # starts a new word there, so the pieces tokenize exactly as the whole text (checked on the
     # GPT-2 and SmolLM2 tokenizers); encode_batch then tokenizes them on all cores.
     return [p for p in re.split(r"(?=\n\S)", text) if p]
+
+
+def encode_documents(texts: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each document's token ids (no special tokens), all tokenized in one parallel call."""
+    pieces = [_pieces(text) for text in texts]
+    encoded = iter(tokenizer.encode_batch([p for doc in pieces for p in doc], add_special_tokens=False))
+    return [[i for _ in doc for i in next(encoded).ids] for doc in pieces]
 
 
 def tokenize(docs: Iterable[str], tokenizer: Any) -> Iterator[np.ndarray]:
@@ -235,20 +247,27 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size < 2**16 else np.uint32
 
 
-def cache_key(spec: str, tokenizer: Any) -> str:
-    """A hash of the sources (paths, sizes, mtimes) and the tokenizer's full definition."""
-    files = source_files(spec)
+def cache_key(spec: str, tokenizer: Any, split: str = "train", column: str = "text") -> str:
+    """A hash of the sources (paths, sizes, mtimes; a split and column other than the defaults)
+    and the tokenizer's full definition."""
+    files, saved = source_files(spec), saved_dataset(spec)
+    if saved is not None:
+        files = sorted(p for p in saved.rglob("*") if p.is_file())
     sources = [spec] if files is None else [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     vocab_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
-    blob = json.dumps({"format": _CACHE_FORMAT, "sources": sources, "tokenizer": vocab_hash})
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    key = {"format": _CACHE_FORMAT, "sources": sources, "tokenizer": vocab_hash}
+    # Only when not the defaults: the caches of runs made before these keys existed stay valid.
+    key.update({name: value for name, value, default in (("split", split, "train"), ("column", column, "text"))
+                if value != default})
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
 
 
 def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
     """The whole corpus as a read-only memory-mapped token array, tokenizing it on first use."""
     dtype = np.dtype(token_dtype(tokenizer.get_vocab_size()))
     cache_dir = data_cfg.cache_path
-    path = cache_dir / f"tokens-{cache_key(data_cfg.path, tokenizer)}-{dtype.name}.bin"
+    key = cache_key(data_cfg.path, tokenizer, data_cfg.split, data_cfg.column)
+    path = cache_dir / f"tokens-{key}-{dtype.name}.bin"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         # Write under a unique name and rename: a crash leaves no half-written cache, and several
@@ -256,7 +275,8 @@ def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
         tmp = cache_dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with tmp.open("wb") as f:
-                for chunk in tokenize(documents(data_cfg.path), tokenizer):
+                docs = documents(data_cfg.path, split=data_cfg.split, column=data_cfg.column)
+                for chunk in tokenize(docs, tokenizer):
                     f.write(chunk.astype(dtype).tobytes())
             if tmp.stat().st_size == 0:
                 raise ConfigError(f"data.path={data_cfg.path} holds no text; point it at a non-empty corpus.")
@@ -275,10 +295,19 @@ def split_eval(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np
 
 
 def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, mesh: Mesh | None,
-               **iterator_kwargs: Any) -> tuple[DataIterator, np.ndarray, Any]:
-    """(train iterator, held-out tokens, tokenizer) for a run; extra kwargs go to DataIterator
-    (e.g. `sequence_layout`)."""
+               **iterator_kwargs: Any) -> tuple[Any, np.ndarray | None, Any]:
+    """(train iterator, held-out tokens, tokenizer) for a run; extra kwargs go to the iterator
+    (e.g. `sequence_layout`). With data.streaming the iterator is a StreamIterator, and the
+    held-out documents are read by it (None here)."""
     tokenizer = load_tokenizer(data_cfg.tokenizer)
+    if data_cfg.streaming:
+        from pjax.data_stream import StreamIterator
+
+        def open_documents(start: int) -> Iterator[str]:
+            return documents(data_cfg.path, split=data_cfg.split, column=data_cfg.column, start=start, streaming=True)
+
+        return StreamIterator(open_documents, tokenizer, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum,
+                              mesh, eval_stride=data_cfg.eval_stride, **iterator_kwargs), None, tokenizer
     train_tokens, eval_tokens = split_eval(load_tokens(data_cfg, tokenizer), data_cfg.eval_fraction)
     train_iter = DataIterator(train_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum,
                               train_cfg.seed, mesh, eval_tokens=eval_tokens, **iterator_kwargs)

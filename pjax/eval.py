@@ -107,9 +107,9 @@ def check_vocab(tokenizer: Any, cfg: LlamaConfig) -> None:
                           f"{cfg.vocab_size}; pass the tokenizer the model was trained with (--tokenizer).")
 
 
-def read_tokens(text: str, tokenizer: Any) -> np.ndarray:
+def read_tokens(text: str, tokenizer: Any, split: str = "train", column: str = "text") -> np.ndarray:
     """All token ids of a text source (a file, a folder, or a hub data set), documents joined by EOS."""
-    chunks = list(tokenize(documents(text), tokenizer))
+    chunks = list(tokenize(documents(text, split=split, column=column), tokenizer))
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
     if len(tokens) < 2:
         raise ConfigError(f"--text {text} holds fewer than 2 tokens; evaluation needs at least one prediction.")
@@ -236,7 +236,9 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
         return text
 
     # Tokenize before reading the weights: a wrong text fails fast.
-    tokens = read_tokens(args.text if args.text is not None else cfg.data.path, tokenizer)
+    # --text is read with the defaults; the run's own data.path with its split and column.
+    tokens = read_tokens(args.text, tokenizer) if args.text is not None else \
+        read_tokens(cfg.data.path, tokenizer, cfg.data.split, cfg.data.column)
     _, params = load()
     result = evaluate(params, model_cfg, tokens, mesh, seq_len=cfg.train.seq_len, batch_size=args.batch_size, **opts)
     if is_main:

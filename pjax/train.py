@@ -142,7 +142,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
     if cfg.log.eval_every:
-        train_iter.num_eval_batches()  # a held-out split too small for one batch fails now, not at the first eval
+        train_iter.num_eval_batches(cfg.log.eval_batches)  # a held-out split too small for one batch fails now
     # Compiled from shapes before anything is allocated (the step's first call reuses it), so a
     # step that cannot fit in device memory is a one-line error here, not an allocator failure later.
     compiled = trainer.compile_step()

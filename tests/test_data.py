@@ -245,3 +245,133 @@ def test_build_data_gives_sharded_train_batches_and_the_held_out_tail(tmp_path):
     assert batch["inputs"].shape == (2, 4, SEQ) and batch["inputs"].sharding.mesh.shape[DP] == 2
     assert len(train_iter.tokens) + len(held) == len(data.load_tokens(DataConfig(cache_dir=str(tmp_path)), tok))
     assert next(train_iter.eval_batches(1))["labels"].shape == (2, 4, SEQ)
+
+
+# -- HuggingFace datasets: split and column ----------------------------------------------------
+
+WORDS = "the of and to a in is was he that it his her you as had with for she not at but be my on".split()
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    """n documents of 1 to 120 words: some shorter than a window, some spanning several."""
+    rng = np.random.default_rng(seed)
+    return [f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(1, 120))) for i in range(n)]
+
+
+def save_dataset(path, splits: dict[str, list[str]], column: str = "text"):
+    """A DatasetDict saved with save_to_disk (an extra column, so that column choice matters)."""
+    import datasets
+
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({column: docs, "id": list(range(len(docs)))})
+                          for name, docs in splits.items()}).save_to_disk(str(path))
+    return str(path)
+
+
+def test_saved_dataset_reads_the_chosen_split_and_column_and_caches_each_apart(tokenizer, tmp_path):
+    path = save_dataset(tmp_path / "ds", {"train": ["a b", "c d e"], "validation": ["v w", "x y z"]}, column="content")
+    assert list(data.documents(path, column="content")) == ["a b", "c d e"]
+    assert list(data.documents(path, split="validation", column="content", start=1)) == ["x y z"]
+    cfg = DataConfig(path=path, column="content", cache_dir=str(tmp_path / "cache"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [*tokenizer.encode("a b").ids, eos, *tokenizer.encode("c d e").ids]
+    assert list(data.load_tokens(cfg, tokenizer)) == expected
+    assert list(data.load_tokens(DataConfig(path=path, column="content", split="validation",
+                                            cache_dir=cfg.cache_dir), tokenizer))[:2] == tokenizer.encode("v w").ids
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # a split is a cache of its own
+    with pytest.raises(ConfigError, match=r"data\.split=test is not a split of .* \(it has train, validation\)"):
+        list(data.documents(path, split="test", column="content"))
+    with pytest.raises(ConfigError, match=r"has no column 'text' \(it has content, id\); set data\.column"):
+        list(data.documents(path))
+
+
+def test_column_names_the_jsonl_field_and_parquet_column_and_split_refuses_plain_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "one", "text": "no"}) + "\n")
+    pq.write_table(pa.table({"body": ["two"]}), tmp_path / "b.parquet")
+    assert list(data.documents(str(tmp_path), column="body")) == ["one", "two"]
+    with pytest.raises(ConfigError, match=r'b\.parquet has no "text" column \(it has body\)'):
+        list(data.documents(str(tmp_path / "b.parquet")))
+    with pytest.raises(ConfigError, match=r"data\.split=validation applies only to a HuggingFace dataset"):
+        list(data.documents(str(tmp_path), split="validation"))
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def stream_iter(path, tokenizer, counter=None, eval_stride=0, **kw):
+    def open_documents(start):
+        for doc in data.documents(path, start=start, streaming=True):
+            if counter is not None:
+                counter.append(start)
+            yield doc
+    from pjax.data_stream import StreamIterator
+
+    return StreamIterator(open_documents, tokenizer, SEQ, 8, 2, eval_stride=eval_stride, **kw)
+
+
+def flat_inputs(batches) -> np.ndarray:
+    return np.concatenate([np.asarray(b["inputs"]).reshape(-1, SEQ) for b in batches]).ravel()
+
+
+def test_streamed_saved_dataset_is_read_lazily_and_equals_the_cached_stream_in_order(tokenizer, tmp_path, monkeypatch):
+    import datasets
+
+    docs = corpus(3000)
+    path = save_dataset(tmp_path / "ds", {"train": docs})
+    streamed = []  # really a stream: the split goes through an IterableDataset
+    to_iterable = datasets.Dataset.to_iterable_dataset
+    monkeypatch.setattr(datasets.Dataset, "to_iterable_dataset", lambda self, *a, **k: streamed.append(1) or
+                        to_iterable(self, *a, **k))
+    read: list[int] = []
+    mesh = make_mesh(MeshConfig(dp=2, cp=2, tp=2))
+    it = stream_iter(path, tokenizer, read, mesh=mesh)
+    batches = [next(it) for _ in range(40)]
+    assert streamed and len(read) < 400 < len(docs)  # ~20 documents a batch, a 64k-character chunk ahead
+    assert batches[0]["inputs"].sharding.spec == jax.sharding.PartitionSpec(None, DP, CP)
+    cached = data.load_tokens(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), tokenizer)
+    np.testing.assert_array_equal(flat_inputs(batches), cached[:40 * 8 * SEQ])
+    np.testing.assert_array_equal(np.asarray(batches[-1]["labels"])[-1, -1, -1], cached[40 * 8 * SEQ])
+
+
+@pytest.mark.parametrize("stop_after", [7, 61])  # mid-document; past the end of the corpus (epoch 1)
+def test_streaming_resume_gives_the_batches_of_an_uninterrupted_run(tokenizer, tmp_path, stop_after):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in corpus(200)))
+    uninterrupted = stream_iter(str(path), tokenizer, eval_stride=5)
+    expected = [as_numpy(next(uninterrupted)) for _ in range(stop_after + 5)]
+    first = stream_iter(str(path), tokenizer, eval_stride=5)
+    for _ in range(stop_after):
+        next(first)
+    saved = json.loads(json.dumps(first.state()))
+    assert saved["epoch"] == (stop_after > 50) and saved["offset"] > 0
+    resumed = stream_iter(str(path), tokenizer, eval_stride=5)
+    resumed.restore(saved)
+    for want in expected[stop_after:]:
+        got = as_numpy(next(resumed))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    with pytest.raises(ConfigError, match="held out every 5th document, this run every 4th"):
+        stream_iter(str(path), tokenizer, eval_stride=4).restore(saved)
+    with pytest.raises(ConfigError, match="is a streamed one"):
+        make_iter(np.arange(10_000)).restore(saved)
+
+
+def test_streaming_holds_out_every_kth_document_and_trains_on_the_others(tokenizer, tmp_path):
+    docs = corpus(400)
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    it = stream_iter(str(path), tokenizer, eval_stride=4)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+
+    def stream(keep):
+        return np.concatenate([[*tokenizer.encode(d).ids, eos] for i, d in enumerate(docs) if keep(i)])
+
+    assert it.num_eval_batches(3) == 3
+    held = flat_inputs(list(it.eval_batches(3)))
+    np.testing.assert_array_equal(held, stream(lambda i: i % 4 == 3)[:len(held)])
+    np.testing.assert_array_equal(flat_inputs([next(it) for _ in range(30)]), stream(lambda i: i % 4 != 3)[:30 * 8 * SEQ])
+    with pytest.raises(ConfigError, match=r"held-out split \(no document, data\.eval_fraction\)"):
+        stream_iter(str(path), tokenizer).num_eval_batches(1)
+    assert DataConfig(eval_fraction=0.05, streaming=True).eval_stride == 20
+

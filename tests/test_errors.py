@@ -61,6 +61,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     write("metrics_latin1/metrics.jsonl", '{"step": 1, "loss": "caf\xe9"}\n'.encode("latin-1"))
     write("latin1.yaml", "train:\n  dtype: caf\xe9\n".encode("latin-1"))
     write("huge_int.yaml", "train:\n  steps: " + "1" * 10_000 + "\n")
+    # Streamed: line 71 is read by the prefetch thread, after the first 64k-character chunk (and
+    # ~13 steps: " Elizabeth" is one token).
+    write("late_bad.jsonl", "".join(json.dumps({"text": f"line {i}" + " Elizabeth" * 100}) + "\n" for i in range(70))
+          + '{"text": "no end\n')
+    import datasets
+
+    out["saved_ds"] = root / "saved_ds"
+    datasets.Dataset.from_dict({"content": ["a saved document"]}).save_to_disk(str(out["saved_ds"]))
     (root / "empty_run").mkdir()
     # HF checkpoints: a valid tiny one (4,096 tokens: the default tokenizer's), then broken copies.
     good = out["hf_good"] = root / "hf_good"
@@ -146,6 +154,15 @@ CASES: list[Case] = [
     ("JSONL number text", "train", lambda f, c, t: [f"data.path={f['number_text.jsonl']}"], "of type int, not a string"),
     ("JSONL list line", "train", lambda f, c, t: [f"data.path={f['list_line.jsonl']}"], ':1 has no "text" field'),
     ("corrupt parquet", "train", lambda f, c, t: [f"data.path={f['corrupt.parquet']}"], "is not a valid parquet file"),
+    ("split of a plain file", "train", lambda f, c, t: ["data.split=validation"],
+     "data.split=validation applies only to a HuggingFace dataset"),
+    ("dataset without the column", "train", lambda f, c, t: [f"data.path={f['saved_ds']}"],
+     "has no column 'text' (it has content); set data.column"),
+    ("streaming holds out most documents", "train", lambda f, c, t: ["data.streaming=true", "data.eval_fraction=0.7"],
+     "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5"),
+    ("streamed JSONL broken past the first chunk", "train",
+     lambda f, c, t: [f"data.path={f['late_bad.jsonl']}", "data.streaming=true", "train.steps=1000"],
+     "late_bad.jsonl:71 is not valid JSON"),
     ("corrupt tokenizer.json", "train", lambda f, c, t: [f"data.tokenizer={f['tokenizer.json']}"],
      "is not a valid tokenizer.json"),
     ("corrupt vocab.json", "train", lambda f, c, t: [f"data.tokenizer={f['root'] / 'gpt2_broken'}"],

@@ -1,0 +1,82 @@
+"""HuggingFace `datasets` as a text source: a hub name or a folder written by `save_to_disk`,
+one split (`data.split`), one text column (`data.column`), read whole or streamed.
+
+Read whole, a split is Arrow memory-mapped from disk (the hub's download cache, or the saved
+folder). Streamed (`data.streaming=true`), a hub split is read over the network as training
+consumes it (`load_dataset(..., streaming=True)`) and a saved one through
+`to_iterable_dataset()`; neither is ever held in memory or tokenized ahead. `datasets` is the
+`hub` extra (`pip install 'pjax[hub]'`), imported only here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+from mesh.errors import ConfigError, first_line
+
+# What `save_to_disk` writes: a DatasetDict's index of splits, or one Dataset's state.
+_SAVED_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return path.is_dir() and any((path / marker).is_file() for marker in _SAVED_MARKERS)
+
+
+def _datasets(spec: str) -> Any:
+    try:
+        import datasets  # optional and slow to import: only these sources need it
+    except ImportError as e:
+        raise ConfigError(f"data.path={spec} is a HuggingFace dataset; run `pip install 'pjax[hub]'` (or `pip "
+                          f"install datasets`) to read it, or point data.path at a local .txt/.jsonl/.parquet "
+                          f"file.") from e
+    return datasets
+
+
+def _open_saved(datasets: Any, path: Path, split: str, streaming: bool) -> Any:
+    try:
+        saved = datasets.load_from_disk(str(path))  # memory-maps the Arrow files: nothing is read yet
+    except Exception as e:  # datasets raises FileNotFoundError, ValueError, ArrowInvalid...
+        raise ConfigError(f"data.path={path} looks like a saved dataset but does not load ({first_line(e)}); "
+                          f"write it again with save_to_disk.") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ConfigError(f"data.split={split} is not a split of {path} (it has {', '.join(saved)}); "
+                              f"choose one of them.")
+        saved = saved[split]
+    elif split not in ("train", str(saved.split)):  # one saved Dataset is one split, whatever its name
+        raise ConfigError(f"data.split={split} is not the split saved in {path} ({saved.split or 'unnamed'}); "
+                          f"leave data.split at train.")
+    return saved.to_iterable_dataset() if streaming else saved
+
+
+def _open_hub(datasets: Any, name: str, split: str, streaming: bool) -> Any:
+    try:
+        return datasets.load_dataset(name, split=split, streaming=streaming)
+    except Exception as e:
+        raise ConfigError(f"data.path={name} is not a local path and its split data.split={split} could not be "
+                          f"loaded from the HuggingFace hub (unreachable, or an unknown name or split: "
+                          f"{first_line(e)[:120]}); point data.path at a local file.") from e
+
+
+def hub_documents(spec: str, saved: Path | None, split: str, column: str, start: int = 0,
+                  streaming: bool = False) -> Iterator[Any]:
+    """The `column` of every row of the split from row `start` on (unchecked values: the caller
+    checks each is text); `saved` is the folder when `spec` names one written by save_to_disk."""
+    datasets = _datasets(spec)
+    dataset = _open_saved(datasets, saved, split, streaming) if saved is not None else \
+        _open_hub(datasets, spec, split, streaming)
+    names = dataset.column_names  # None for a hub stream whose features are not declared
+    if names is not None and column not in names:
+        raise ConfigError(f"data.path={spec} (split {split}) has no column {column!r} (it has "
+                          f"{', '.join(names)}); set data.column to the one holding the text.")
+    if names is not None and len(names) > 1:
+        dataset = dataset.select_columns([column])  # decode only the text
+    if start:
+        # A Dataset jumps to the row; a stream drops rows up to it (a saved one without decoding them).
+        dataset = dataset.skip(start)
+    for row in dataset:
+        if column not in row:
+            raise ConfigError(f"data.path={spec} (split {split}) has rows without a {column!r} column; set "
+                              f"data.column to the one holding the text.")
+        yield row[column]
