@@ -125,11 +125,14 @@ class DataConfig:
     # Read, tokenize and pack documents as training consumes them (no token cache, stream order);
     # for corpora too big to tokenize up front (pjax/data_stream.py).
     streaming: bool = False
+    prefetch: int = 2  # batches built ahead by a background thread (pjax/prefetch.py); 0: on the loop's thread
 
     def __post_init__(self) -> None:
         _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
         _require(bool(self.split), "data.split", self.split, "name a split of the dataset, e.g. train")
         _require(bool(self.column), "data.column", self.column, "name the column that holds the text, e.g. text")
+        _require(self.prefetch >= 0, "data.prefetch", self.prefetch, "use an integer >= 0 (0 builds batches "
+                 "on the training loop's thread)")
         _require(not self.streaming or self.eval_fraction <= 0.5, "data.eval_fraction", self.eval_fraction,
                  "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5")
 

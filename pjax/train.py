@@ -106,7 +106,7 @@ class _Run(NamedTuple):
     """What the loop needs, built and checked before the first step."""
 
     trainer: Any
-    data: Any  # the DataIterator, at the run's position
+    data: Any  # the batches (pjax/prefetch.py's Prefetcher around the data iterator), at the run's position
     state: Any  # TrainState: fresh, from train.init_from, or resumed
     rng: Any  # the training key saved with checkpoints
     memory_estimate: tuple[int, int]  # the compiled step's resident and peak bytes per device
@@ -124,6 +124,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.parallel.context_parallel import zigzag_layout
     from pjax.memory import check_fits, step_memory_bytes
     from pjax.plan.inspect import parameter_table, step_report
+    from pjax.prefetch import Prefetcher
     from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
@@ -171,7 +172,8 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
     local = local_devices(mesh)
-    return _Run(trainer, train_iter, state, rng, memory, local)
+    # The thread starts at the first batch, from the position restored above.
+    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory, local)
 
 
 def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, Any]]:
@@ -258,6 +260,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 bar.note(f"stopping at step {step} on {stop.requested}")
                 break
     finally:
+        train_iter.close()
         profiler.close()
         bar.close()
         writer.close()

@@ -375,3 +375,40 @@ def test_streaming_holds_out_every_kth_document_and_trains_on_the_others(tokeniz
         stream_iter(str(path), tokenizer).num_eval_batches(1)
     assert DataConfig(eval_fraction=0.05, streaming=True).eval_stride == 20
 
+
+# -- prefetch -----------------------------------------------------------------------------------
+
+def test_prefetched_batches_and_positions_equal_the_iterator_s(tokens):
+    from pjax.prefetch import Prefetcher
+
+    plain, ahead = make_iter(tokens), Prefetcher(make_iter(tokens), depth=3)
+    for _ in range(6):
+        a, b = as_numpy(next(plain)), as_numpy(next(ahead))
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+        assert ahead.state() == plain.state()  # the batches taken, not those built ahead
+    ahead.close()
+    assert not any(t.name == "pjax-data-prefetch" for t in __import__("threading").enumerate())
+
+
+def test_a_fault_in_the_prefetch_thread_is_raised_by_the_next_that_needs_that_batch(tokens):
+    from pjax.prefetch import Prefetcher
+
+    class Failing:
+        def __init__(self):
+            self.inner = make_iter(tokens)
+
+        def __next__(self):
+            if self.inner.step_in_epoch == 4:
+                raise ConfigError("data/x.jsonl:9 is not valid JSON")
+            return next(self.inner)
+
+        def state(self):
+            return self.inner.state()
+
+    ahead = Prefetcher(Failing(), depth=2)
+    for _ in range(4):
+        next(ahead)
+    with pytest.raises(ConfigError, match="x.jsonl:9 is not valid JSON"):
+        next(ahead)
+    assert ahead.state()["step_in_epoch"] == 4 and ahead._thread is None

@@ -158,6 +158,7 @@ CASES: list[Case] = [
      "data.split=validation applies only to a HuggingFace dataset"),
     ("dataset without the column", "train", lambda f, c, t: [f"data.path={f['saved_ds']}"],
      "has no column 'text' (it has content); set data.column"),
+    ("negative prefetch", "train", lambda f, c, t: ["data.prefetch=-1"], "data.prefetch=-1 is invalid"),
     ("streaming holds out most documents", "train", lambda f, c, t: ["data.streaming=true", "data.eval_fraction=0.7"],
      "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5"),
     ("streamed JSONL broken past the first chunk", "train",

@@ -1,0 +1,105 @@
+"""`data.prefetch`: the next batches built by a background thread while the step runs.
+
+Without it the loop builds batch s+1 on its own thread after dispatching step s; JAX's async
+dispatch hides that only while building takes less than a step, and a slow batch (a streamed
+chunk being tokenized) stalls the device. A thread is enough: the work is numpy gathers, the
+host-to-device copy and the tokenizer's Rust, all of which release the GIL.
+
+Exact resume: each batch travels with the iterator's position after it, so `state()` is where
+the batches the loop took end, not the batches built ahead. A failure in the thread travels
+the same way and is raised by the `next()` that would have built that batch, so the loop
+stops with the one-line error it would have met without the thread, and never waits on a
+thread that is gone.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterator
+
+_POLL_S = 0.1  # how often a blocked put or get looks whether the other side has gone
+
+
+class Prefetcher:
+    """An iterator of `source`'s batches, up to `depth` built ahead (0: built on next()'s thread),
+    with `source`'s interface: state, restore, eval batches."""
+
+    def __init__(self, source: Any, depth: int) -> None:
+        self.source, self.depth = source, depth
+        self._state = source.state()
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> Any:
+        if self.depth == 0:
+            batch = next(self.source)
+            self._state = self.source.state()
+            return batch
+        if self._thread is None:
+            self._start()
+        while True:
+            try:
+                batch, state, error = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():  # it ends only after queueing its error; never wait for nothing
+                    raise RuntimeError("the data prefetch thread stopped without a batch or an error") from None
+        if error is not None:
+            self.close()
+            raise error
+        self._state = state
+        return batch
+
+    def _start(self) -> None:
+        self._queue: queue.Queue = queue.Queue(self.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True,
+                                        name="pjax-data-prefetch")
+        self._thread.start()
+
+    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                batch = next(self.source)
+                if not _put(out, (batch, self.source.state(), None), stop):
+                    return
+        except BaseException as error:  # everything reaches the loop's thread, which decides
+            _put(out, (None, None, error), stop)
+
+    def close(self) -> None:
+        """Stop the thread (the batches built ahead are dropped)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        # A thread inside a slow read (a hub stream) is left to end on its own: it is a daemon,
+        # and it only ever touches `source`, which nothing else uses once closed.
+        self._thread.join(timeout=10)
+        self._thread = None
+
+    def state(self) -> dict[str, Any]:
+        """The position after the last batch `next()` returned."""
+        return self._state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.source.restore(state)
+        self._state = self.source.state()
+
+    def num_eval_batches(self, limit: int | None = None) -> int:
+        return self.source.num_eval_batches(limit)
+
+    def eval_batches(self, n: int) -> Iterator[Any]:
+        return self.source.eval_batches(n)
+
+
+def _put(out: queue.Queue, item: tuple, stop: threading.Event) -> bool:
+    """Queue `item` unless the consumer stops first; whether it was queued."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            pass
+    return False
