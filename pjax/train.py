@@ -214,12 +214,15 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             bar.warn(warning)
         return host
 
-    t_last, steps_since, pending = time.perf_counter(), 0, None
+    t_last, steps_since, pending, data_wait = time.perf_counter(), 0, None, 0.0
     try:
         for step in range(start + 1, tc.steps + 1):
             profiler.start_if_due(step, state)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):  # TensorBoard's step view
-                state, metrics = trainer.step(state, next(train_iter))
+                t_data = time.perf_counter()
+                batch = next(train_iter)
+                data_wait += time.perf_counter() - t_data  # what building (or awaiting) a batch costs the step
+                state, metrics = trainer.step(state, batch)
             profiler.stop_if_due(step, (state, metrics))
             # The previous step is (nearly) done: reading its flags now costs no extra wait, and
             # keeps at most two steps in flight (an unbounded queue of dispatched steps can
@@ -239,12 +242,13 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 step_time = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / step_time
                 record = _step_record(step, host, run, step_time, tps,
-                                      mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped)
+                                      mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped,
+                                      data_wait / steps_since)
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 write(record)
                 bar.update(steps_since, record)
-                t_last, steps_since = time.perf_counter(), 0
+                t_last, steps_since, data_wait = time.perf_counter(), 0, 0.0
             if eval_now:
                 t_eval = time.perf_counter()
                 eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
@@ -271,13 +275,14 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
 
 
 def _step_record(step: int, host: dict, run: _Run, step_time: float, tokens_per_sec: float, mfu: float | None,
-                 skipped: int) -> dict[str, Any]:
+                 skipped: int, data_wait: float) -> dict[str, Any]:
     """One logged step's metrics.jsonl record (an MoE model's router metrics included)."""
     from models.moe import ROUTER_METRICS
     from pjax.metrics import memory_per_device
 
     return {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
             "lr": float(host["lr"]), "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time_s": step_time,
+            "data_wait_s": data_wait,
             "skipped_steps": skipped, **memory_per_device(run.local_devices, run.memory_estimate),
             **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}
 

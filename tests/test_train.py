@@ -34,7 +34,9 @@ def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
     train_records = [r for r in lines if "loss" in r]
     assert [r["step"] for r in train_records] == list(range(10, 101, 10))
     for r in train_records:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "skipped_steps"} <= r.keys()
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "data_wait_s",
+                "skipped_steps"} <= r.keys()
+        assert 0 <= r["data_wait_s"] < r["step_time_s"]
         assert r["mfu"] is None  # no configured CPU peak: no made-up MFU
         assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and r["skipped_steps"] == 0
         # XLA:CPU keeps no allocator statistics: the compiled step's own figures, per device.
