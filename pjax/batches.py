@@ -13,6 +13,7 @@ Layout: a batch is [grad_accum, batch_size // grad_accum, seq_len], micro-batch 
 j*mb:(j+1)*mb of the global batch. On a mesh it is sharded P(None, dp, cp): every device gets all
 micro-batches, its dp slice of the rows and its cp slice of the sequence. Each process reads only
 the rows and columns its own devices hold, which is what lets the loader scale across hosts.
+`BatchLayout` is that placement; a streamed corpus (`pjax/data_stream.py`) shares it, not the order.
 """
 from __future__ import annotations
 

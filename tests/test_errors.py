@@ -63,6 +63,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     write("huge_int.yaml", "train:\n  steps: " + "1" * 10_000 + "\n")
     # Streamed: line 71 is read by the prefetch thread, after the first 64k-character chunk (and
     # ~13 steps: " Elizabeth" is one token).
+    write("empty.jsonl", "")
     write("late_bad.jsonl", "".join(json.dumps({"text": f"line {i}" + " Elizabeth" * 100}) + "\n" for i in range(70))
           + '{"text": "no end\n')
     import datasets
@@ -161,6 +162,8 @@ CASES: list[Case] = [
     ("negative prefetch", "train", lambda f, c, t: ["data.prefetch=-1"], "data.prefetch=-1 is invalid"),
     ("streaming holds out most documents", "train", lambda f, c, t: ["data.streaming=true", "data.eval_fraction=0.7"],
      "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5"),
+    ("empty corpus streamed", "train", lambda f, c, t: [f"data.path={f['empty.jsonl']}", "data.streaming=true"],
+     "data.path holds no documents to stream"),
     ("streamed JSONL broken past the first chunk", "train",
      lambda f, c, t: [f"data.path={f['late_bad.jsonl']}", "data.streaming=true", "train.steps=1000"],
      "late_bad.jsonl:71 is not valid JSON"),
