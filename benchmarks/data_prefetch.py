@@ -7,7 +7,11 @@ without `data.prefetch`, for the cached token stream and a streamed JSONL corpus
 1. `host`: the loop's `next()` alone, in this process (no training): ms per batch of
    `--config`'s batch, for the shipped text from the token cache, the JSONL from the token cache,
    and the JSONL streamed (data.streaming=true; its first chunk is read when it is built).
-2. `step`: `python -m pjax.train --config ...` runs, each in its own process, prefetch 0 and 2
+2. `overlap`: the streamed JSONL's batches taken by a loop whose "step" sleeps `--sleep_ms`, a
+   host left free as it is while an accelerator runs the step: the wait per batch and the time
+   per step without prefetch, with pjax's thread (data.prefetch=2), and with grain's thread
+   prefetch (`ThreadPrefetchIterDataset`, buffer 2) when grain is importable.
+3. `step`: `python -m pjax.train --config ...` runs, each in its own process, prefetch 0 and 2
    interleaved per round (so a noisy machine hits both alike), for the cached text and the
    streamed JSONL: the median over logged intervals (the first, with compilation, left out) of
    `step_time_s` and of `data_wait_s`, the time the loop waited for its batch per step.
@@ -68,6 +72,60 @@ def host_times(config: str, jsonl: str, cache: str, batches: int) -> None:
                           "tokens_per_batch": cfg.train.batch_size * cfg.train.seq_len}), flush=True)
 
 
+def overlap_times(config: str, jsonl: str, sleep_ms: float, batches: int) -> None:
+    import jax
+
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+    from pjax.data import build_data
+    from pjax.prefetch import Prefetcher
+
+    cfg = load_config(config, [f"data.path={jsonl}", "data.streaming=true"])
+
+    def fresh():
+        return build_data(cfg.data, cfg.train, make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.size]))[0]
+
+    def grain_thread(source):
+        import grain
+
+        class Source(grain.DatasetIterator):
+            def __next__(self):
+                return next(source)
+
+            def get_state(self):
+                return source.state()
+
+            def set_state(self, state):
+                source.restore(state)
+
+        class Stream(grain.IterDataset):
+            def __iter__(self):
+                return Source()
+
+        return iter(grain.experimental.ThreadPrefetchIterDataset(Stream(), prefetch_buffer_size=2))
+
+    modes = {"none": lambda: fresh(), "thread": lambda: Prefetcher(fresh(), 2)}
+    try:
+        import grain  # noqa: F401  (optional: only this comparison uses it)
+        modes["grain thread"] = lambda: grain_thread(fresh())
+    except ImportError:
+        pass
+    for name, make in modes.items():
+        it = make()
+        jax.block_until_ready(next(it))  # the thread started, its first batch out of the way
+        waits, t_start = [], time.perf_counter()
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            jax.block_until_ready(next(it))
+            waits.append(time.perf_counter() - t0)
+            time.sleep(sleep_ms / 1e3)
+        per_step = (time.perf_counter() - t_start) / batches
+        getattr(it, "close", lambda: None)()
+        print(json.dumps({"kind": "overlap", "prefetch": name, "sleep_ms": sleep_ms, "batches": batches,
+                          "wait_ms": round(1e3 * statistics.mean(waits), 3),
+                          "max_wait_ms": round(1e3 * max(waits), 3), "step_ms": round(1e3 * per_step, 2)}), flush=True)
+
+
 def train_once(config: str, overrides: list[str], steps: int, every: int, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as run:
         cmd = [sys.executable, "-m", "pjax.train", "--config", config, "--no_progress", f"train.steps={steps}",
@@ -90,15 +148,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip", choices=("host", "step"), default=None)
+    ap.add_argument("--sleep_ms", type=float, default=30.0, help="the overlap part's stand-in step")
+    ap.add_argument("--only", choices=("host", "overlap", "step"), default=None)
     args = ap.parse_args()
     jsonl = Path(args.jsonl)
     if not jsonl.exists():
         write_corpus(jsonl, args.docs)
     cache = tempfile.mkdtemp(prefix="pjax-bench-tokens-")
-    if args.skip != "host":
+    if args.only in (None, "host"):
         host_times(args.config, str(jsonl), cache, args.batches)
-    if args.skip == "step":
+    if args.only in (None, "overlap"):
+        overlap_times(args.config, str(jsonl), args.sleep_ms, args.batches)
+    if args.only not in (None, "step"):
         return
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", f"{cache}/xla")}
     for round_ in range(args.rounds):
