@@ -20,6 +20,7 @@ Output: one JSON object per measurement on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -105,11 +106,8 @@ def overlap_times(config: str, jsonl: str, sleep_ms: float, batches: int) -> Non
         return iter(grain.experimental.ThreadPrefetchIterDataset(Stream(), prefetch_buffer_size=2))
 
     modes = {"none": lambda: fresh(), "thread": lambda: Prefetcher(fresh(), 2)}
-    try:
-        import grain  # noqa: F401  (optional: only this comparison uses it)
+    if importlib.util.find_spec("grain") is not None:  # optional: only this comparison uses it
         modes["grain thread"] = lambda: grain_thread(fresh())
-    except ImportError:
-        pass
     for name, make in modes.items():
         it = make()
         jax.block_until_ready(next(it))  # the thread started, its first batch out of the way
@@ -139,6 +137,24 @@ def train_once(config: str, overrides: list[str], steps: int, every: int, env: d
             "data_wait_ms": 1e3 * statistics.median(r["data_wait_s"] for r in timed)}
 
 
+def measure(args: argparse.Namespace, jsonl: Path, cache: str) -> None:
+    """The parts asked for, with the token cache (and compiled programs) in `cache`."""
+    if args.only in (None, "host"):
+        host_times(args.config, str(jsonl), cache, args.batches)
+    if args.only in (None, "overlap"):
+        overlap_times(args.config, str(jsonl), args.sleep_ms, args.batches)
+    if args.only not in (None, "step"):
+        return
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", f"{cache}/xla")}
+    for round_ in range(args.rounds):
+        for name, data in (("text, cached", []), ("jsonl, streamed", [f"data.path={jsonl}", "data.streaming=true"])):
+            for prefetch in (0, 2):
+                result = train_once(args.config, [f"data.cache_dir={cache}", f"data.prefetch={prefetch}", *data],
+                                    args.steps, args.every, env)
+                print(json.dumps({"kind": "step", "round": round_, "data": name, "prefetch": prefetch,
+                                  **{k: round(v, 2) for k, v in result.items()}}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="picotron-cpu")
@@ -154,21 +170,9 @@ def main() -> None:
     jsonl = Path(args.jsonl)
     if not jsonl.exists():
         write_corpus(jsonl, args.docs)
-    cache = tempfile.mkdtemp(prefix="pjax-bench-tokens-")
-    if args.only in (None, "host"):
-        host_times(args.config, str(jsonl), cache, args.batches)
-    if args.only in (None, "overlap"):
-        overlap_times(args.config, str(jsonl), args.sleep_ms, args.batches)
-    if args.only not in (None, "step"):
-        return
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", f"{cache}/xla")}
-    for round_ in range(args.rounds):
-        for name, data in (("text, cached", []), ("jsonl, streamed", [f"data.path={jsonl}", "data.streaming=true"])):
-            for prefetch in (0, 2):
-                result = train_once(args.config, [f"data.cache_dir={cache}", f"data.prefetch={prefetch}", *data],
-                                    args.steps, args.every, env)
-                print(json.dumps({"kind": "step", "round": round_, "data": name, "prefetch": prefetch,
-                                  **{k: round(v, 2) for k, v in result.items()}}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="pjax-bench-tokens-") as cache:
+        measure(args, jsonl, cache)
+
 
 
 if __name__ == "__main__":
