@@ -1,6 +1,7 @@
 """Training-step benchmark per parallel layout: compile time, step time, tokens/s, MFU, memory.
 
     python benchmarks/step.py                                  # picotron-cpu shape, Picotron's layouts
+                                                               # (against Picotron itself: vs_picotron.py)
     python benchmarks/step.py --layouts dp8,dp2-tp4,dp8-zero3 --steps 10
     python benchmarks/step.py --config smollm-135m --layouts dp8 --aot   # compile only: memory, no timing
 
@@ -21,9 +22,6 @@ import time
 
 from common import compile_step, random_batch, use_layout_devices
 from pjax.malloc import huge_pages_env
-
-# Picotron on this 2-core machine, pjax/assets/configs/picotron-cpu.yaml shape, fp32, tokens/s.
-PICOTRON_TOKENS_PER_SEC = {"1": 6567, "dp2": 6692, "tp2": 4081, "pp2": 5340, "pp2-remat": 5340, "cp2": 4827}
 
 
 def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
@@ -69,9 +67,23 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     flops = tps * model_flops_per_token(mc, tc.seq_len)
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     result.update(step_ms=round(1000 * step_s, 1), tokens_per_sec=round(tps), model_tflops=round(flops / 1e12, 4),
-                  mfu=None if not peak else round(flops / n_dev / peak, 4),
-                  picotron_tokens_per_sec=PICOTRON_TOKENS_PER_SEC.get(layout) if config == "picotron-cpu" else None)
+                  mfu=None if not peak else round(flops / n_dev / peak, 4))
     return result
+
+
+def run_layout(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
+    """`run_one` for one layout in a process of its own, with that layout's devices and XLA:CPU's
+    buffers on huge pages as `pjax.train` runs them (pjax/malloc.py): its result, or
+    {'layout', 'error'} with the process's last line of stderr."""
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.pop("XLA_FLAGS", None)
+    env.update(huge_pages_env(env))
+    cmd = [sys.executable, __file__, "--one", layout, "--config", config, "--steps", str(steps),
+           "--warmup", str(warmup), *(["--aot"] if aot else []), *overrides]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        return {"layout": layout, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -88,18 +100,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.config, args.one, args.steps, args.warmup, args.aot, args.overrides)))
         return
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    env.pop("XLA_FLAGS", None)
-    env.update(huge_pages_env(env))  # as pjax.train runs: XLA:CPU's buffers on huge pages (pjax/malloc.py)
     results = []
     for layout in args.layouts.split(","):
-        cmd = [sys.executable, __file__, "--one", layout, "--config", args.config, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--aot"] if args.aot else []), *args.overrides]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            result = {"layout": layout, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-        else:
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = run_layout(args.config, layout, args.steps, args.warmup, args.aot, args.overrides)
         print(json.dumps(result), flush=True)
         results.append(result)
     print(json.dumps(results, indent=1))
@@ -108,6 +111,8 @@ def main() -> None:
 
 
 def plot(results: list[dict], out: str) -> None:
+    """Bars of pjax's tokens/s per layout, with Picotron's beside them where a result carries
+    `picotron_tokens_per_sec` (as benchmarks/vs_picotron.py's do)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
