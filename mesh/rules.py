@@ -98,6 +98,14 @@ def auto_size(mesh, axis: str) -> int:
     return mesh.shape[axis]
 
 
+def manual_size(mesh, axis: str) -> int:
+    """Size of a mesh axis an enclosing shard_map has made manual (1 if absent or automatic): how
+    many blocks of a tensor split over it there are, of which a device holds one."""
+    if mesh.empty or axis not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis] // auto_size(mesh, axis)
+
+
 def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
     """`fn` on each device's blocks along the mesh axes its specs name, for hand-written collectives.
 

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mesh.rules import constrain, flatten_tokens, unflatten_tokens
+from mesh.mesh import DP
+from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
 from models import deferred_grads
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
@@ -128,7 +129,8 @@ class DecoderLayer(nn.Module):
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
         mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
-        e = (c.num_local_experts,) if c.num_local_experts else ()  # MoE: a stack of expert MLPs
+        # MoE: a stack of expert MLPs (in a shard_map manual over dp, this device's E/dp of them)
+        e = (c.num_local_experts // manual_size(jax.sharding.get_abstract_mesh(), DP),) if c.num_local_experts else ()
         experts = ("experts",) if e else ()
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)

@@ -225,9 +225,13 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     # cp rank then exchanges its own tokens with the dp group that holds its experts, which are
     # replicated over cp), so that no token dimension is left for the partitioner inside.
     token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
+    # Inside the step's own shard_map over the data axes (the once-per-step gradient reduction,
+    # `pjax/parallel/data_parallel.py`, and a pipeline's), x and p are this device's already.
+    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes)
+    if DP in mesh.manual_axes:
+        return local(x, p)
     experts = logical_to_spec(("experts",))  # the rules table: experts over dp
     specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
-    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes)
     sharded = _differentiated_inside if PP in mesh.manual_axes else _sharded
     return sharded(local, token_axes, specs)(x, p)
 
@@ -241,10 +245,10 @@ def _sharded(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Calla
 def _differentiated_inside(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
     """`_sharded(local)` whose gradient is taken inside a shard_map too (the forward run again there).
 
-    Inside a pipeline stage (a shard_map manual over pp) JAX's own differentiation of this nested
-    shard_map gives its saved residuals a spec over pp as well as dp (jax 0.10: the residual specs
-    take every axis a value varies over, the outer manual ones included), and the program fails
-    verification. Differentiating `local` per device, inside a shard_map of its own, keeps the
+    Inside a pipeline stage (a shard_map manual over pp, with dp left automatic: ZeRO-3) JAX's own
+    differentiation of this nested shard_map gives its saved residuals a spec over pp as well as
+    dp (jax 0.10: the residual specs take every axis a value varies over, the outer manual ones
+    included), and the program fails verification. Differentiating `local` per device, inside a shard_map of its own, keeps the
     residuals inside: each device saves (x, p) and reruns its forward in the backward. (Inside a
     lax.scan over layers the same residuals are hoisted out of the scan, so pipeline stages with
     expert parallelism run their layers unrolled: `pjax/parallel/pipeline_stage.py`.)"""

@@ -103,8 +103,8 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     mesh = jax.sharding.get_abstract_mesh()
     local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn, moe=moe)
     if data_parallel.can_reduce_once(mesh, tc.zero, cfg):
-        loss, grads = data_parallel.reduce_once(lambda p, b: local(p, b)[:3], params, batch, cfg, tc.zero)
-        return (loss, grads, {}) if with_router_metrics else (loss, grads)  # (a dense model: no router)
+        loss, grads, router = data_parallel.reduce_once(local, params, batch, cfg, tc.zero)
+        return (loss, grads, router) if with_router_metrics else (loss, grads)
 
     def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
         return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)

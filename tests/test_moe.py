@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mesh import ConfigError, MeshConfig, make_mesh
-from models import moe
+from models import llama, moe
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
 from pjax.hlo import collective_stats
@@ -169,10 +169,10 @@ def text_batch():
 
 @functools.cache
 def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
-                sequence_parallel: bool = False):
+                sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum):
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
-    return build_trainer(mesh, MOE_CFG, dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel),
-                         moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
+    tc = dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel, grad_accum=grad_accum)
+    return build_trainer(mesh, MOE_CFG, tc, moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
 
 @functools.cache
@@ -195,9 +195,10 @@ def step_metrics(*layout):
     return jax.tree.map(float, metrics)
 
 
-@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 0, "capacity"), (2, 2, 0, "dropless", 2),
+@pytest.mark.parametrize("layout", [(2,), (2, 2), (4, 1, 3), (2, 1, 1, "capacity"), (2, 2, 0, "dropless", 2),
                                     (2, 2, 0, "capacity", 1, 1, True)],
-                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_capacity", "dp2_cp2_tp2", "dp2_tp2_sequence_parallel"])
+                         ids=["dp2", "dp2_tp2", "dp4_zero3", "dp2_zero1_capacity", "dp2_cp2_tp2",
+                              "dp2_tp2_sequence_parallel"])
 def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layout):
     ref_loss, ref_grads = step_loss_and_grads(1)
     loss, grads = step_loss_and_grads(*layout)
@@ -220,6 +221,30 @@ def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(l
     trainer, one = moe_trainer(*layout), moe_trainer(1)
     eval_loss = lambda tr: float(tr.loss(tr.init(jax.random.key(0)).params, batch_for(tr)))
     assert eval_loss(trainer) == pytest.approx(eval_loss(one), abs=1e-6)
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["step", "pipeline"])
+def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_never(pp):
+    """dp=2 at 2 and 4 micro-batches: what is all-reduced over dp is the dense (non-expert)
+    gradient a device holds, once, plus the router statistics' few floats per layer and
+    micro-batch (or pipeline tick). Expert gradients arrive at their owner by the all_to_all's
+    backward and are not reduced (294,912 bytes here, against 92,800 dense)."""
+    from pjax.hlo import collectives_by_axis
+    from pjax.parallel.data_parallel import is_expert
+
+    names = jax.tree.leaves(llama.param_logical_axes(MOE_CFG), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(jax.eval_shape(lambda: llama.init_params(MOE_CFG, jax.random.key(0))))
+    dense = sum(4 * np.prod(s.shape) // (pp if n[0] == "layers" else 1)  # a stage holds its layers
+                for s, n in zip(shapes, names) if not is_expert(n))
+
+    def reduced(grad_accum):  # bytes all-reduced or reduce-scatered over dp per step (the all-to-alls left out)
+        trainer = moe_trainer(2, 1, 0, "dropless", 1, pp, False, grad_accum)
+        rows = collectives_by_axis(trainer.compile_step().as_text(), dict(trainer.mesh.shape),
+                                   scale=lambda kind, line: kind != "all-to-all")
+        return rows["dp"]["bytes"]
+
+    assert dense <= reduced(2) <= dense + 1024, (reduced(2), dense)
+    assert abs(reduced(4) - reduced(2)) <= 1024, (reduced(4), reduced(2))
 
 
 def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():

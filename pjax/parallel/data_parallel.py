@@ -16,7 +16,10 @@ for the step (`shard_map` over dp and cp, tp stays automatic inside), lets each 
 accumulate its own partial gradient, and reduces once at the end: `psum` for zero=0,
 `psum_scatter` (a real reduce-scatter) to the moment slices for zero=1. cp counts as a data
 axis here: each of its devices sees other tokens, so its gradients are partial sums as well.
-This is what PyTorch DDP's `no_sync` does for gradient accumulation.
+This is what PyTorch DDP's `no_sync` does for gradient accumulation. An MoE model's expert
+weights are split over dp already (expert parallelism): they enter as each device's own experts,
+the layers' all_to_all's backward brings every token's gradient to the expert's owner, and
+their gradients are reduced over nothing but cp; the rest of the model is reduced once as above.
 * zero=3 -- ZeRO-3 / FSDP. Parameters are split like the moments; each layer's weights are
   all-gathered just before use (forward and backward) and gradients reduce-scattered. This only
   works if activations stay split over the batch -- the model pins them with `constrain`, or XLA
@@ -79,15 +82,16 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
 def can_reduce_once(mesh: Any, zero: int, cfg: LlamaConfig | None = None) -> bool:
     """Whether this step accumulates per data replica and reduces once.
 
-    Needs a data split (dp or cp > 1) and replicated parameters (zero < 3); a pipeline does the
-    same in its own shard_map (`pipeline_parallel._run`). Not for MoE models yet: their layers
-    exchange tokens over dp themselves, and their load-balancing loss needs the statistics of the
-    whole batch, which this per-replica accumulation would have to sum first.
+    Needs a data split (dp or cp > 1) and parameters that are whole on every device (zero < 3); a
+    pipeline does the same in its own shard_map (`pipeline_parallel._run`). An MoE model's experts
+    come in split over dp (each device's own, as expert parallelism holds them), its layers
+    exchange tokens by all_to_all inside this shard_map, and their router statistics are summed
+    over the data axes where they are computed (`models.moe`), so the load-balancing loss still
+    sees the whole batch.
     """
     shape = {} if mesh.empty else dict(mesh.shape)
-    moe = cfg is not None and cfg.num_local_experts > 0  # MoE layers are their own shard_map over dp (EP)
     data = shape.get(DP, 1) * shape.get(CP, 1)
-    return data > 1 and zero < 3 and not moe
+    return data > 1 and zero < 3
 
 
 def data_axes(mesh: Any) -> tuple[str, ...]:
@@ -101,20 +105,60 @@ def batch_spec(axes: tuple[str, ...]) -> P:
     return P(None, DP if DP in axes else None, CP if CP in axes else None)
 
 
-def embed_dims(cfg: LlamaConfig) -> Any:
-    """Each parameter's 'embed' dimension (where ZeRO splits it over dp), as a tree like the parameters."""
-    return jax.tree.map(lambda names: names.index("embed"), llama.param_logical_axes(cfg), is_leaf=_is_names)
+def is_expert(names: tuple[str | None, ...]) -> bool:
+    """An MoE expert weight: split over dp by its 'experts' dimension (expert parallelism)."""
+    return "experts" in names
+
+
+def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, pipelined: bool = False) -> Any:
+    """Each parameter's (or gradient's) spec in a shard_map manual over the data `axes`: experts
+    over dp (each device holds its own), with `split_dp` (ZeRO-1) every other parameter's embed
+    slice over dp, with `pipelined` the stacked layers over pp; tp is left to the partitioner."""
+    dp = DP in axes
+
+    def spec(names):
+        entries = [PP if pipelined and name == "layers" else
+                   DP if dp and (name == "experts" or split_dp and name == "embed" and not is_expert(names)) else None
+                   for name in names]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree.map(spec, llama.param_logical_axes(cfg), is_leaf=_is_names)
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """`tree` typed as varying over `axes` (a per-device copy whose gradient stays a local partial
+    sum), casting only the axes a leaf does not vary over already (experts vary over dp)."""
+    def cast(a):
+        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
 
 
 def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
     """Inside a shard_map manual over dp and cp: sum every device's partial gradients over them,
     once. `split_dp` (ZeRO-1): a reduce-scatter over dp to each parameter's embed slice, then an
-    all-reduce of the slice over cp."""
+    all-reduce of the slice over cp. Expert weights are summed over cp only: the all_to_all's
+    backward has brought every dp device's tokens' gradient to the device that owns the expert."""
     axes = data_axes(jax.sharding.get_abstract_mesh())
-    if not split_dp:
-        return lax.psum(grads, axes)
-    grads = jax.tree.map(_scatter_over_dp, grads, llama.param_logical_axes(cfg))
-    return lax.psum(grads, CP) if CP in axes else grads
+    leaves, treedef = jax.tree.flatten(grads)
+    names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
+    dense = [i for i, n in enumerate(names) if not is_expert(n)]
+    experts = [i for i, n in enumerate(names) if is_expert(n)]
+    if split_dp:
+        reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in dense], tuple(a for a in axes if a == CP))
+    else:
+        reduced = _psum([leaves[i] for i in dense], axes)
+    reduced += _psum([leaves[i] for i in experts], tuple(a for a in axes if a != DP))
+    by_index = dict(zip(dense + experts, reduced))
+    return jax.tree.unflatten(treedef, [by_index[i] for i in range(len(leaves))])
+
+
+def _psum(xs: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
+    """One all-reduce of the list over `axes` (XLA combines it into a tuple), or the list itself over none."""
+    return lax.psum(xs, axes) if axes else xs
 
 
 def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -127,37 +171,26 @@ def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return rules.per_device(scatter, jax.sharding.get_abstract_mesh(), tp_only, tp_only)(g)
 
 
-def reduced_grad_specs(cfg: LlamaConfig, split_dp: bool, pipelined: bool = False) -> Any:
-    """Where `reduce_gradients` leaves each gradient, as shard_map out_specs: whole, or its embed
-    slice over dp (`split_dp`); with `pipelined` the stacked layers stay split over pp."""
-    def spec(path, dim):
-        layers = pipelined and path[0].key == "layers"
-        entries = [PP if layers and i == 0 else DP if split_dp and i == dim else None for i in range(dim + 1)]
-        while entries and entries[-1] is None:
-            entries.pop()
-        return P(*entries)
+def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any, Any]:
+    """Mean loss, gradients and router metrics with one reduction over the data axes (dp and cp) per step.
 
-    return jax.tree_util.tree_map_with_path(spec, embed_dims(cfg))
-
-
-def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any]:
-    """Mean loss and gradients with one reduction over the data axes (dp and cp) per step.
-
-    `accumulate(params, batch) -> (loss_sum, token_count, grad_sum)` runs on each device's rows
-    and sequence chunk: cp is manual here too, so ring attention runs its per-device ring
-    directly (`context_parallel.ring_attention`) and every token's gradient stays a local
-    partial sum until the end. ZeRO-1 reduce-scatters over dp and all-reduces the slice over cp.
+    `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs on each
+    device's rows and sequence chunk: cp is manual here too, so ring attention runs its
+    per-device ring directly (`context_parallel.ring_attention`) and every token's gradient stays
+    a local partial sum until the end. ZeRO-1 reduce-scatters over dp and all-reduces the slice
+    over cp. An MoE model's experts come in as each device's own (`data_specs`) and their
+    gradients are not reduced over dp (`reduce_gradients`); its router metrics are of the whole
+    batch already.
     """
     axes = data_axes(jax.sharding.get_abstract_mesh())
     split_dp = zero == 1 and DP in axes
 
     def body(params, batch):
-        # A varying (per-device) copy: its gradient stays a local partial sum until reduced below.
-        params = jax.tree.map(lambda p: lax.pcast(p, axes, to="varying"), params)
-        loss, count, grads = accumulate(params, batch)
+        loss, count, grads, router = accumulate(vary(params, axes), batch)
         loss, count = lax.psum((loss, count), axes)
         grads = reduce_gradients(grads, cfg, split_dp)
-        return loss / count, jax.tree.map(lambda g: g / count, grads)
+        return loss / count, jax.tree.map(lambda g: g / count, grads), router
 
-    specs = (P(), reduced_grad_specs(cfg, split_dp))
-    return jax.shard_map(body, in_specs=(P(), batch_spec(axes)), out_specs=specs, axis_names=set(axes))(params, batch)
+    specs = (P(), data_specs(cfg, axes, split_dp), P())
+    return jax.shard_map(body, in_specs=(data_specs(cfg, axes), batch_spec(axes)), out_specs=specs,
+                         axis_names=set(axes))(params, batch)

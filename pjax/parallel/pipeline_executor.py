@@ -6,7 +6,7 @@ transfers are `ppermute`s holding only the pairs that carry something that tick 
 two lanes where a device can receive two activations in one tick, `pipeline_buffers.py`). AFAB,
 1F1B, interleaved 1F1B, ZB-H1 and ZB-V are the same program with different tables. The shard_map
 is manual over pp (`pipeline_parallel.py` sets it up), and over the data axes dp and cp too
-unless parameters are ZeRO-3 split or the model is MoE (`data_parallel.can_reduce_once`): then
+unless parameters are ZeRO-3 split (`data_parallel.can_reduce_once`): then
 each device accumulates its own rows' gradients through every tick and they are reduced once,
 after the scan; otherwise dp stays automatic and XLA reduces each tick's gradients. tp
 shardings keep working inside a stage either way.
@@ -55,6 +55,7 @@ over all micro-batches (Picotron's PP path forgets the 1/m).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -310,7 +311,11 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
 
         end, _ = lax.scan(tick, start, table[:, 0])
         data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
-        router = jax.tree.map(lambda r: r / m, lax.psum(end.router, PP))  # the mean over micro-batches
+        # The mean over micro-batches; the statistics are the whole batch's on every data device
+        # (summed over dp and cp where computed), so summing over those too and dividing keeps
+        # them and makes them invariant there.
+        copies = m * math.prod(lax.axis_size(a) for a in data)
+        router = jax.tree.map(lambda r: r / copies, lax.psum(end.router, (PP, *data)))
         loss = lax.psum(end.loss, (PP, *data))
         if reduce is None:
             return loss, {}, router

@@ -38,9 +38,8 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
     split = zero == 1 and DP in data
     reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
     body, table = executor(sched, stage, lockstep, reduce if with_grads else None)
-    specs = {k: jax.tree.map(lambda _: P(PP) if k == "layers" else P(), tree) for k, tree in params.items()}
-    grad_specs = data_parallel.reduced_grad_specs(cfg, split, pipelined=True) if once else specs
-    grad_specs = grad_specs if with_grads else P()
+    specs = data_parallel.data_specs(cfg, data, pipelined=True)  # layers over pp (and experts over dp when `once`)
+    grad_specs = data_parallel.data_specs(cfg, data, split, pipelined=True) if with_grads else P()
     run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
                         out_specs=(P(), grad_specs, P()), axis_names={PP, *data})
     return run(params, batch, jnp.asarray(table))

@@ -82,10 +82,10 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
     # A shard_map inside a lax.scan inside this one (manual over pp) does not lower: ring
     # attention's (manual over cp, unless cp is manual already) fails Shardy's verifier ("manual
     # axis cp after free axis pp"), and differentiating the MoE layer's (manual over dp, with
-    # expert parallelism) hoists its constants out of the scan with a spec over pp as well
-    # (models/moe.py). Unrolled, both lower.
+    # expert parallelism, unless dp is manual already) hoists its constants out of the scan with a
+    # spec over pp as well (models/moe.py). Unrolled, both lower.
     mesh = jax.sharding.get_abstract_mesh()
-    scan = tc.scan_layers and (mesh.shape[CP] == 1 or data_manual) and not (experts and mesh.shape[DP] > 1)
+    scan = tc.scan_layers and (data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1)))
 
     def no_stats():
         if not experts:
