@@ -102,7 +102,7 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
     """
     mesh = jax.sharding.get_abstract_mesh()
     local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn, moe=moe)
-    if data_parallel.can_reduce_once(mesh, tc.zero, cfg):
+    if data_parallel.can_reduce_once(mesh, tc.zero):
         loss, grads, router = data_parallel.reduce_once(local, params, batch, cfg, tc.zero)
         return (loss, grads, router) if with_router_metrics else (loss, grads)
 

@@ -24,6 +24,15 @@ their gradients are reduced over nothing but cp; the rest of the model is reduce
   all-gathered just before use (forward and backward) and gradients reduce-scattered. This only
   works if activations stay split over the batch -- the model pins them with `constrain`, or XLA
   would rather split the contracting dimension and all-reduce activations.
+
+ZeRO-3 reduce-scatters every micro-batch's gradient (`pjax.step.loss_and_grads` pins the
+accumulator to its dp slices). A slice of a sum needs every device's addend, so reducing once
+would mean a full-size fp32 partial sum per device across the micro-batches: the memory ZeRO-3
+exists to save. Tried and measured (benchmarks/README.md, "Once per step: MoE yes, ZeRO-3 no"):
+the dp traffic fell to ZeRO-1's, and the memory per device rose above ZeRO-1's, with no step
+time gained on CPU, so a layout that can hold that accumulator is better off with zero=1. This is
+FSDP2's and MaxText's default as well (reduce-scatter per micro-batch over the sharding axis; only
+a pure replica axis is reduced once).
 """
 from __future__ import annotations
 
@@ -79,15 +88,15 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
                                  transform_non_params=lambda _: replicated)
 
 
-def can_reduce_once(mesh: Any, zero: int, cfg: LlamaConfig | None = None) -> bool:
+def can_reduce_once(mesh: Any, zero: int) -> bool:
     """Whether this step accumulates per data replica and reduces once.
 
-    Needs a data split (dp or cp > 1) and parameters that are whole on every device (zero < 3); a
-    pipeline does the same in its own shard_map (`pipeline_parallel._run`). An MoE model's experts
-    come in split over dp (each device's own, as expert parallelism holds them), its layers
-    exchange tokens by all_to_all inside this shard_map, and their router statistics are summed
-    over the data axes where they are computed (`models.moe`), so the load-balancing loss still
-    sees the whole batch.
+    Needs a data split (dp or cp > 1) and parameters that are whole on every device (zero < 3:
+    ZeRO-3 keeps its gradient in dp slices, the module docstring says why); a pipeline does the
+    same in its own shard_map (`pipeline_parallel._run`). An MoE model's experts come in split
+    over dp (each device's own, as expert parallelism holds them), its layers exchange tokens by
+    all_to_all inside this shard_map, and their router statistics are summed over the data axes
+    where they are computed (`models.moe`), so the load-balancing loss still sees the whole batch.
     """
     shape = {} if mesh.empty else dict(mesh.shape)
     data = shape.get(DP, 1) * shape.get(CP, 1)

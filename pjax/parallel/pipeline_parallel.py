@@ -70,7 +70,7 @@ def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
             raise ConfigError(f"schedule {schedule.name} has vshape={schedule.vshape}, but the layers are stored "
                               f"for pipeline.schedule={pipeline.schedule}; build it with vshape={sched.vshape}.")
         sched = ps.lockstep(schedule) if lockstep else schedule
-    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero, cfg)
+    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero)
     stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe, data_manual=once)
     loss, grads, router = _run(sched, stage, params, batch, lockstep, once, cfg, tc.zero)
     if grad_sharding is not None:  # ZeRO: gradients live in slices
@@ -84,6 +84,6 @@ def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, atte
     training), through a forwards-only table."""
     pp = jax.sharding.get_abstract_mesh().shape[PP]
     sched = ps.forward_only(pp, batch["inputs"].shape[0], pipeline.virtual_stages, pipeline.vshape)  # one kind of op: lockstep
-    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero, cfg)
+    once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), tc.zero)
     stage = make_stage(cfg, tc, dtype, attention_fn, 1.0 / batch["labels"].size, moe, data_manual=once)
     return _run(sched, stage, params, batch, needs_lockstep(), once, cfg, tc.zero, with_grads=False)[0]
