@@ -92,9 +92,12 @@ def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
 def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[str, float]:
     """The least each mechanism must move per device per step, in bytes arriving on a device (the
     payloads `benchmarks/comm.py` holds XLA's collectives against):
-      dp  one reduction of the fp32 gradient a device holds, over every device that saw different
-          tokens (dp and cp); ZeRO-1 then gathers the new parameters (P/dp + P); ZeRO-3 also
-          gathers the parameters per micro-batch in forward and backward (2 k P);
+      dp  one reduction of the fp32 gradient a device holds (P; an MoE model's experts left out:
+          the all-to-all's backward brings their gradient to their owner), over every device
+          that saw different tokens (dp and cp); ZeRO-1 then gathers the new parameters
+          (P/dp + P); ZeRO-3 reduce-scatters each micro-batch's gradient (k P/dp: its
+          accumulator stays in dp slices, data_parallel.py says why) and gathers the parameters
+          per micro-batch in forward and backward (2 k P);
       tp  per micro-batch and layer, 2 activation all-reduces forward and 2 backward, plus the
           vocab-parallel embedding's forward one and the output layer's backward one (on the
           first and last pipeline stage: 2 / pp per device on average); with sequence parallelism
@@ -113,11 +116,12 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
     layers = mc.num_hidden_layers // pp
     act = tokens * mc.hidden_size * act_bytes
-    params, shared = held_gradient_bytes(config, layout), shared_bytes(config, layout)
+    params, shared = reduced_gradient_bytes(config, layout), shared_bytes(config, layout)
     out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
-    if dp * cp > 1:
+    if dp * cp > 1 and layout.zero >= 3 and dp > 1:
+        out["dp"] = k * params / dp + 2 * k * params
+    elif dp * cp > 1:
         out["dp"] = params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
-        out["dp"] += 2 * k * params if layout.zero >= 3 and dp > 1 else 0
     if tp > 1 and layout.sequence_parallel:
         out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
     elif tp > 1:
@@ -167,6 +171,14 @@ def held_gradient_bytes(config: Config, layout: Layout) -> float:
     return (config.model.num_params * 4 / layout.tp - shared) / layout.pp + shared
 
 
+def reduced_gradient_bytes(config: Config, layout: Layout) -> float:
+    """`held_gradient_bytes` less an MoE model's experts, whose gradients are never reduced over dp:
+    the bytes a device reduces over the data axes (and, under ZeRO, gathers back)."""
+    mc = config.model
+    experts = 3 * mc.num_local_experts * mc.hidden_size * mc.intermediate_size * mc.num_hidden_layers * 4
+    return held_gradient_bytes(config, layout) - experts / (layout.tp * layout.pp)
+
+
 def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:
     """`minimum_bytes` as ring link bytes and op counts, shaped like `collectives_by_axis`'s rows."""
     mc = config.model
@@ -176,11 +188,11 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
     ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
     rows: dict[str, tuple[int, float]] = {}
     if dp * cp > 1:
-        n, params = dp * cp, held_gradient_bytes(config, layout)
-        # one all-reduce, or a reduce-scatter and a gather (the same link bytes); ZeRO-3's gathers on top
-        gathers = payload["dp"] - params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
-        count = layers * 9 + 3 + (2 * k * layers if gathers else 0)
-        rows["dp+cp" if cp > 1 else "dp"] = (count, params * ring(n) + gathers * (n - 1) / n)
+        n, params = dp * cp, reduced_gradient_bytes(config, layout)
+        if layout.zero >= 3 and dp > 1:  # per micro-batch a reduce-scatter, and the gathers forward and backward
+            rows["dp+cp" if cp > 1 else "dp"] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
+        else:  # one all-reduce, or a reduce-scatter and a gather (the same link bytes)
+            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * ring(n))
     if tp > 1 and layout.sequence_parallel:  # every gathered or scattered activation crosses (tp - 1) / tp
         act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
         rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)
