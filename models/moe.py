@@ -229,7 +229,10 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     # `pjax/parallel/data_parallel.py`, and a pipeline's), x and p are this device's already.
     local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes)
     if DP in mesh.manual_axes:
-        return local(x, p)
+        # A pipeline stage would keep the layer's dispatch buffers ([E, C, D]; under dropless E/k
+        # times the tokens) in the slot of every micro-batch in flight: it keeps only the layer's
+        # input and runs it again in the backward (measured: benchmarks/README.md).
+        return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)
     experts = logical_to_spec(("experts",))  # the rules table: experts over dp
     specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
     sharded = _differentiated_inside if PP in mesh.manual_axes else _sharded
