@@ -210,7 +210,9 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
 
     p: 'router' [D, E], 'w_gate'/'w_up' [E, D, F], 'w_down' [E, F, D]. With dp > 1 in the current
     mesh the experts are split over dp and the tokens travel by all_to_all (expert parallelism),
-    in a `shard_map` over the axes the tokens are split over."""
+    in a `shard_map` over the axes the tokens are split over; inside a shard_map manual over dp
+    already (the step's, `pjax/parallel/data_parallel.reduce_once`, or a pipeline's), x and p
+    are this device's tokens and E/dp experts, and the layer runs on them directly."""
     if routing not in ROUTINGS:
         raise ConfigError(f"moe.routing={routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
     mesh = jax.sharding.get_abstract_mesh()

@@ -76,7 +76,7 @@ def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Call
                moe: MoeConfig = MoeConfig(), data_manual: bool = False) -> Stage:
     """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean.
     `data_manual`: the executor's shard_map is manual over dp and cp too (ring attention then
-    runs its ring directly, with no shard_map of its own)."""
+    runs its ring directly, and an MoE layer its dispatch, with no shard_map of their own)."""
     attention_fn = attention_fn or select_attention(tc.attention)
     experts = cfg.num_local_experts
     # A shard_map inside a lax.scan inside this one (manual over pp) does not lower: ring
