@@ -237,7 +237,7 @@ def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_
     dense = sum(4 * np.prod(s.shape) // (pp if n[0] == "layers" else 1)  # a stage holds its layers
                 for s, n in zip(shapes, names) if not is_expert(n))
 
-    def reduced(grad_accum):  # bytes all-reduced or reduce-scatered over dp per step (the all-to-alls left out)
+    def reduced(grad_accum):  # bytes all-reduced or reduce-scattered over dp per step (the all-to-alls left out)
         trainer = moe_trainer(2, 1, 0, "dropless", 1, pp, False, grad_accum)
         rows = collectives_by_axis(trainer.compile_step().as_text(), dict(trainer.mesh.shape),
                                    scale=lambda kind, line: kind != "all-to-all")
