@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Iterator
 
 _POLL_S = 0.1  # how often a blocked put or get looks whether the other side has gone
@@ -28,11 +29,24 @@ class Prefetcher:
         self.source, self.depth = source, depth
         self._state = source.state()
         self._thread: threading.Thread | None = None
+        self._waited = 0.0
 
     def __iter__(self) -> "Prefetcher":
         return self
 
+    def take_wait(self) -> float:
+        """Seconds `next()` has spent (building or awaiting batches) since the last call."""
+        waited, self._waited = self._waited, 0.0
+        return waited
+
     def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self._waited += time.perf_counter() - start
+
+    def _next(self) -> Any:
         if self.depth == 0:
             batch = next(self.source)
             self._state = self.source.state()

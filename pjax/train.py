@@ -214,15 +214,12 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             bar.warn(warning)
         return host
 
-    t_last, steps_since, pending, data_wait = time.perf_counter(), 0, None, 0.0
+    t_last, steps_since, pending = time.perf_counter(), 0, None
     try:
         for step in range(start + 1, tc.steps + 1):
             profiler.start_if_due(step, state)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):  # TensorBoard's step view
-                t_data = time.perf_counter()
-                batch = next(train_iter)
-                data_wait += time.perf_counter() - t_data  # what building (or awaiting) a batch costs the step
-                state, metrics = trainer.step(state, batch)
+                state, metrics = trainer.step(state, next(train_iter))
             profiler.stop_if_due(step, (state, metrics))
             # The previous step is (nearly) done: reading its flags now costs no extra wait, and
             # keeps at most two steps in flight (an unbounded queue of dispatched steps can
@@ -243,12 +240,12 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 tps = tokens_per_step / step_time
                 record = _step_record(step, host, run, step_time, tps,
                                       mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped,
-                                      data_wait / steps_since)
+                                      train_iter.take_wait() / steps_since)
                 if step - start == steps_since:
                     record["includes_compile"] = True  # the first interval's time includes compilation
                 write(record)
                 bar.update(steps_since, record)
-                t_last, steps_since, data_wait = time.perf_counter(), 0, 0.0
+                t_last, steps_since = time.perf_counter(), 0
             if eval_now:
                 t_eval = time.perf_counter()
                 eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
