@@ -10,7 +10,7 @@ mechanism (`pjax.plan.estimate.minimum_bytes`, whose docstring has the formulas;
 ranks layouts with the same floor before it compiles them).
 Pipelines: a tick's forward, backward, loss and transfers are loops of zero or one trip, which
 the HLO shows once per tick; their collectives are counted as often as the schedule table runs
-them (`pjax.parallel.pipeline_table.scope_runs`, averaged over devices), and a permute's bytes
+them (`pipeline.table.scope_runs`, averaged over devices), and a permute's bytes
 as the average over devices of what arrives (a pipeline's last stage receives no activation).
 A layout is flagged when XLA moves more than 10% above that (e.g. gathered logits or weights,
 or a gradient reduced once per micro-batch instead of once per step). All compiles are AOT from
@@ -50,10 +50,10 @@ def analytic_minimum(cfg, mesh) -> dict[str, float]:
 
 def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     """How many times per step (averaged over devices) a collective runs each time the HLO shows it:
-    1, except inside a pipeline tick's conditional parts (`pipeline_table.tick_runs`), and for
+    1, except inside a pipeline tick's conditional parts (`pipeline.table.tick_runs`), and for
     permutes whose pairs leave some devices out."""
     from pjax.hlo import device_groups
-    from pjax.parallel.pipeline_table import tick_runs
+    from pjax.parallel.pipeline.table import tick_runs
 
     mesh, cfg = built["mesh"], built["cfg"]
     devices, pp = mesh.devices.size, mesh.shape["pp"]

@@ -41,10 +41,10 @@ from mesh import make_mesh  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402
-from pjax.parallel import pipeline_schedules as ps  # noqa: E402
+from pjax.parallel.pipeline import schedules as ps  # noqa: E402
 from pjax.parallel.context_parallel import zigzag_layout  # noqa: E402
-from pjax.parallel.pipeline_buffers import buffer_plan  # noqa: E402
-from pjax.parallel.pipeline_table import make_schedule  # noqa: E402
+from pjax.parallel.pipeline.buffers import buffer_plan  # noqa: E402
+from pjax.parallel.pipeline.table import make_schedule  # noqa: E402
 from pjax.step import add_positions, build_trainer  # noqa: E402
 
 def permute_bytes(hlo: str) -> int:

@@ -18,7 +18,7 @@ from mesh.mesh import CP, DP, PP, TP
 # split over tp; o/down are row-parallel because their input dims are; the embedding and the
 # output layer are vocab-parallel. 'layers' (the stacked-layer dim) stays None here: under plain
 # jit nothing splits it. With pp > 1 the parameters use PIPELINE_OVERRIDES (each pipeline stage
-# holds its own layers), and pjax/parallel/pipeline_parallel.py runs the stages.
+# holds its own layers), and pjax/parallel/pipeline/step.py runs the stages.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DP,
     "sequence": CP,

@@ -1,6 +1,6 @@
 """Weight gradients taken out of the backward, for zero-bubble pipelines' W items.
 
-A zero-bubble schedule (`pjax/parallel/pipeline_zero_bubble.py`) splits a stage's backward
+A zero-bubble schedule (`pjax/parallel/pipeline/zero_bubble.py`) splits a stage's backward
 in two: B, the input gradient, which the previous stage waits for, and W, the weight gradients,
 which it runs later. Nearly all of W's work is the projections' dW = x^T g, where x is a
 projection's input and g the cotangent of its output; B computes every g on its way to the

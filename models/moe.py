@@ -256,7 +256,7 @@ def _differentiated_inside(local: Callable, token_axes: tuple[str, ...], specs: 
     included), and the program fails verification. Differentiating `local` per device, inside a shard_map of its own, keeps the
     residuals inside: each device saves (x, p) and reruns its forward in the backward. (Inside a
     lax.scan over layers the same residuals are hoisted out of the scan, so pipeline stages with
-    expert parallelism run their layers unrolled: `pjax/parallel/pipeline_stage.py`.)"""
+    expert parallelism run their layers unrolled: `pjax/parallel/pipeline/stage.py`.)"""
     forward = _sharded(local, token_axes, specs)
 
     def differentiable(x, p):  # the counts in the statistics (tokens, assigned, dropped) have no gradient

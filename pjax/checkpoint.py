@@ -61,7 +61,7 @@ from pjax import save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
 from pjax.dirlock import take_run_lock
-from pjax.parallel.pipeline_layout import layer_order
+from pjax.parallel.pipeline.layout import layer_order
 from pjax.step import TrainState, Trainer
 
 T = TypeVar("T")

@@ -91,7 +91,7 @@ def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] =
     `classify(kind, instruction_line)` may group differently (e.g. by the op_name in the line's
     metadata); returning None leaves the op out. `scale(kind, instruction_line)` multiplies an
     op's count and bytes: what a caller knows and the HLO does not, such as how often a loop of
-    unknown trip count really runs (`pipeline_table.scope_runs`).
+    unknown trip count really runs (`pipeline.table.scope_runs`).
     """
     entry, ops, calls = _parse(hlo_text, classify, scale)
     totals: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
@@ -157,7 +157,7 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
                         scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes',
     'inter_host', 'kinds'} per device per step; `scale` as `collective_stats`' (a pipeline's
-    conditional parts: `pipeline_table.tick_runs`).
+    conditional parts: `pipeline.table.tick_runs`).
 
     Device ids in the groups are positions in the mesh's flat device order (axes in
     `mesh_shape`'s order). `inter_host`: some group spans two hosts, taking hosts as consecutive

@@ -19,7 +19,7 @@ from mesh.errors import ConfigError
 from pjax.checkpoint import Checkpointer, check_compatible
 from pjax.config import Config
 from pjax.config_io import dump_config
-from pjax.parallel.pipeline_layout import layer_order
+from pjax.parallel.pipeline.layout import layer_order
 
 
 class RunCheckpoints(NamedTuple):

@@ -32,7 +32,10 @@ from models.moe import MoeConfig, router_loss
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import context_parallel, data_parallel, pipeline_layout, pipeline_parallel, pipeline_table
+from pjax.parallel import context_parallel, data_parallel
+from pjax.parallel.pipeline import layout as pipeline_layout
+from pjax.parallel.pipeline import step as pipeline_parallel
+from pjax.parallel.pipeline import table as pipeline_table
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 Batch = dict[str, jax.Array]

@@ -211,7 +211,7 @@ def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layou
                          ids=["pp2", "dp2_pp2", "dp2_pp2_tp2", "dp2_pp2_zero1_capacity", "dp2_cp2_pp2"])
 def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(layout):
     """The router statistics travel with the activations between stages, so every stage's router
-    gets the load-balancing loss's gradient of the whole model (pjax/parallel/pipeline_stage.py)."""
+    gets the load-balancing loss's gradient of the whole model (pjax/parallel/pipeline/stage.py)."""
     ref_loss, ref_grads = step_loss_and_grads(1)
     loss, grads = step_loss_and_grads(*layout)
     assert abs(loss - ref_loss) <= 1e-6

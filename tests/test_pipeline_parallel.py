@@ -20,10 +20,10 @@ from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama
 from models.config import LlamaConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
-from pjax.parallel import pipeline_layout as ppl
-from pjax.parallel import pipeline_parallel
-from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_buffers import buffer_plan
+from pjax.parallel.pipeline import layout as ppl
+from pjax.parallel.pipeline import step as pipeline_parallel
+from pjax.parallel.pipeline import schedules as ps
+from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.context_parallel import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
@@ -322,7 +322,7 @@ def test_pipeline_reduces_gradients_over_the_data_axes_once_per_step(schedule, l
 def test_ticks_transfer_only_when_some_device_sends():
     """The executor skips a tick's transfer when no device sends on it: with 1F1B on 2 devices
     activations travel on m ticks and cotangents on m, of 2(m + 1)."""
-    from pjax.parallel.pipeline_table import scope_runs
+    from pjax.parallel.pipeline.table import scope_runs
 
     for m in (2, 4, 8):
         sched = ps.one_f_one_b(2, m)
@@ -341,7 +341,7 @@ def test_each_transfer_permutes_only_the_stages_that_send():
     """One permute per set of sending stages, holding exactly their pairs: in 1F1B's warm-up only
     the first stages send. (One permute over every stage, on any tick where some stage sends,
     moved 1.54 times the minimum pp traffic on pp = 4.)"""
-    from pjax.parallel.pipeline_table import send_patterns
+    from pjax.parallel.pipeline.table import send_patterns
 
     (x_sets,), (dy_sets,) = send_patterns(ps.one_f_one_b(4, 8))  # one lane
     assert x_sets[:3] == [((0, 1),), ((0, 1), (1, 2)), ((0, 1), (1, 2), (2, 3))], x_sets  # the warm-up
@@ -374,7 +374,7 @@ def test_the_executor_holds_each_micro_batchs_residuals_once():
     """AFAB keeps every micro-batch's VJP residuals: 4 more micro-batches add 4 x the bytes a stage's
     VJP keeps, not 8 (when the tick's backward read the slots from before its forward, XLA copied
     them every tick, and the slots were held twice)."""
-    from pjax.parallel.pipeline_stage import VjpLayout
+    from pjax.parallel.pipeline.stage import VjpLayout
 
     weights = jax.tree.map(lambda a: a[: CFG.num_hidden_layers // 2], init_params()["layers"])
     x = jnp.zeros((MICRO * SEQ, CFG.hidden_size))

@@ -12,8 +12,8 @@ from pjax.config_io import load_config
 from pjax.metrics import model_flops_per_token
 from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
-from pjax.parallel.pipeline_schedules import one_f_one_b
-from pjax.parallel.pipeline_zero_bubble import zb_h1 as zb_h1_table
+from pjax.parallel.pipeline.schedules import one_f_one_b
+from pjax.parallel.pipeline.zero_bubble import zb_h1 as zb_h1_table
 from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict, weight_share
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES

@@ -4,9 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_buffers import buffer_plan
-from pjax.parallel.pipeline_zero_bubble import zb_h1, zb_v
+from pjax.parallel.pipeline import schedules as ps
+from pjax.parallel.pipeline.buffers import buffer_plan
+from pjax.parallel.pipeline.zero_bubble import zb_h1, zb_v
 
 SHAPES = [(p, m) for p, m in itertools.product(range(1, 9), range(1, 17))]
 
@@ -196,7 +196,7 @@ def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
     import jax
     import jax.numpy as jnp
 
-    from pjax.parallel.slot_pool import SlotPool
+    from pjax.parallel.pipeline.slots import SlotPool
 
     residuals = (jax.ShapeDtypeStruct((3, 4), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.float32),
                  jax.ShapeDtypeStruct((5,), jnp.bfloat16))
@@ -250,7 +250,7 @@ def test_with_tp_what_b_leaves_w_takes_over_residual_buffers_split_alike():
     import jax
     import jax.numpy as jnp
 
-    from pjax.parallel.slot_pool import SlotPool
+    from pjax.parallel.pipeline.slots import SlotPool
 
     S, f = jax.ShapeDtypeStruct, jnp.float32
     residuals = (S((4, 8), f), S((4, 8), f), S((4, 8), f), S((2,), f), S((4, 8), f))
@@ -277,7 +277,7 @@ def test_align_moves_the_probed_splits_onto_the_residuals_the_executor_stores():
     import jax
     import jax.numpy as jnp
 
-    from pjax.parallel.slot_splits import align
+    from pjax.parallel.pipeline.slot_splits import align
 
     S, f = jax.ShapeDtypeStruct, jnp.float32
     stored = [S((), f), S((3,), f), S((), f), S((4,), f)]
@@ -288,7 +288,7 @@ def test_align_moves_the_probed_splits_onto_the_residuals_the_executor_stores():
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
 def test_zb_h1_with_tp_needs_no_more_temporaries_than_1f1b(sequence_parallel):
     """With tp > 1 the slots keep a buffer per leaf, and B's cotangents take over the buffers of
-    residuals split alike over tp (pjax/parallel/slot_splits.py): without that, 10% more than 1F1B."""
+    residuals split alike over tp (pjax/parallel/pipeline/slot_splits.py): without that, 10% more than 1F1B."""
     from test_pipeline_parallel import run
 
     layout = dict(pp=2, tp=2, sequence_parallel=sequence_parallel)
@@ -305,7 +305,7 @@ def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_th
 
     from mesh import MeshConfig, make_mesh
     from models.llama import init_params
-    from pjax.parallel.pipeline_stage import VjpLayout, make_stage
+    from pjax.parallel.pipeline.stage import VjpLayout, make_stage
     from test_pipeline_parallel import CFG, TC
 
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])  # make_stage reads the mesh

@@ -93,7 +93,7 @@ def can_reduce_once(mesh: Any, zero: int) -> bool:
 
     Needs a data split (dp or cp > 1) and parameters that are whole on every device (zero < 3:
     ZeRO-3 keeps its gradient in dp slices, the module docstring says why); a pipeline does the
-    same in its own shard_map (`pipeline_parallel._run`). An MoE model's experts come in split
+    same in its own shard_map (`pipeline.step._run`). An MoE model's experts come in split
     over dp (each device's own, as expert parallelism holds them), its layers exchange tokens by
     all_to_all inside this shard_map, and their router statistics are summed over the data axes
     where they are computed (`models.moe`), so the load-balancing loss still sees the whole batch.

@@ -13,7 +13,7 @@ import jax
 from pjax.config import Config
 from pjax.hlo import collectives_by_axis
 from pjax.memory import step_memory_bytes
-from pjax.parallel.pipeline_table import tick_runs
+from pjax.parallel.pipeline.table import tick_runs
 from pjax.plan.layouts import Layout, state_bytes
 
 
@@ -47,7 +47,7 @@ def _count(n: float) -> str:
 def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, devices_per_host: int
                      ) -> dict[str, dict[str, Any]]:
     """`collectives_by_axis` of a compiled step, a pipeline's per-tick ops counted as often as its
-    table runs them (`pipeline_table.tick_runs`), not once per tick."""
+    table runs them (`pipeline.table.tick_runs`), not once per tick."""
     pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
     scale = tick_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
     return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)

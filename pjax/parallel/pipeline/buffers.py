@@ -1,6 +1,6 @@
 """Where a pipeline device keeps each micro-batch in flight, and which transfers carry it there.
 
-The executor (`pipeline_executor.py`) has fixed-size buffers: per device, `slots` rows for the
+The executor (`pipeline/executor.py`) has fixed-size buffers: per device, `slots` rows for the
 micro-batches it holds (their arriving activations and cotangents, a forward's residuals, what
 B leaves W). `buffer_plan` gives each (device, micro-batch, chunk) a row for the ticks it lives,
 and says which row each transfer's arrival goes to.
@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from pjax.parallel.pipeline_schedules import BACKWARD, FORWARD, WEIGHT, Schedule
+from pjax.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple
 def buffer_plan(sched: Schedule) -> BufferPlan:
     """Give every (device, micro-batch, chunk) a slot from the tick its input arrives to its
     backward, or with B and W split to its W: the slot holds the forward's residuals until B,
-    then what B leaves its W (`slot_pool.py`); and lay out each tick's arrivals in lanes.
+    then what B leaves its W (`pipeline/slots.py`); and lay out each tick's arrivals in lanes.
 
     `slots` is the most micro-batches a device ever holds between arrival and backward (or W):
     p for 1F1B whatever m is, m for AFAB; ZB-H1 keeps 1F1B's p from arrival to W.

@@ -1,11 +1,11 @@
 """The pipeline executor: any schedule table run by one scan over ticks inside `jax.shard_map`.
 
-The schedule is data (`pipeline_schedules.py`: tick x device -> forward / backward / weight
+The schedule is data (`pipeline/schedules.py`: tick x device -> forward / backward / weight
 gradients / idle), the executor is a `lax.scan` over ticks inside `jax.shard_map`, and a tick's
-transfers are `ppermute`s holding only the pairs that carry something that tick (`pipeline_table.py`;
-two lanes where a device can receive two activations in one tick, `pipeline_buffers.py`). AFAB,
+transfers are `ppermute`s holding only the pairs that carry something that tick (`pipeline/table.py`;
+two lanes where a device can receive two activations in one tick, `pipeline/buffers.py`). AFAB,
 1F1B, interleaved 1F1B, ZB-H1 and ZB-V are the same program with different tables. The shard_map
-is manual over pp (`pipeline_parallel.py` sets it up), and over the data axes dp and cp too
+is manual over pp (`pipeline/step.py` sets it up), and over the data axes dp and cp too
 unless parameters are ZeRO-3 split (`data_parallel.can_reduce_once`): then
 each device accumulates its own rows' gradients through every tick and they are reduced once,
 after the scan; otherwise dp stays automatic and XLA reduces each tick's gradients. tp
@@ -14,7 +14,7 @@ shardings keep working inside a stage either way.
 Where things live
 * Device s holds the stacked 'layers' parameters [s*L/p, (s+1)*L/p): the 'layers' dim is split
   over pp (`mesh.rules.param_rules(pipelined=True)`); with v chunks per device the stack is kept
-  in pipeline order, round robin or in a V (`pipeline_layout.py`).
+  in pipeline order, round robin or in a V (`pipeline/layout.py`).
 * The embedding, final norm and output layer are replicated over pp (the parameter tree does not
   change with pp) and used only by the first / last model stage. The last stage's forward adds
   to the final norm and output layer gradients; the first stage keeps each micro-batch's
@@ -25,11 +25,11 @@ One tick on one device: run the forward if the table says so (the embedding firs
 first stage, the loss and the start of the backward on the last), then the backward if it says
 so, then pass activations to the next stage's device and cotangents to the previous stage's
 (an activation is the hidden states and, for a Mixture-of-Experts model, the router statistics
-so far: `pipeline_stage.py` says why they travel). A zero-bubble table
-(`pipeline_zero_bubble.py`) also has W items:
+so far: `pipeline/stage.py` says why they travel). A zero-bubble table
+(`pipeline/zero_bubble.py`) also has W items:
 its backward (B) then leaves the projections' weight gradients to a later W, storing what W
 needs in the micro-batch's slot over the residuals B has read (`models/deferred_grads.py` says
-what, `slot_pool.py` how). A forward keeps its
+what, `pipeline/slots.py` how). A forward keeps its
 VJP residuals (the leaves of `jax.vjp`'s function, minus the weights) in a slot buffer until its
 backward, so a device holds as many micro-batches as the schedule keeps in flight: p for 1F1B,
 2p - 1 for lockstep 1F1B, m for AFAB. `train.remat` shrinks the residuals (remat='full' keeps
@@ -67,12 +67,12 @@ from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, TP
 from mesh.rules import auto_size, constrain
 from models.moe import ROUTER_METRICS
-from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_buffers import buffer_plan
-from pjax.parallel.pipeline_stage import Activation, Stage, VjpLayout, varying
-from pjax.parallel.pipeline_table import COLUMNS, LANE_COLUMNS, executor_table, scope_name, send_patterns, send_scope
-from pjax.parallel.slot_pool import SlotPool
-from pjax.parallel.slot_splits import slot_splits
+from pjax.parallel.pipeline import schedules as ps
+from pjax.parallel.pipeline.buffers import buffer_plan
+from pjax.parallel.pipeline.stage import Activation, Stage, VjpLayout, varying
+from pjax.parallel.pipeline.table import COLUMNS, LANE_COLUMNS, executor_table, scope_name, send_patterns, send_scope
+from pjax.parallel.pipeline.slots import SlotPool
+from pjax.parallel.pipeline.slot_splits import slot_splits
 
 Batch = dict[str, jax.Array]
 
@@ -114,7 +114,7 @@ class Buffers(NamedTuple):
 
     inbox: Activation         # arriving activations by slot: ([S + 1, B*T, D], stats [S + 1, ...]); S = "nothing came"
     cotangents: Activation    # arriving cotangents by slot, the same shapes
-    slots: dict               # by slot, each forward's VJP residuals, then (B and W split) what B leaves its W (`slot_pool.py`)
+    slots: dict               # by slot, each forward's VJP residuals, then (B and W split) what B leaves its W (`pipeline/slots.py`)
     grad_layers: Any          # fp32 [v, layers per chunk, ...]: this device's layer gradients
     grad_head: Any            # fp32: final norm and output layer gradients (the last stage's)
     loss: jax.Array           # []: the losses computed here
@@ -147,7 +147,7 @@ def _lane_sends(state: list, i: int, which: jax.Array, sets: list, kind: str, la
 
 
 def _scoped(part: str, fn: Callable) -> Callable:
-    """`fn` under the name `pipeline_table.scope_name(part)`, which XLA keeps in the op names of
+    """`fn` under the name `table.scope_name(part)`, which XLA keeps in the op names of
     its collectives (for `scope_runs`' accounting)."""
     def scoped(*args):
         with jax.named_scope(scope_name(part)):
@@ -157,7 +157,7 @@ def _scoped(part: str, fn: Callable) -> Callable:
 
 def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
              reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
-    """The shard_map body running `sched`, and the table it reads (`pipeline_table.executor_table`).
+    """The shard_map body running `sched`, and the table it reads (`table.executor_table`).
 
     In lockstep (`ps.lockstep`), `op` is the tick's one kind of op on every device, and a device
     with nothing to do runs it anyway on the discard slot, its results masked by `active`; that
@@ -171,7 +171,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 "
                           f"yet; use pipeline.schedule=1f1b.")
     table = executor_table(sched, lockstep)
-    # Per transfer lane, one permute per set of (sender, receiver) pairs (`pipeline_buffers.py`).
+    # Per transfer lane, one permute per set of (sender, receiver) pairs (`pipeline/buffers.py`).
     x_sets, dy_sets = send_patterns(sched)
     stages = np.array([[sched.stage(s, c) for c in range(v)] for s in range(p)], np.int32)  # device, chunk -> stage
 
@@ -205,7 +205,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
         # A slot holds a forward's residuals (kind 0) until its backward, then the taps' (x, g) per
         # layer (kind 1) until its W: one buffer per dtype as large as the larger, or with tp > 1
         # a buffer per leaf, which keeps its tp split, B's g's taking over residuals' buffers split
-        # alike (slot_pool.py, slot_splits.py).
+        # alike (pipeline/slots.py, pipeline/slot_splits.py).
         stash = jax.tree.leaves(taps)
         # The taps' x's B passes through from the residuals stay where the forward put them.
         kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if split else ()

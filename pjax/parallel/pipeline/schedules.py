@@ -18,14 +18,14 @@ gives each device v chunks of 1/v of the layers (model stage `j = c*p + s` is ch
 `s`); an item is 1/v as long and the bubble shrinks to (p - 1)/(v*m + p - 1).
 
 Zero-bubble schedules split each backward into B (the input gradient) and W (the weight
-gradients), a third kind of item (`pipeline_zero_bubble.py`).
+gradients), a third kind of item (`pipeline/zero_bubble.py`).
 
 In one SPMD program every device finishes a tick before the next starts, so a tick costs its
 slowest item (`Schedule.span`). Lockstep 1F1B keeps 1F1B's bounded memory (2p - 1 in flight)
 but lines up all forwards and all backwards, so it takes AFAB's time, which on separate devices
 is below plain 1F1B's whenever a backward costs more than a forward.
 
-The executor (`pipeline_executor.py`) runs any of these tables; `pipeline_buffers.buffer_plan`
+The executor (`pipeline/executor.py`) runs any of these tables; `buffers.buffer_plan`
 says in which slot of its fixed-size buffers a device keeps each micro-batch that is in flight.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 
 from mesh.errors import ConfigError
-from pjax.parallel.pipeline_layout import device_of, stage_of
+from pjax.parallel.pipeline.layout import device_of, stage_of
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 Item = tuple[int, int, int]  # (FORWARD, BACKWARD or WEIGHT, micro-batch, chunk on the device)
@@ -52,14 +52,14 @@ class Schedule:
     op: np.ndarray
     mb: np.ndarray
     chunk: np.ndarray
-    vshape: bool = False  # chunks placed in a V, not round robin (`pipeline_layout.stage_of`)
+    vshape: bool = False  # chunks placed in a V, not round robin (`layout.stage_of`)
 
     @property
     def ticks(self) -> int:
         return self.op.shape[0]
 
     def stage(self, device: int, chunk: int) -> int:
-        """The model stage that `chunk` on `device` holds (`pipeline_layout.stage_of`)."""
+        """The model stage that `chunk` on `device` holds (`layout.stage_of`)."""
         return stage_of(device, chunk, self.p, self.vshape)
 
     def device_of(self, stage: int) -> int:

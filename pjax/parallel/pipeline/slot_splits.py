@@ -1,6 +1,6 @@
 """How XLA splits the slots' leaves over tp, read from a compile of one stage.
 
-With tp > 1 a pipeline device's slots keep a buffer per leaf (`slot_pool.py`), and what B
+With tp > 1 a pipeline device's slots keep a buffer per leaf (`pipeline/slots.py`), and what B
 leaves W (the projections' output cotangents) can take over the buffer of a residual B has
 read, as the flat rows let it at tp = 1, but only where the two are split alike over tp. Shapes
 alone do not say so: the layer input [N, D] is whole on each tp device and q's cotangent of the
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.mesh import TP
 from mesh.rules import logical_to_spec
-from pjax.parallel.pipeline_stage import VjpLayout
+from pjax.parallel.pipeline.stage import VjpLayout
 
 Split = tuple | None  # per dimension of a leaf, tp or None (its split over tp alone); None: not known
 
@@ -63,7 +63,7 @@ def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtyp
 
 def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, taps: Any
                 ) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
-    """`pool.splits` for a zero-bubble slot pool (`slot_pool.SlotPool`) of `stage`: the tp split of
+    """`pool.splits` for a zero-bubble slot pool (`slots.SlotPool`) of `stage`: the tp split of
     each residual its forward stores (kind 0) and of each taps' cotangent B writes for W (kind 1;
     None for those it does not write). `w`: one chunk's weights as the stage's VJP takes them
     (`Stage.per_layer`); `act`, `positions`, `taps`: as the executor passes them."""

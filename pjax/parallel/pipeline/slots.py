@@ -20,7 +20,7 @@ flattened whole into it, so every tp device would hold all of it. With tp > 1 ev
 therefore keeps a buffer of its own (`separate`), as split as the leaf, and a leaf of kind 1
 takes over the buffer of a kind-0 leaf of its shape, dtype and tp split that kind 1 does not
 read (`reused`): B's output cotangents are mostly shaped and split like activations the forward
-saved. The splits are XLA's (`splits`, from `slot_splits.py`); a leaf whose split is not known
+saved. The splits are XLA's (`splits`, from `pipeline/slot_splits.py`); a leaf whose split is not known
 shares nothing.
 
 Part of what B leaves W is already in the slot: a projection's input x is one of the forward's

@@ -1,6 +1,6 @@
 """What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots.
 
-The executor (`pipeline_executor.py`) moves one *activation* from stage to stage: the hidden
+The executor (`pipeline/executor.py`) moves one *activation* from stage to stage: the hidden
 states x [B*T, D], and for a Mixture-of-Experts model the router statistics of the layers run so
 far (`models.moe.RouterStats`: [E] sums, a few hundred bytes). The statistics travel because
 the load-balancing loss couples every MoE layer of the model: the last stage needs all of them

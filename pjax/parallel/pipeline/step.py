@@ -1,9 +1,9 @@
 """Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan.
 
 `loss_and_grads` and `mean_loss` are what `pjax.step` calls instead of its own when pp > 1. They
-pick the table (`pipeline_table.make_schedule`: AFAB, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, or a
-table of your own), cut the LLaMA into a stage (`pipeline_stage.py`), and run the executor
-(`pipeline_executor.py`, which says how a tick works) in a `jax.shard_map` over pp, and over the
+pick the table (`table.make_schedule`: AFAB, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, or a
+table of your own), cut the LLaMA into a stage (`pipeline/stage.py`), and run the executor
+(`pipeline/executor.py`, which says how a tick works) in a `jax.shard_map` over pp, and over the
 data axes too when each device can keep its own rows' gradients until the end (`_run`).
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ from models.config import LlamaConfig
 from models.moe import MoeConfig
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.parallel import data_parallel
-from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_executor import Batch, executor
-from pjax.parallel.pipeline_stage import Stage, make_stage
-from pjax.parallel.pipeline_table import make_schedule, needs_lockstep
+from pjax.parallel.pipeline import schedules as ps
+from pjax.parallel.pipeline.executor import Batch, executor
+from pjax.parallel.pipeline.stage import Stage, make_stage
+from pjax.parallel.pipeline.table import make_schedule, needs_lockstep
 
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,

@@ -1,9 +1,9 @@
 """What the pipeline executor reads each tick: the schedule a config asks for, turned into an int
 table, and how often each conditional part of a tick really runs.
 
-The executor (`pipeline_executor.py`) scans over the rows of `executor_table`; each row holds,
+The executor (`pipeline/executor.py`) scans over the rows of `executor_table`; each row holds,
 per device, the op to run, its micro-batch, chunk and slot, whether the device has real work,
-and per transfer lane (`pipeline_buffers.py`) the slots the arriving activation and cotangent go
+and per transfer lane (`pipeline/buffers.py`) the slots the arriving activation and cotangent go
 to and two numbers that are the same on every device: which pairs of devices send an activation,
 and which a cotangent, by that lane this tick (0: none; k: the k-th distinct set of pairs,
 `send_patterns`). Every device must take part in a collective, so only a number every device
@@ -29,9 +29,9 @@ import numpy as np
 from mesh.errors import ConfigError
 from mesh.mesh import CP, MeshConfig
 from pjax.config import PipelineConfig
-from pjax.parallel import pipeline_schedules as ps
-from pjax.parallel.pipeline_buffers import buffer_plan
-from pjax.parallel.pipeline_zero_bubble import zb_h1, zb_v
+from pjax.parallel.pipeline import schedules as ps
+from pjax.parallel.pipeline.buffers import buffer_plan
+from pjax.parallel.pipeline.zero_bubble import zb_h1, zb_v
 
 SCHEDULES: dict[str, Callable[[int, int, int], ps.Schedule]] = {
     "afab": lambda p, m, v: ps.afab(p, m),

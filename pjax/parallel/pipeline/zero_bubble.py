@@ -2,7 +2,7 @@
 
 B, the input gradient, is what the previous stage waits for; W, the weight gradients, nothing
 waits for, so it can be run wherever a device would idle. Both schedules here are tables the
-executor runs like any other (`pipeline_executor.py`; `models/deferred_grads.py` says what B
+executor runs like any other (`pipeline/executor.py`; `models/deferred_grads.py` says what B
 leaves W).
 
 ZB-H1 is 1F1B with device s holding back s of its W's and running them where 1F1B's cool-down
@@ -10,7 +10,7 @@ idles; with F, B and W one tick each it takes 3m + p - 1 ticks, a bubble of (p -
 the papers' (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W).
 
 ZB-V gives each device two chunks of half a stage's layers, placed in a V (device s holds model
-stages s and 2p - 1 - s, `pipeline_layout.stage_of`): a micro-batch goes down the devices and
+stages s and 2p - 1 - s, `layout.stage_of`): a micro-batch goes down the devices and
 back up, so the first device also computes the loss, and the warm-up and cool-down are short at
 both ends. Its table is made by playing the ticks out (`zb_v`): each device runs a forward
 while memory lets it, else a B, else a W, and a W first when its slots are all in use, within
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjax.parallel.pipeline_layout import device_of, stage_of
-from pjax.parallel.pipeline_schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, from_orders
+from pjax.parallel.pipeline.layout import device_of, stage_of
+from pjax.parallel.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, from_orders
 
 
 def zb_h1(p: int, m: int) -> Schedule:
