@@ -1,19 +1,12 @@
-"""The files pjax ships inside its package: the named configs (`configs/*.yaml`) and the default
-text and tokenizers (`data/`, provenance and licences in `data/README.md`).
-
-They are package data, found with `importlib.resources`, so a non-editable install
-(`pip install .`, `pip install git+URL`) trains from any working directory, as a clone does.
-A relative path a user gives (`data.path`, `data.tokenizer`, `--text`, `--config ...`) is read
-from the working directory when it exists there, else from this folder: `data/prideprejudice.txt`
-names the shipped book wherever pjax runs, and a file of your own at that path wins.
-"""
+"""The files pjax ships as package data: named configs, the default text and tokenizers
+(ARCHITECTURE.md, "What pjax ships is package data"). A user's relative path is read from the working
+directory when it exists there, else from this folder."""
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
 
-# pip installs packages unpacked, so this is a real folder: tokenizers and the token cache's key
-# (sizes, mtimes) need file paths, not the Traversable a zipped package would give.
+# A real folder (pip installs unpacked): tokenizers and the token cache's key need file paths.
 ROOT: Path = Path(str(resources.files(__name__)))
 CONFIGS: Path = ROOT / "configs"
 
@@ -28,7 +21,6 @@ def shipped(relative: str | Path) -> Path | None:
 
 
 def locate(spec: str | Path) -> Path | None:
-    """The existing file or folder `spec` names: from the working directory (`~` expanded), else
-    among the shipped files; None when neither holds it."""
+    """The existing path `spec` names: in the working directory (`~` expanded), else shipped, else None."""
     given = Path(spec).expanduser()
     return given if given.exists() else shipped(spec)

@@ -1,18 +1,9 @@
-"""Device profiles: what the planner's roofline knows about a device kind, and where each figure comes from.
+"""Device profiles: what the planner's roofline knows about a device kind.
 
-Peaks, memory and links are the vendors' data-sheet figures, per device and per direction.
-NVLink's "900 GB/s" for H100/H200 is both directions together, so 450 GB/s one way; between
-hosts a DGX/HGX node has one 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU, 50 or 25
-GB/s one way. Memory is what `nvidia-smi` reports as the card's total.
-
-The efficiency factor is the share of the peak that pjax's own step reaches when nothing else
-limits it, measured, not assumed: on one H100 (benchmarks/README.md, "One GPU"), model FLOPs
-utilisation was 28.0% for SmolLM-135M (hidden 576), 34.4% for SmolLM-360M (960) and 45.5% for
-SmolLM-1.7B (2048): wider matmuls run closer to the peak. `efficiency(hidden)` interpolates
-those three points in log(hidden) and holds the widest one's value beyond it (the planner does
-not extrapolate to 7B-class widths it has not measured). A100 and H200 use the H100 curve:
-no run has been measured on them. The CPU profile is this project's 2-core CI machine: one
-picotron-cpu step on one device (586 ms, 103.5 GFLOP) against the 330 GFLOP/s its matmuls reach.
+Peaks, memory and links are data-sheet figures, per device and one way (NVLink's "900 GB/s" is both
+directions; one 400 or 200 Gb/s NIC per GPU between hosts); memory is `nvidia-smi`'s total.
+`calibration` is MFU measured on pjax's own step (benchmarks/README.md, "Layout planner"): A100 and
+H200 borrow the H100 curve, and nothing is extrapolated past the widest model measured.
 """
 from __future__ import annotations
 
@@ -25,20 +16,19 @@ MIB = 2 ** 20
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """One device kind. FLOP/s and bytes/s are per device; `shares_host`: the devices of one
-    host share its `peak_flops` and links (fake CPU devices), instead of each having its own."""
+    """One device kind, per device; `shares_host`: a host's devices share its peak and links (fake CPU devices)."""
 
     name: str
-    peak_flops: float  # dense, in the compute dtype the planner compiles for
+    peak_flops: float
     memory_bytes: int
-    intra_host_bw: float  # bytes/s one way, per device, inside a host (NVLink)
-    inter_host_bw: float  # bytes/s one way, per device, between hosts (InfiniBand / RoCE)
-    latency_s: float  # fixed cost of one collective
+    intra_host_bw: float  # bytes/s one way (NVLink)
+    inter_host_bw: float
+    latency_s: float
     devices_per_host: int
-    compute_dtype: str  # train.dtype the planner compiles with
-    attention: str  # train.attention the planner compiles with (its memory is the device's kernel's)
-    calibration: tuple[tuple[int, float], ...]  # (hidden size, measured MFU)
-    overlap_dp: bool  # XLA's scheduler hides dp gradient/parameter traffic behind compute (GPU)
+    compute_dtype: str
+    attention: str  # as compiled: its memory stands for the device's kernel's
+    calibration: tuple[tuple[int, float], ...]  # (hidden, MFU)
+    overlap_dp: bool  # XLA hides dp traffic behind compute (GPU)
     shares_host: bool = False
 
     def efficiency(self, hidden: int) -> float:
@@ -65,9 +55,7 @@ PROFILES: dict[str, Profile] = {
     "a100": Profile("a100", peak_flops=312e12, memory_bytes=81920 * MIB, intra_host_bw=300 * GB,
                     inter_host_bw=25 * GB, latency_s=10e-6, devices_per_host=8, compute_dtype="bfloat16",
                     attention="chunked", calibration=_H100_MFU, overlap_dp=True),
-    # This machine: 2 cores, fp32 (XLA:CPU has no fast bf16); "links" are memcpys between the
-    # devices' threads (XLA's all-reduce bus bandwidth 1.2-2.0 GB/s at 1-16 MB, ~0.17 ms for 1 KB:
-    # benchmarks/README.md, "Collectives"); memory is the host's RAM, shared.
+    # The 2-core CI machine, fp32; its "links" are memcpys between device threads (benchmarks/README.md, "Collectives").
     "cpu": Profile("cpu", peak_flops=330e9, memory_bytes=24 * 2 ** 30, intra_host_bw=1.5 * GB,
                    inter_host_bw=1.5 * GB, latency_s=170e-6, devices_per_host=8, compute_dtype="float32",
                    attention="auto", calibration=((256, 0.535),), overlap_dp=False, shares_host=True),
