@@ -1,13 +1,6 @@
-"""Which model stage each chunk of each pipeline device holds, and the stored order of the layers.
-
-Device s holds rows [s*L/p, (s+1)*L/p) of the stacked 'layers' parameters (the 'layers' dim is
-split over pp). With v chunks per device the model has p*v stages of L/(p*v) layers, and a
-schedule places them one of two ways (`stage_of`): round robin (interleaved 1F1B: model stage
-j = c*p + s is chunk c of device s), or, with two chunks, in a V (zb_v: down the devices and back
-up, so device s holds stages s and 2p - 1 - s, and the last device hands its first chunk's output
-to its own second chunk). Either way a device's layers are not contiguous in the model; the
-stored stack is kept in *pipeline order* (`layer_order`): each device's block holds its v chunks,
-and nothing is re-laid-out per step. Checkpoints store model order (`to_model_layout` converts back).
+"""Which model stage each chunk of each pipeline device holds: round robin (interleaved, stage
+c*p + s) or a V (zb_v, stages s and 2p - 1 - s). The stored layer stack is in pipeline order, each
+device's rows holding its chunks, so nothing is re-laid-out per step; checkpoints store model order.
 """
 from __future__ import annotations
 
