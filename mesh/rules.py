@@ -1,8 +1,5 @@
-"""Logical axis names -> mesh axes: the one table that says where every tensor lives.
-
-The model names the dimensions of its parameters and activations ('embed', 'heads', ...);
-these rules turn the names into `PartitionSpec`s. Changing the parallel layout means changing
-this table, never the model.
+"""Logical axis names -> mesh axes: the one table that says where every tensor lives; changing the
+parallel layout means changing this table, never the model (ARCHITECTURE.md, "One table of logical rules").
 """
 from __future__ import annotations
 
@@ -13,22 +10,12 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.mesh import CP, DP, PP, TP
 
-# Activations and parameters share one table. Megatron-style tensor parallelism falls out of it:
-# q/k/v/gate/up are column-parallel because their output dims ('heads', 'kv_heads', 'mlp') are
-# split over tp; o/down are row-parallel because their input dims are; the embedding and the
-# output layer are vocab-parallel. 'layers' (the stacked-layer dim) stays None here: under plain
-# jit nothing splits it. With pp > 1 the parameters use PIPELINE_OVERRIDES (each pipeline stage
-# holds its own layers), and pjax/parallel/pipeline/step.py runs the stages.
+# Megatron's column/row/vocab-parallel TP falls out of splitting 'heads', 'kv_heads', 'mlp', 'vocab'.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": DP,
     "sequence": CP,
-    # Matmul activations are kept 2-D, [batch*sequence, embed] ('tokens'), merged in block order
-    # by `flatten_tokens` so that a (dp, cp) split of the merged dim is exactly "batch over dp,
-    # sequence over cp" and merging never moves data between devices.
     "tokens": (DP, CP),
-    # Sequence parallelism (`train.sequence_parallel`, models/sequence_parallel.py): between the
-    # tensor-parallel regions the residual stream's tokens are split over tp too, inside each
-    # device's (dp, cp) block, so gathering them over tp gives back exactly the 'tokens' block.
+    # Sequence parallelism: tp inside each (dp, cp) block, so a gather over tp gives back 'tokens'.
     "sp_tokens": (DP, CP, TP),
     "embed": None,
     "heads": TP,
@@ -37,23 +24,16 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": TP,
     "vocab": TP,
     "layers": None,
-    # Mixture of Experts: the experts of a layer are split over dp, where the tokens already are
-    # (expert parallelism without a fifth axis, as GShard and DeepSpeed-MoE do); tokens reach their
-    # experts by all_to_all over dp (models/moe.py). Each expert's MLP is split over tp like the
-    # dense one ('mlp').
     "experts": DP,
 }
 
-# ZeRO-1 (optimizer state) and ZeRO-3/FSDP (parameters too) additionally split every
-# parameter's 'embed' dimension over dp. Every LLaMA weight has exactly one 'embed' dimension,
-# so one rule covers all of them; activations keep 'embed' whole (their batch is split instead).
+# ZeRO: every LLaMA weight has exactly one 'embed' dimension, so one rule shards them all over dp.
 FSDP_OVERRIDES: dict[str, str | None] = {"embed": DP}
 PIPELINE_OVERRIDES: dict[str, str | None] = {"layers": PP}
 
 
 def param_rules(zero_sharded: bool, pipelined: bool = False) -> dict[str, str | tuple[str, ...] | None]:
-    """The table for parameters (and optimizer state): RULES, plus 'embed'->dp when ZeRO-sharded
-    and 'layers'->pp when pipelined."""
+    """The table for parameters and optimizer state."""
     return {**RULES, **(FSDP_OVERRIDES if zero_sharded else {}), **(PIPELINE_OVERRIDES if pipelined else {})}
 
 
@@ -69,17 +49,11 @@ def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's sharding by logical names (a no-op when no mesh is set).
-
-    Without these hints XLA's propagation may pick the weights' sharding for the activations
-    (e.g. split the contracting dim under FSDP and all-reduce activations instead of gathering
-    weights), so the model constrains at layer boundaries and around the loss.
-    """
+    """Pin an activation's sharding by logical names, leaving out manual axes (ARCHITECTURE.md,
+    "Activations are pinned, or FSDP does not happen"); a no-op without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    # Inside a shard_map that is manual over some axes (dp for the once-per-step gradient
-    # reduction, pp in a pipeline stage), arrays are already local blocks along those axes.
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
 
     def keep(entry):
@@ -94,27 +68,21 @@ def auto_size(mesh, axis: str) -> int:
     if mesh.empty or axis not in mesh.axis_names:
         return 1
     if dict(zip(mesh.axis_names, mesh.axis_types))[axis] == jax.sharding.AxisType.Manual:
-        return 1  # inside a shard_map over this axis: the arrays are already local blocks
+        return 1
     return mesh.shape[axis]
 
 
 def manual_size(mesh, axis: str) -> int:
-    """Size of a mesh axis an enclosing shard_map has made manual (1 if absent or automatic): how
-    many blocks of a tensor split over it there are, of which a device holds one."""
+    """Size of a mesh axis an enclosing shard_map has made manual (1 if absent or automatic)."""
     if mesh.empty or axis not in mesh.axis_names:
         return 1
     return mesh.shape[axis] // auto_size(mesh, axis)
 
 
 def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """`fn` on each device's blocks along the mesh axes its specs name, for hand-written collectives.
-
-    Axes an enclosing shard_map has made manual already (the step's over dp and cp, a pipeline
-    stage's over pp) are local blocks as they stand, and so are axes of size 1: they are dropped
-    from the specs, and when none is left `fn` runs as it is. Otherwise it runs in a shard_map
-    manual over the rest and the axes of size 1, on the context mesh where there is one (inside
-    another shard_map, shard_map insists on the mesh that knows which axes are manual).
-    """
+    """`fn` on each device's blocks along the automatic axes its specs name, for hand-written
+    collectives; as it is when none is left. The context mesh where there is one: inside another
+    shard_map, shard_map insists on the mesh that knows which axes are manual."""
     context = jax.sharding.get_abstract_mesh()
     ref = mesh if context.empty else context
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -138,14 +106,8 @@ def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
 
 
 def flatten_tokens(x: jax.Array) -> jax.Array:
-    """[B, T, ...] -> [B*T, ...] in block order: the dp x cp blocks of (batch, sequence) one after another.
-
-    A plain row-major merge puts row b's whole sequence before row b+1's, so with more than one
-    row per device and the sequence split over cp, the (dp, cp) split of the merged dimension
-    would not be the block a device holds, and XLA would move activations around every merge.
-    Ordering by (dp block, cp block, row, position) makes the merge local. The order of tokens
-    in the merged dimension is irrelevant to the model (matmuls are per token; the loss is a sum).
-    """
+    """[B, T, ...] -> [B*T, ...] in (dp, cp) block order, so that the merge moves nothing between
+    devices (ARCHITECTURE.md, "Block-order token flattening")."""
     b, t, *rest = x.shape
     mesh = jax.sharding.get_abstract_mesh()
     dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
