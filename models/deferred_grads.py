@@ -1,24 +1,9 @@
 """Weight gradients taken out of the backward, for zero-bubble pipelines' W items.
 
-A zero-bubble schedule (`pjax/parallel/pipeline/zero_bubble.py`) splits a stage's backward
-in two: B, the input gradient, which the previous stage waits for, and W, the weight gradients,
-which it runs later. Nearly all of W's work is the projections' dW = x^T g, where x is a
-projection's input and g the cotangent of its output; B computes every g on its way to the
-input gradient. So B must hand W each (x, g) and skip the dW products itself.
-
-`tapped_projection(x, ws, tap)` does that through autodiff: it is the layer's projection, with
-one more input, the *tap*, that its output does not depend on. Its backward returns the input
-gradient, zeros for the weights, and (x, g) as the tap's "cotangent". Differentiating a stage
-with respect to its input and a zero tap per projection (`layer_taps`) is then B: no dW product
-is computed, and the taps' cotangents come out stacked per layer, through the layer scan and
-remat alike. W (`tap_weight_grads`) multiplies them out. The other weights (the
-norms' scales) are small and keep their gradients in B.
-
-Under sequence parallelism (`models/sequence_parallel.py`) the projections gather and scatter
-their tokens over tp themselves, and so do their tapped forms (`tapped_column`, `tapped_row`): B
-hands W what each has split over tp along the tokens, the column-parallel input x and the
-row-parallel output cotangent g, and W gathers it again, as the sequence-parallel backward
-gathers x again rather than keep it: what waits in a slot for W keeps SP's 1/tp.
+`tapped_projection(x, ws, tap)` is a projection whose output ignores `tap` and whose backward returns
+zeros for the weights and (x, g) as the tap's cotangent: differentiating a stage with respect to its
+input and zero taps (`layer_taps`) is then B, through the layer scan and remat alike, and W
+(`tap_weight_grads`) multiplies the taps out (ARCHITECTURE.md, "Zero-bubble: B and W as separate items").
 """
 from __future__ import annotations
 
@@ -31,15 +16,13 @@ from models import sequence_parallel as seqpar
 from models.config import LlamaConfig
 from models.projection import input_grad, plain_projection, weight_grads
 
-Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like the input x [N, D_in], like each output [N, F_i])
+Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like x [N, D_in], like each output [N, F_i])
 SITES = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
-ROW_SITES = ("o", "down")  # row-parallel under tp (the others column-parallel)
+ROW_SITES = ("o", "down")
 
 
 def _tapped(forward: Callable, input_grad_and_tap: Callable) -> Callable:
-    """`forward(x, ws)` with a third input, the tap, that its output ignores; its backward returns
-    `input_grad_and_tap(x, ws, gs)`'s input gradient, zeros for the weights, and its (x, gs)
-    as the tap's cotangent (see the module doc)."""
+    """`forward(x, ws)` with an ignored tap input whose cotangent is what W needs; zero weight gradients."""
     @jax.custom_vjp
     def tapped(x, ws, tap):
         del tap
@@ -58,7 +41,6 @@ def _tapped(forward: Callable, input_grad_and_tap: Callable) -> Callable:
     return tapped
 
 
-# `plain_projection(x, ws)`, its weights' gradients left to the tap: (x, each g).
 tapped_projection = _tapped(plain_projection, lambda x, ws, gs: (input_grad(x, gs, ws), (x, tuple(gs))))
 
 
@@ -72,8 +54,7 @@ def _row_input_grad(x, w, g):
     return jnp.matmul(seqpar.gather(g), w.T).astype(x.dtype), (x, (g,))
 
 
-# Sequence parallelism's `column(x, ws)`, its weights' gradients left to the tap: (x, its tokens
-# split over tp, and each g); and `row(x, w)`'s: (x, and g with its tokens split over tp).
+# Under SP the tap holds the operand split over tp along the tokens: x for column, g for row.
 tapped_column = _tapped(seqpar.column, _column_input_grad)
 tapped_row = _tapped(seqpar.row, _row_input_grad)
 
@@ -89,23 +70,20 @@ def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[s
 
 def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence_parallel: bool = False
                       ) -> tuple[jax.Array, ...]:
-    """One layer's fp32 dW_i = x^T g_i at `site` from its tap's cotangent (x, gs); under sequence
-    parallelism the split operand is gathered first (see the module doc)."""
+    """One layer's fp32 dW_i = x^T g_i at `site` from its tap's cotangent; under SP the split operand is gathered."""
     f32 = [jnp.zeros((), jnp.float32)] * len(gs)  # weight_grads casts each dW to its w's dtype
     if not sequence_parallel:
         return weight_grads(x, gs, f32)
     if site in ROW_SITES:
         return weight_grads(x, [seqpar.gather(gs[0])], f32)
-    xt = seqpar.gather_transposed(x)  # [D, N]
+    xt = seqpar.gather_transposed(x)
     return tuple((xt @ g).astype(jnp.float32) for g in gs)
 
 
 def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any, sequence_parallel: bool = False
                      ) -> dict[str, jax.Array]:
-    """W: the projections' fp32 gradients from the taps' cotangents, shaped like the stacked
-    layer weights `w` ([layers, ...] each); the other weights are not in the result. `taps` is
-    stacked per layer, or (unrolled layers) a list of one layer's taps each. `sequence_parallel`:
-    the taps came from `tapped_column` / `tapped_row` (tp > 1)."""
+    """W: the projections' fp32 gradients, shaped like the stacked weights `w`, from taps stacked per
+    layer or (unrolled) a list of one layer's each."""
     out = {}
     for site, names in SITES.items():
         one = lambda x, gs: site_weight_grads(site, x, gs, sequence_parallel)

@@ -1,14 +1,6 @@
-"""Remat (activation checkpointing) of a decoder layer: the policies `train.remat` chooses from, and
-the names of the activations that `train.remat=names` keeps.
-
-A policy decides which values computed in a layer's forward are kept for its backward; the rest
-are recomputed there from the layer's input. `dots` keeps every matmul output (attention's score
-matmuls included), `dots_no_batch` only those without batch dimensions (the projections), `full`
-nothing, and `names` exactly the activations tagged with the names in `train.remat_names`, as
-MaxText's `save_only_these_names` policies do. `DecoderLayer` tags each activation below with
-`jax.ad_checkpoint.checkpoint_name` at the line that makes it, outside any `custom_vjp` (CPU's
-transposed projection, sequence parallelism's, the zero-bubble taps), so the tag marks the value
-the layer goes on with, whichever form computed it.
+"""Remat of a decoder layer: the policies `train.remat` chooses from, and the activation names that
+`train.remat=names` keeps (ARCHITECTURE.md, "Remat by name"). The tags sit outside every `custom_vjp`
+form, on the values the layer goes on with, so `jax.checkpoint` sees them whichever form computed them.
 """
 from __future__ import annotations
 
@@ -16,8 +8,7 @@ from typing import Any, Sequence
 
 import jax
 
-# Every name a layer tags, in the order the layer computes them; N tokens, D hidden, H heads and
-# K kv-heads of Dh, F the MLP width (per device: heads and F split over tp).
+# In the layer's order; N tokens, D hidden, H heads and K kv-heads of Dh, F the MLP width.
 NAMES: dict[str, str] = {
     "attn_norm": "RMSNorm of the layer input, the q/k/v projections' input [N, D]",
     "q_proj": "queries before RoPE [N, H*Dh]",
@@ -29,13 +20,9 @@ NAMES: dict[str, str] = {
     "gate_proj": "the gate projection, before SiLU [N, F] (dense layers only)",
     "up_proj": "the up projection [N, F] (dense layers only)",
 }
-# The down projection's output has no name: the backward never reads it (it is only added to the
-# residual stream, and the layer's output is the next layer's input, kept by the scan anyway).
+# The down projection's output has no name: the backward never reads it.
 
-# The attention projections' outputs, narrow ((H + 2K) * Dh + D per token): the backward re-runs
-# no q/k/v or o matmul (the MLP's input comes back as x + o_proj), only the norms, RoPE, attention's
-# forward (its backward and the o weight gradient need its inside) and the gate and up matmuls,
-# whose [N, F] outputs are the widest activations a layer has and are therefore not kept.
+# Narrow tensors kept, the wide [N, F] gate/up outputs recomputed: no q/k/v or o matmul is re-run.
 DEFAULT_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 POLICIES: dict[str, Any] = {
@@ -44,7 +31,7 @@ POLICIES: dict[str, Any] = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-    "names": None,  # built from the names by `policy`
+    "names": None,  # built by `policy`
 }
 
 
