@@ -1,33 +1,11 @@
 """Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022; `train.sequence_parallel`).
 
-Plain tensor parallelism leaves everything between two tensor-parallel regions replicated over
-tp: the residual stream, both RMSNorms and the embedding's output are [N, D] on every tp device,
-and each row-parallel matmul (o, down, the vocab-parallel embedding) ends in an all-reduce.
-Sequence parallelism splits those stretches over tp along the tokens instead: [N/tp, D] per
-device, so the activations a layer keeps there shrink by tp. The communication changes shape:
-
-    column-parallel (q/k/v, gate/up, the output layer):  all-gather the tokens over tp, then x @ W
-    row-parallel (o, down, the embedding):               x @ W (a partial sum), then reduce-scatter
-
-An all-gather plus a reduce-scatter moves what one all-reduce does, so the forward costs the same.
-In the backward the roles swap (the all-gather's transpose is a reduce-scatter and vice versa),
-and the column-parallel weight gradient needs the gathered input again: like Megatron, it is
-gathered a second time rather than kept, which is what makes the memory saving real. That is one
-all-gather more per column-parallel matmul: per layer, 10 gathers or scatters of an activation
-where plain TP's 4 all-reduces send as much as 8, so 1.25 times the bytes on the wire.
-
-The tokens are split over tp inside their (dp, cp) block (logical axis 'sp_tokens' -> (dp, cp, tp)
-in `mesh/rules.py`), so a gather over tp gives each device exactly its 'tokens' block.
-
-Why `custom_vjp`s with the matmuls inside: under automatic partitioning the partial sum of a
-row-parallel matmul cannot be named, so XLA would all-reduce it before any reduce-scatter could
-see it (and XLA:CPU writes a reduce-scatter as all-reduce + slice). The partial sums are therefore
-formed inside shard_maps manual over tp, where `psum_scatter` is what runs. Those shard_maps are
-manual over the automatic token axes (dp, cp) too, or XLA would replicate the operand of the
-collectives over them (and over the axes of size 1, `mesh.rules.per_device`); and they are never
-transposed by autodiff (each direction is written out), since a shard_map nested in the step's
-own and differentiated fails Shardy's verifier. The weight gradients are taken outside them, so
-the usual gradient reduction over dp (once per step, ZeRO) applies to them unchanged.
+Between the tensor-parallel regions the tokens are split over tp ([N/tp, D] per device): column-parallel
+matmuls all-gather their input first, row-parallel ones reduce-scatter their partial sums. The
+backward gathers the column-parallel input again rather than keep it, which is what makes the
+memory saving real. Each op is a `custom_vjp` around a shard_map with its backward written out
+(a nested shard_map differentiated fails Shardy's verifier); why, and why manual over dp, cp and
+size-1 axes too: ARCHITECTURE.md, "Sequence parallelism by hand".
 """
 from __future__ import annotations
 
@@ -66,17 +44,14 @@ def gather(x: jax.Array) -> jax.Array:
 
 
 def gather_transposed(x: jax.Array) -> jax.Array:
-    """x^T, gathered: [D, N] with N split over (dp, cp). The column-parallel backward gathers its
-    input again, as Megatron does (keeping the forward's would undo the memory saving); gathering
-    it transposed is also a different op from the forward's gather, which XLA would otherwise
-    merge with it and keep alive (with unrolled layers), and the form XLA:CPU's dots prefer."""
+    """x^T gathered, [D, N]: a different op from the forward's gather, which XLA would otherwise merge
+    with it and keep alive, undoing the memory saving."""
     return _per_device(lambda a: lax.all_gather(a.T, TP, axis=1, tiled=True, to="invarying"),
                        (SP_TOKENS,), P(None, TOKENS[0]))(x)
 
 
 def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype) -> jax.Array:
-    """sum_i g_i @ w_i^T, reduce-scattered over tp along the tokens: the input gradient of a
-    column-parallel matmul (g_i [N, F_i], w_i [D, F_i], F split over tp)."""
+    """sum_i g_i @ w_i^T reduce-scattered over tp along the tokens: a column-parallel input gradient."""
     def local(gs, ws):
         g = jnp.concatenate([g.astype(dtype) for g in gs], axis=-1)
         w = jnp.concatenate([w.astype(dtype) for w in ws], axis=-1)
@@ -89,8 +64,7 @@ def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dty
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def column(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
-    """x [N, D] split over (dp, cp, tp) times each column-parallel w [D, F_i] (F split over tp):
-    the products [N, F_i], tokens split over (dp, cp). out_dtype: the products' dtype (x's if None)."""
+    """x [N, D] (tokens over dp, cp, tp) gathered over tp, times each column-parallel w [D, F_i]."""
     full = gather(x)
     return tuple(jnp.matmul(full, w, preferred_element_type=out_dtype) for w in ws)
 
@@ -102,7 +76,7 @@ def _column_fwd(x, ws, out_dtype):
 def _column_bwd(out_dtype, res, gs):
     x, ws = res
     gs = [g.astype(x.dtype) for g in gs]
-    xt = gather_transposed(x)  # [D, N]: the weight gradients' left operand
+    xt = gather_transposed(x)
     d_ws = tuple(jnp.matmul(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
     return reduce_scatter_product(gs, ws, x.dtype), type(ws)(d_ws)
 
@@ -112,8 +86,7 @@ column.defvjp(_column_fwd, _column_bwd)
 
 @jax.custom_vjp
 def row(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, F] (F split over tp) times the row-parallel w [F, D]: [N, D] reduce-scattered over tp,
-    its tokens split over (dp, cp, tp)."""
+    """x [N, F] times the row-parallel w [F, D], reduce-scattered over tp along the tokens."""
     def local(x, w):
         return lax.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)
 
@@ -136,11 +109,10 @@ row.defvjp(_row_fwd, _row_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
-    """The vocab-parallel embedding: rows `ids` [N] of `table` [V, D] (V split over tp), in `dtype`,
-    reduce-scattered over tp: [N, D] with the tokens split over (dp, cp, tp)."""
+    """The vocab-parallel embedding lookup of `ids` [N] in `dtype`, reduce-scattered over tp."""
     def local(table, ids):
         v = table.shape[0]
-        rows = ids - lax.axis_index(TP) * v  # this device's slice of the vocabulary
+        rows = ids - lax.axis_index(TP) * v
         hit = (rows >= 0) & (rows < v)
         x = jnp.where(hit[:, None], jnp.take(table, jnp.clip(rows, 0, v - 1), axis=0), 0).astype(dtype)
         return lax.psum_scatter(x, TP, scatter_dimension=0, tiled=True)

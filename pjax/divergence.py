@@ -1,24 +1,7 @@
-"""The divergence guard: a non-finite step is caught one step late at no extra cost, and never saved.
-
-On the device, inside the jitted step: `finite = isfinite(loss) & isfinite(grad_norm)`, a scalar
-returned with the metrics. Under `train.on_nonfinite=skip` the step also keeps the old parameters
-and optimizer state where `finite` is false (`keep_if_finite`, a select per leaf), so the
-optimizer's own step count does not advance either and the learning-rate schedule resumes where
-it was (`optim.schedule_count`). Under `stop` there is no select (it costs temporaries, see
-benchmarks/README.md): the run ends at that step, before anything saves or reads its state.
-
-On the host (`DivergenceGuard`, in the training loop): each step's loss and `finite` flag are
-read one step late, when the loop waits for the previous step anyway (it keeps at most two in
-flight), so there is no extra synchronisation; a checkpoint save (and a logged step) reads its
-own step's flag first, so no checkpoint is written after a step not known to be finite. Then:
-
-* `train.on_nonfinite=stop` (the default): the run ends with one line naming the step and the
-  last good checkpoint (`Diverged`, exit status 2).
-* `train.on_nonfinite=skip`: the step is dropped (state unchanged) and counted in metrics.jsonl;
-  `train.max_skipped` skips in a row end the run as `stop` does.
-* Loss spikes: a finite loss more than `log.spike_sigma` standard deviations above the mean of
-  the last `SPIKE_WINDOW` steps is written to metrics.jsonl (`loss_spike`: how many deviations)
-  and reported in one warning line. It is a report, not an intervention.
+"""The divergence guard: a non-finite step is caught one step late at no extra cost, and never saved
+(ARCHITECTURE.md, "A non-finite step is caught without a host sync"). `train.on_nonfinite=stop` ends
+the run with one line; `skip` drops the step, up to `train.max_skipped` in a row. A loss spike above
+`log.spike_sigma` deviations is reported, not acted on.
 """
 from __future__ import annotations
 
@@ -31,8 +14,8 @@ import jax.numpy as jnp
 
 from mesh.errors import ConfigError
 
-SPIKE_WINDOW = 50  # recent losses the spike test compares against
-SPIKE_MIN_HISTORY = 10  # no spike test before this many finite losses
+SPIKE_WINDOW = 50
+SPIKE_MIN_HISTORY = 10
 
 
 class Diverged(ConfigError):
@@ -49,14 +32,13 @@ class DivergenceGuard:
 
     def __init__(self, policy: str, max_skipped: int, spike_sigma: float) -> None:
         self.policy, self.max_skipped, self.spike_sigma = policy, max_skipped, spike_sigma
-        self.skipped = 0  # skipped steps in all
+        self.skipped = 0
         self.in_a_row = 0
         self._recent: collections.deque[float] = collections.deque(maxlen=SPIKE_WINDOW)
 
     def observe(self, step: int, loss: float, grad_norm: float, finite: bool,
                 last_checkpoint: str | None) -> tuple[dict[str, Any] | None, str | None]:
-        """Check one step. Returns (a record for metrics.jsonl, a warning line), either may be None;
-        raises `Diverged` when the run must stop."""
+        """(a record for metrics.jsonl, a warning line), either may be None; raises `Diverged` to stop."""
         if not finite:
             self.skipped += 1
             self.in_a_row += 1
@@ -82,7 +64,6 @@ class DivergenceGuard:
                 f"of the last {len(self._recent) - 1} steps.")
 
     def _spike(self, loss: float) -> float | None:
-        """How many standard deviations `loss` lies above the recent mean, when more than spike_sigma."""
         if not self.spike_sigma or len(self._recent) < SPIKE_MIN_HISTORY:
             return None
         mean = math.fsum(self._recent) / len(self._recent)
