@@ -1,19 +1,9 @@
-"""The planner's roofline: a layout's step time from its FLOPs, its collectives and its pipeline bubble.
-
-    compute  = model FLOPs per device x remat's recompute / (peak x measured efficiency)
-    bubble   = compute x (span of the schedule's table / its busy time - 1)       (pp > 1;
-               zero-bubble tables: W's share of the backward from the model's FLOPs)
-    comm[a]  = per set of mesh axes a: count x latency + link bytes / bandwidth
-               (the inter-host bandwidth when a group spans hosts, the NVLink one otherwise)
-    step     = compute + bubble + comm on the critical path (tp, cp, pp ...)
-               + gradient/parameter traffic over dp (and dp+cp): hidden behind compute where
-                 the profile says XLA overlaps it (GPUs: step = max(compute + bubble, dp) + ...)
-
-The collectives come from XLA (`pjax.hlo.collectives_by_axis` on the compiled step) or, before
-anything is compiled, from `analytic_comm`: the minimum traffic each mechanism needs
-(`minimum_bytes`, which `benchmarks/comm.py` also holds XLA against), in ring link bytes. Memory before a compile
-is `analytic_memory`: the exact state plus a rough activation estimate, used only to choose
-which layouts and micro-batch counts to compile; XLA's figure decides whether a layout fits.
+"""The planner's roofline: a layout's step time from its FLOPs, its collectives and its pipeline bubble
+(ARCHITECTURE.md, "The planner compiles, it does not guess"). Compute is model FLOPs at the profile's
+measured efficiency; the bubble is the table's span over its busy time; each set of mesh axes costs
+latency plus link bytes over NVLink or inter-host bandwidth, dp traffic hidden behind compute where
+XLA overlaps it. The collectives come from the compiled step or, before a compile, `analytic_comm`;
+`analytic_memory` only chooses what to compile, XLA's figure decides what fits.
 """
 from __future__ import annotations
 
@@ -29,14 +19,14 @@ from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
 
 REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
-DP_AXES = ("dp", "dp+cp")  # gradient reductions and ZeRO gathers: the traffic XLA can overlap with compute
+DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     step_s: float
     terms: dict[str, float]  # seconds: compute, bubble, and one entry per set of mesh axes
-    limit: str  # the largest term
+    limit: str
     tokens_per_s: float
     mfu: float
     memory_bytes: int
@@ -54,25 +44,21 @@ def per_device(profile: Profile, devices: int) -> tuple[float, int]:
 
 
 def usable_bytes(profile: Profile, devices: int, mem_fraction: float) -> int:
-    """What the allocator lets one device use: its memory (fake CPU devices: its share of the host's) x the fraction."""
+    """What the allocator lets one device use."""
     return int(per_device(profile, devices)[1] * mem_fraction)
 
 
 def weight_share(cfg: LlamaConfig, seq_len: int) -> float:
-    """A layer's W in forwards, its whole backward being 2: W is the projections' weight
-    gradients, as many FLOPs as their forward; B their input gradients and attention's backward
-    (twice its forward), so attention's share of the forward is what W lacks."""
+    """A layer's W in forwards, its backward being 2: W lacks attention's share (its backward is B's)."""
     d, f, h, kv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                        cfg.head_dim)
-    projections = 2 * (d * dh * (2 * h + 2 * kv) + expert_mlps_per_token(cfg) * 3 * d * f)  # forward, per token
-    attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average (metrics.model_flops_per_token)
+    projections = 2 * (d * dh * (2 * h + 2 * kv) + expert_mlps_per_token(cfg) * 3 * d * f)
+    attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average
     return projections / (projections + attention)
 
 
 def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
-    """Time of the schedule's table over a device's busy time (1 without a pipeline): a tick
-    lasts as long as its slowest device, a backward twice a forward, of which `weight` is W's
-    in a zero-bubble table (`weight_share`)."""
+    """The schedule's span over a device's busy time (1 without a pipeline), a backward twice a forward."""
     if layout.pp == 1:
         return 1.0
     m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
@@ -81,8 +67,7 @@ def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
 
 
 def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
-    """Whether a group over `axes` ('dp', 'dp+cp') reaches past a host: devices are in (dp, pp, cp, tp)
-    order, tp innermost, and a host holds consecutive blocks of `per_host` of them."""
+    """Whether a group over `axes` reaches past a host of `per_host` consecutive devices, tp innermost."""
     sizes = {"dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "tp": layout.tp}
     names = list(sizes)
     outer = min(names.index(a) for a in axes.split("+"))
@@ -90,30 +75,16 @@ def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
 
 
 def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[str, float]:
-    """The least each mechanism must move per device per step, in bytes arriving on a device (the
-    payloads `benchmarks/comm.py` holds XLA's collectives against):
-      dp  one reduction of the fp32 gradient a device holds (P; an MoE model's experts left out:
-          the all-to-all's backward brings their gradient to their owner), over every device
-          that saw different tokens (dp and cp); ZeRO-1 then gathers the new parameters
-          (P/dp + P); ZeRO-3 reduce-scatters each micro-batch's gradient (k P/dp: its
-          accumulator stays in dp slices, data_parallel.py says why) and gathers the parameters
-          per micro-batch in forward and backward (2 k P);
-      tp  per micro-batch and layer, 2 activation all-reduces forward and 2 backward, plus the
-          vocab-parallel embedding's forward one and the output layer's backward one (on the
-          first and last pipeline stage: 2 / pp per device on average); with sequence parallelism
-          each becomes an all-gather and a reduce-scatter (the result: a whole activation and a
-          1/tp slice), and the backward gathers each column-parallel input again: per layer 6
-          gathers and 4 scatters, and for the embedding and the output layer 3 / pp gathers and
-          2 / pp scatters;
-      cp  per micro-batch and layer, by `context.strategy` (`cp_bytes`);
-      pp  each micro-batch's activation across each of the pp v - 1 stage boundaries (v chunks
-          per device when interleaved) and its gradient back (2 k (pp v - 1) / pp activations
-          per device), and one reduction over pp of the embedding,
-          final norm and output layer gradients: every stage holds those (they are replicated
-          over pp), so dp's reduction counts them whole on every stage too."""
+    """The least each mechanism must move per device per step, in bytes arriving on a device (what
+    `benchmarks/comm.py` holds XLA against). dp: one reduction of the fp32 gradient P (experts left
+    out), ZeRO-1 + P/dp + P, ZeRO-3 k P/dp + 2 k P per-micro-batch gathers. tp: 4 all-reduces per
+    layer plus the embedding's and output layer's (2 / pp); under SP each a gather and a scatter,
+    plus the backward's second gather (6 and 4 per layer, 3 / pp and 2 / pp). pp: each activation
+    across the pp v - 1 boundaries and back, and one reduction of the shared weights, which every
+    stage holds."""
     mc, tc = config.model, config.train
     k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
-    tokens = tc.batch_size // k // dp * tc.seq_len // cp  # per device per micro-batch
+    tokens = tc.batch_size // k // dp * tc.seq_len // cp
     layers = mc.num_hidden_layers // pp
     act = tokens * mc.hidden_size * act_bytes
     params, shared = reduced_gradient_bytes(config, layout), shared_bytes(config, layout)
@@ -134,16 +105,10 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
 
 
 def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
-    """(payload, link bytes, collectives) per device, micro-batch and layer of `layout.context`,
-    with a block = one device's K (or V): tokens x kv-heads/tp x head_dim, in the compute dtype
-    (`act_bytes`) except the dK and dV that are accumulated in fp32.
-      ring:       K and V passed cp - 1 times forward and cp - 1 times again backward, and the
-                  fp32 dK, dV travelling with them, cp times (permutes: payload = link bytes);
-      all_gather: K and V gathered forward and again backward (results of cp blocks each), the
-                  fp32 dK and dV reduce-scattered home (one block each): link (cp - 1)/cp of every
-                  result, (cp - 1) of every slice;
-      ulysses:    q, k, v and the output all-to-all forward, their gradients backward, k and v with
-                  their kv-heads repeated up to cp on a tp device with fewer: link (cp - 1)/cp."""
+    """(payload, link bytes, collectives) per device, micro-batch and layer of `layout.context`; a block
+    is one device's K or V, dK and dV in fp32. ring: K, V passed cp - 1 times each way, dK, dV cp
+    times. all_gather: K, V gathered forward and backward, dK, dV reduce-scattered. ulysses: q, k, v
+    and the output all-to-all each way, kv-heads repeated up to cp."""
     mc, cp, tp = config.model, layout.cp, layout.tp
     kv_tp = mc.num_key_value_heads // tp
     elements = tokens * kv_tp * mc.head_dim
@@ -165,15 +130,13 @@ def shared_bytes(config: Config, layout: Layout) -> float:
 
 
 def held_gradient_bytes(config: Config, layout: Layout) -> float:
-    """fp32 bytes of the gradient a device holds before any ZeRO split: its stage's layers over tp,
-    and the shared embedding, final norm and output layer, which every stage holds."""
+    """fp32 bytes of the gradient a device holds before any ZeRO split (the shared weights on every stage)."""
     shared = shared_bytes(config, layout)
     return (config.model.num_params * 4 / layout.tp - shared) / layout.pp + shared
 
 
 def reduced_gradient_bytes(config: Config, layout: Layout) -> float:
-    """`held_gradient_bytes` less an MoE model's experts, whose gradients are never reduced over dp:
-    the bytes a device reduces over the data axes (and, under ZeRO, gathers back)."""
+    """`held_gradient_bytes` less an MoE model's experts, which are never reduced over dp."""
     mc = config.model
     experts = 3 * mc.num_local_experts * mc.hidden_size * mc.intermediate_size * mc.num_hidden_layers * 4
     return held_gradient_bytes(config, layout) - experts / (layout.tp * layout.pp)
@@ -189,11 +152,11 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
     rows: dict[str, tuple[int, float]] = {}
     if dp * cp > 1:
         n, params = dp * cp, reduced_gradient_bytes(config, layout)
-        if layout.zero >= 3 and dp > 1:  # per micro-batch a reduce-scatter, and the gathers forward and backward
+        if layout.zero >= 3 and dp > 1:
             rows["dp+cp" if cp > 1 else "dp"] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
-        else:  # one all-reduce, or a reduce-scatter and a gather (the same link bytes)
+        else:
             rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * ring(n))
-    if tp > 1 and layout.sequence_parallel:  # every gathered or scattered activation crosses (tp - 1) / tp
+    if tp > 1 and layout.sequence_parallel:
         act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
         rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)
     elif tp > 1:
@@ -202,7 +165,7 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
         tokens = config.train.batch_size // k // dp * config.train.seq_len // cp
         _, link, count = cp_bytes(config, layout, tokens, act_bytes)
         rows["cp"] = (k * layers * count, k * layers * link)
-    if pp > 1:  # a boundary device sends every micro-batch's activation (and receives its gradient)
+    if pp > 1:
         shared = shared_bytes(config, layout)
         sends = (payload["pp"] - shared) * pp / (pp * layout.virtual_stages - 1) * layout.virtual_stages
         rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1) + 1, sends + shared * ring(pp))
@@ -210,9 +173,8 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
             for axes, (count, link) in rows.items()}
 
 
-# Bytes XLA keeps per element of a layer's [tokens, D + (q, k, v heads + 3 F) / tp] activations
-# without remat, fitted to compiled steps of llama2-7b, smollm-1.7b (bf16: 10-13) and
-# picotron-cpu (fp32: ~17): only the order of magnitude matters, XLA's own figure decides.
+# Bytes XLA keeps per activation element without remat, fitted to compiled steps: only the order
+# of magnitude matters, XLA's own figure decides.
 _KEPT_PER_ELEMENT = {2: 12, 4: 17}
 
 
@@ -222,16 +184,15 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     d, f, v, tp = mc.hidden_size, mc.intermediate_size, mc.vocab_size, layout.tp
     heads = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     tokens = tc.batch_size // layout.grad_accum // layout.dp * tc.seq_len // layout.cp
-    between = d // tp if layout.sequence_parallel else d  # the residual stream and norms, between TP regions
+    between = d // tp if layout.sequence_parallel else d
     layer = tokens * _KEPT_PER_ELEMENT[act_bytes] * (between + (heads + 3 * f) // tp)
-    if attention in ("auto", "blocked", "reference"):  # probabilities kept for the backward (fp32)
+    if attention in ("auto", "blocked", "reference"):
         layer += tokens * mc.num_attention_heads // tp * tc.seq_len // 2 * 4
     layers = mc.num_hidden_layers // layout.pp
-    # remat=full keeps each layer's fp32 input and works on about three layers' worth at a time,
-    # but in a zero-bubble table B leaves W the projections' inputs and cotangents of every layer
+    # remat=full keeps each layer's input, but in a zero-bubble table B leaves W every layer's (x, g)
     recomputed = layout.remat == "full" and layout.schedule not in SPLIT_BACKWARD
     saved = layers * tokens * between * 4 + 3 * layer if recomputed else layers * layer
-    if layout.pp > 1:  # the executor's slots: up to pp micro-batches in flight, plus a spare
+    if layout.pp > 1:
         saved *= layout.pp + 1
     logits = 2 * tokens * v // tp * 4 if not tc.loss_chunk else 2 * tc.loss_chunk * v // tp * 4
     batch = 3 * tc.batch_size // layout.dp * tc.seq_len * 4
@@ -241,7 +202,7 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
 def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
     """One row of collectives: latency per op + link bytes over the link the group uses."""
     bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
-    if profile.shares_host:  # memcpys on the host's cores: every device's transfer shares them
+    if profile.shares_host:
         bw /= min(devices, profile.devices_per_host)
     return row["count"] * profile.latency_s + row["link_bytes"] / bw
 
