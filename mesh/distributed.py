@@ -1,8 +1,5 @@
-"""Process start-up, before JAX's backend starts: multi-host initialisation, forced CPU devices
-and the size of XLA:CPU's thread pool.
-
-All must run before the first call that touches devices (`jax.devices()`, any computation):
-after that XLA's device count and the process group are fixed.
+"""Process start-up, before the first call that touches devices fixes XLA's device count and the
+process group: multi-host initialisation, forced CPU devices, XLA:CPU's thread pool size.
 """
 from __future__ import annotations
 
@@ -19,13 +16,8 @@ DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> int:
-    """Join a multi-process run when asked to: explicit arguments, or an srun step of several tasks.
-
-    Returns the number of processes (1 when running alone). One process per host, each seeing
-    all its local accelerators. Precedence: explicit arguments name the coordinator; under SLURM
-    their count and index must agree with SLURM_NTASKS and SLURM_PROCID (srun started exactly
-    those processes, so any other count would wait for processes that never come).
-    """
+    """Join a multi-process run (explicit arguments, or an srun step of several tasks), one process per
+    host; the number of processes. Under SLURM explicit arguments must match its task count and index."""
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit:
         check_process_flags(coordinator, num_processes, process_id)
@@ -36,16 +28,13 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         coordinator, num_processes, process_id = slurm
     elif not explicit:
         return 1
-    # CPU-only multi-process runs need a collectives backend; gloo ships with jaxlib. This only
-    # affects the CPU backend, so it is harmless on GPU hosts.
+    # CPU-only multi-process runs need a collectives backend (CPU only, harmless on GPU hosts).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        # "deactivate": with every value given, JAX's own SLURM/Open MPI detection would still set
-        # local_device_ids to SLURM_LOCALID, leaving each process one GPU (JAX's one process per
-        # GPU); pjax runs one process per host over all its GPUs.
+        # JAX's own SLURM detection would leave each process one GPU; pjax runs one per host.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, cluster_detection_method="deactivate")
-    except Exception as e:  # an unreachable coordinator, a refused connection, a timeout
+    except Exception as e:
         fix = ("SLURM's environment named these: check that every task is in the same srun step and that the "
                "port is free (JAX_COORDINATOR_PORT picks another)" if slurm and not explicit else
                "start every process with the same --coordinator and --num_processes and its own --process_id")
@@ -58,20 +47,15 @@ SLURM_BASE_PORT, SLURM_PORTS = 61440, 4096  # JAX's rule: port = 61440 + SLURM_J
 
 
 def slurm_process() -> tuple[str, int, int] | None:
-    """(coordinator host:port, process count, this process's index) in an srun step of several
-    tasks; None outside SLURM or with one task.
-
-    The same values JAX's own detection (jax/_src/clusters/slurm_cluster.py) derives: the
-    coordinator is the step's first node, on port 61440 + SLURM_JOB_ID mod 4096 unless
-    JAX_COORDINATOR_PORT names one.
-    """
+    """(coordinator host:port, process count, index) in an srun step of several tasks, as JAX's own
+    detection derives them; None outside SLURM or with one task."""
     if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return None
     tasks, rank = slurm_int("SLURM_NTASKS"), slurm_int("SLURM_PROCID")
     if tasks <= 1:
         return None
     nodes = os.environ.get("SLURM_STEP_NODELIST", "")
-    if not nodes:  # e.g. the batch script itself, which runs once whatever --ntasks says
+    if not nodes:  # e.g. the batch script itself
         raise ConfigError(f"SLURM_NTASKS={tasks} but this process is not in an srun step (no SLURM_STEP_NODELIST); "
                           f"start every task with `srun python -m pjax.train ...`, or pass --coordinator, "
                           f"--num_processes and --process_id.")
@@ -89,7 +73,6 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def slurm_int(name: str) -> int:
-    """A SLURM variable that must hold a whole number, or a one-line error naming it."""
     value = os.environ.get(name)
     if value is None or not value.strip().isdigit():
         said = " is not set" if value is None else f"={shown(value)} is not a whole number"
@@ -122,11 +105,7 @@ def check_process_flags(coordinator: str | None, num_processes: int | None, proc
 
 
 def force_cpu_devices(mesh_cfg: MeshConfig, num_processes: int = 1) -> int:
-    """Ask XLA:CPU for as many devices per process as the mesh needs (8 in all when dp=-1 fills).
-
-    Only the CPU backend is affected: on a GPU or TPU host the accelerators stay the default
-    devices, so this is safe to call unconditionally before the backend starts.
-    """
+    """Ask XLA:CPU for the devices per process the mesh needs (harmless on accelerator hosts)."""
     rest = mesh_cfg.pp * mesh_cfg.cp * mesh_cfg.tp
     total = mesh_cfg.dp * rest if mesh_cfg.dp > 0 else max(DEFAULT_CPU_DEVICES // rest, 1) * rest
     if total % num_processes:
@@ -136,23 +115,12 @@ def force_cpu_devices(mesh_cfg: MeshConfig, num_processes: int = 1) -> int:
     return total // num_processes
 
 
-THREAD_POOL_ENV = "PJRT_NPROC"  # read once by XLA when the CPU client starts (`NPROC` is its fallback)
+THREAD_POOL_ENV = "PJRT_NPROC"  # `NPROC` is its fallback
 
 
 def pipeline_cpu_threads(mesh_cfg: MeshConfig, devices: int) -> int | None:
-    """Size XLA:CPU's thread pools for a pipeline (pp > 1): max(cores + 1, 2 x devices) threads.
-
-    XLA:CPU runs each forced device's launch, and the ops of a launch that may run side by side,
-    on pools of max(PJRT_NPROC, devices) threads, and a thread in a collective blocks until every
-    participant arrives. A pipeline stage waits for much of a tick while its neighbour computes:
-    with as many threads as cores the waiting stage held a core the busy one could use (pp=2 ran
-    at one core's speed), hence one thread more than the cores. And a device can wait in a
-    collective on a second thread while its launch holds the first: with only `devices` threads,
-    dp2 x pp2 x tp2 at 8 micro-batches deadlocked (every thread waiting, one device's next op
-    queued behind them). Other layouts keep XLA's default. A value the user set is left alone.
-    Returns the thread count set, or None. Must run before JAX's backend starts; meant for forced
-    CPU devices (on accelerator hosts XLA may size other host pools from it too).
-    """
+    """Size XLA:CPU's thread pools for a pipeline, max(cores + 1, 2 x devices), before JAX's backend starts,
+    unless the user set them (ARCHITECTURE.md, "Pipelines on forced CPU devices"); the count set, or None."""
     if mesh_cfg.pp <= 1 or THREAD_POOL_ENV in os.environ or "NPROC" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

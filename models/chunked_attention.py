@@ -1,24 +1,8 @@
-"""Causal attention in query chunks that saves only the log-sum-exp: flash attention's memory, in plain JAX.
-
-`reference_attention` keeps the [B, H, T, T] probabilities for the backward, and so does the
-CPU-tuned `blocked` form (it trades memory for speed). At long sequences that is most of a
-step's memory: 8 rows of 4096 tokens with 32 heads is 17 GiB of fp32 scores per layer. A fused
-flash kernel (cuDNN's, on GPUs) keeps only q, k, v, the output and one log-sum-exp per query
-row, and recomputes the probabilities in the backward. This module does the same without a
-kernel:
-
-- forward: a `lax.scan` over query chunks; chunk c's scores against every key are masked by
-  position, softmaxed, and reduced to its output and log-sum-exp, and nothing else survives;
-- backward (`custom_vjp`): a second scan recomputes each chunk's probabilities as
-  exp(scores - lse) and accumulates dq, dk and dv (the algebra of `cpu_attention.py`).
-
-Memory saved per layer is O(T); the transient is one chunk's [chunk, T] scores per head. Every
-chunk computes its full row of keys (the masked part too, unlike `blocked`), which keeps the scan
-body's shapes fixed: twice the causal FLOPs, one compiled body whatever T is.
-
-Uses: `train.attention=chunked` for long sequences on backends without a fused kernel, and the
-layout planner (`pjax/plan`), which compiles GPU layouts on CPU devices with it so that XLA's
-memory figures count what cuDNN's kernel keeps.
+"""Causal attention in query chunks that saves only the log-sum-exp: flash attention's memory in plain
+JAX, for long sequences without a fused kernel, and for the planner, whose CPU compiles of GPU layouts
+must count what cuDNN's kernel keeps. The backward (`custom_vjp`) recomputes each chunk's
+probabilities as exp(scores - lse). Every chunk scores all keys, the masked ones too: twice the
+causal FLOPs, but one fixed-shape scan body whatever T is.
 """
 from __future__ import annotations
 
@@ -66,7 +50,7 @@ def _chunked_bwd(res, d_out):
     def chunk(carry, xs):
         dk, dv = carry
         qc, qp, oc, doc, lc = xs
-        p = jnp.exp(_scores(qc, k, qp, kv_pos) - lc[..., None])  # [B, KV, G, C, S]
+        p = jnp.exp(_scores(qc, k, qp, kv_pos) - lc[..., None])
         dv = dv + jnp.einsum("bkgcs,bckgd->bskd", p, f32(doc))
         dp = jnp.einsum("bckgd,bskd->bkgcs", f32(doc), f32(v))
         delta = jnp.einsum("bckgd,bckgd->bkgc", f32(doc), f32(oc))  # rowsum(dO * O)
@@ -88,8 +72,7 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
                              chunk: int = 512) -> jax.Array:
-    """Causal GQA attention by position, in query chunks of at most `chunk` rows (the largest
-    divisor of T not above it). q: [B, T, H, D]; k, v: [B, S, KV, D]; positions [B, T] / [B, S]."""
+    """Causal GQA attention by position in query chunks of at most `chunk` rows; q [B, T, H, D], k, v [B, S, KV, D]."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     c = max(n for n in range(1, min(chunk, t) + 1) if t % n == 0)
