@@ -1,14 +1,6 @@
-"""How XLA splits the slots' leaves over tp, read from a compile of one stage.
-
-With tp > 1 a pipeline device's slots keep a buffer per leaf (`pipeline/slots.py`), and what B
-leaves W (the projections' output cotangents) can take over the buffer of a residual B has
-read, as the flat rows let it at tp = 1, but only where the two are split alike over tp. Shapes
-alone do not say so: the layer input [N, D] is whole on each tp device and q's cotangent of the
-same shape split by heads, and a leaf written into a buffer split otherwise is moved by
-collectives at every write and read. Nor does the trace: XLA's sharding propagation decides
-a residual's split from the weights'. So `slot_splits` compiles the stage's forward and B once,
-on a mesh shaped like the enclosing one with every axis automatic, and reads the split XLA gave
-each residual and each cotangent B leaves W (`tp_specs`).
+"""How XLA splits the slots' leaves over tp, read from a compile of one stage's forward and B: a
+cotangent may take over a residual's buffer only if split alike, and neither shapes nor the trace say
+so (ARCHITECTURE.md, "Zero-bubble memory").
 """
 from __future__ import annotations
 
@@ -22,20 +14,18 @@ from mesh.mesh import TP
 from mesh.rules import logical_to_spec
 from pjax.parallel.pipeline.stage import VjpLayout
 
-Split = tuple | None  # per dimension of a leaf, tp or None (its split over tp alone); None: not known
+Split = tuple | None  # per dimension tp or None; None: not known
 
 
 def only_tp(spec: P, ndim: int) -> tuple:
-    """`spec` of an array of `ndim` dimensions as a Split: per dimension, tp or None."""
+    """`spec` as a Split."""
     keep = lambda e: TP if e == TP or (isinstance(e, tuple) and TP in e) else None
     return tuple(keep(e) for e in spec) + (None,) * (ndim - len(spec))
 
 
 def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtypeStruct, Split]]:
-    """Per output leaf of `fn(*args)`: its shape and split over tp as XLA compiles it, with `args`
-    (arrays or ShapeDtypeStructs) split over tp as `in_specs` say. The mesh has the enclosing
-    (abstract) mesh's shape, every axis automatic: under `jax.jit` a mesh of another size cannot
-    be entered. Only the compiler runs: no device is touched."""
+    """Per output leaf of `fn(*args)`: (shape, split over tp) as XLA compiles it, on the enclosing mesh's
+    shape with every axis automatic (under `jax.jit` no other size can be entered); no device runs."""
     outer = jax.sharding.get_abstract_mesh()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:outer.size]).reshape(outer.axis_sizes), outer.axis_names)
     over_tp = lambda a, s: NamedSharding(mesh, P(*only_tp(s, a.ndim)))
@@ -50,9 +40,8 @@ def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtyp
 
 def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtypeStruct],
           specs: Sequence[Split]) -> list[Split]:
-    """`specs` of the `probed` leaves moved onto the `stored` ones they are, in order: the probe's
-    trace can lack leaves of the executor's (pp-varying scalar constants), never have others.
-    All None if the two do not line up that way."""
+    """`specs` moved onto the `stored` leaves the `probed` ones are; the probe can lack some (pp-varying
+    scalar constants), never have others. All None if they do not line up."""
     out, k = [], 0
     for leaf in stored:
         same = k < len(probed) and (probed[k].shape, probed[k].dtype) == (leaf.shape, leaf.dtype)
@@ -63,10 +52,8 @@ def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtyp
 
 def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, taps: Any
                 ) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
-    """`pool.splits` for a zero-bubble slot pool (`slots.SlotPool`) of `stage`: the tp split of
-    each residual its forward stores (kind 0) and of each taps' cotangent B writes for W (kind 1;
-    None for those it does not write). `w`: one chunk's weights as the stage's VJP takes them
-    (`Stage.per_layer`); `act`, `positions`, `taps`: as the executor passes them."""
+    """`pool.splits` for a zero-bubble `slots.SlotPool`: the tp split of each residual (kind 0) and each
+    tap cotangent B writes for W (kind 1); arguments as the executor passes them."""
     tapped = pool.written(1)
 
     def forward_and_b(w, act, positions, taps):
