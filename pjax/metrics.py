@@ -1,16 +1,9 @@
 """Model FLOPs, MFU, and the metrics a run writes (metrics.jsonl and TensorBoard events).
 
-MFU = achieved model FLOP/s per device / the device's peak. Model FLOPs count the matmuls a
-training step must do (forward 2 FLOPs per multiply-add, backward twice that), with causal
-attention counted once: a query attends to T/2 keys on average, so the score and value matmuls
-cost 2·T·H·Dh per token per layer forward, not 4·T·H·Dh (the PaLM appendix formula counts the
-masked half too). Recomputation (remat) is not model FLOPs and is not counted.
-
-An MoE layer counts its router and the expert MLPs a token pays for: its top-k, or under
-capacity routing the whole [E, C] buffer over the tokens routed together (the capacity factor is
-the model's choice, its padding runs on every step). The dense reference routing and dropless
-routing under expert parallelism (whose exact buffer is E/k times the top-k work) are counted at
-top-k: that excess is the implementation's, and MFU should show it.
+Model FLOPs count causal attention once (a query attends to T/2 keys on average; PaLM's formula
+counts the masked half too) and no remat. An MoE layer counts its router and the experts a token
+pays for: top-k, or under capacity routing the whole [E, C] buffer (the model's choice). Dense and
+dropless-under-EP routing count top-k: their excess is the implementation's, and MFU should show it.
 """
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ import jax
 from models.config import LlamaConfig
 from models.moe import MoeConfig, capacity
 
-# Dense peak FLOP/s by `device.device_kind` substring, first match wins (order matters: 'H100 PCIe'
-# before 'H100'). bf16 tensor-core numbers from the vendors' data sheets (without sparsity).
+# Dense bf16 data-sheet peaks by `device_kind` substring, first match wins ('H100 PCIe' before 'H100').
 PEAK_BF16: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
@@ -44,8 +36,7 @@ PEAK_BF16: tuple[tuple[str, float], ...] = (
 
 
 def expert_mlps_per_token(cfg: LlamaConfig, moe: MoeConfig | None = None, group_tokens: int | None = None) -> float:
-    """How many SwiGLU MLPs a token's FLOPs pay for in one layer: 1 dense; top-k in an MoE layer;
-    E x capacity / tokens under capacity routing of `group_tokens` tokens at a time."""
+    """SwiGLU MLPs a token's FLOPs pay for in one layer: 1 dense, top-k, or under capacity routing E x C / tokens."""
     e, k = cfg.num_local_experts, cfg.num_experts_per_tok
     if not e:
         return 1.0
@@ -55,30 +46,25 @@ def expert_mlps_per_token(cfg: LlamaConfig, moe: MoeConfig | None = None, group_
 
 
 def routing_group_tokens(batch_size: int, grad_accum: int, seq_len: int, dp: int, cp: int) -> int:
-    """Tokens an MoE layer routes together: a micro-batch, split over dp and cp under expert
-    parallelism (dp > 1: each device routes its own tokens, `models.moe.moe_mlp`)."""
+    """Tokens an MoE layer routes together: a micro-batch, per device under expert parallelism."""
     tokens = batch_size // grad_accum * seq_len
     return tokens // (dp * cp) if dp > 1 else tokens
 
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int, moe: MoeConfig | None = None,
                           group_tokens: int | None = None) -> float:
-    """Training FLOPs per token: 6 x matmul parameters a token runs through (MoE: the router and
-    `expert_mlps_per_token` experts) + causal attention (counted once)."""
+    """Training FLOPs per token: 6 x the matmul parameters a token runs through + causal attention."""
     d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     h, kv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     mlp = expert_mlps_per_token(cfg, moe, group_tokens) * 3 * d * f + d * cfg.num_local_experts  # + the router
     matmul_params = l * (d * dh * (2 * h + 2 * kv) + mlp) + d * v  # the embedding lookup is no matmul
-    attention = l * 2 * seq_len * h * dh  # forward, per token: QK^T and PV over T/2 keys on average
+    attention = l * 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average
     return 6 * matmul_params + 3 * attention
 
 
 def peak_flops(device: jax.Device, override: float | None = None) -> float | None:
-    """Per-device peak FLOP/s: `override` (log.peak_flops) if given, else the table, else None.
-
-    CPUs have no table entry on purpose: their peak depends on the core count, clock and vector
-    units in use, so MFU on CPU is reported only against a peak the user measured and configured.
-    """
+    """Per-device peak FLOP/s: `override` (log.peak_flops), else the table, else None (CPUs on purpose:
+    ARCHITECTURE.md, "MFU only against a known peak")."""
     if override:
         return override
     if device.platform == "cpu":
@@ -95,9 +81,8 @@ def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak: f
 
 
 def memory_per_device(devices: list[jax.Device], estimate: tuple[int, int]) -> dict[str, Any]:
-    """Memory in use and its peak, in bytes per device (the most loaded of `devices`): the
-    allocator's own figures (`memory_stats()`: GPUs, TPUs) or, where the backend keeps none (CPU),
-    XLA's compiled estimate (`estimate`: resident state and batch, and the step's peak)."""
+    """Memory in use and its peak on the most loaded device: the allocator's figures, or where the
+    backend keeps none (CPU) XLA's compiled `estimate`."""
     stats = [d.memory_stats() for d in devices]
     if all(stats) and all("bytes_in_use" in s for s in stats):
         return {"memory_in_use_bytes": max(s["bytes_in_use"] for s in stats),
@@ -107,10 +92,7 @@ def memory_per_device(devices: list[jax.Device], estimate: tuple[int, int]) -> d
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to `<dir>/metrics.jsonl` and mirrors scalars to TensorBoard.
-
-    Only process 0 writes, so multi-host runs produce one log.
-    """
+    """One JSON object per record in `<dir>/metrics.jsonl`, scalars mirrored to TensorBoard; process 0 only."""
 
     def __init__(self, log_dir: str, append: bool = False) -> None:
         self.enabled = jax.process_index() == 0
@@ -119,7 +101,7 @@ class MetricsWriter:
         if self.enabled:
             os.makedirs(log_dir, exist_ok=True)
             self._file = open(self.path, "a" if append else "w", encoding="utf-8")
-            from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
+            from tensorboardX import SummaryWriter  # slow to import
 
             self._tb = SummaryWriter(log_dir)
 
