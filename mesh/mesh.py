@@ -1,9 +1,5 @@
-"""The 4D device mesh: named axes ('dp', 'pp', 'cp', 'tp') and the checks that guard it.
-
-Axis order is outermost to innermost. `tp` is innermost because tensor parallelism
-communicates on every layer (two all-reduces per layer per pass), so it gets the devices with
-the fastest links (neighbours on one host / one NVLink domain); `dp` is outermost because it
-communicates once per step (the gradient reduction) and tolerates the slowest links.
+"""The 4D device mesh: named axes ('dp', 'pp', 'cp', 'tp'), outermost to innermost: tp talks every
+layer, so it gets the fastest links; dp once per step, so it tolerates the slowest.
 """
 from __future__ import annotations
 
@@ -16,11 +12,10 @@ from jax.sharding import AxisType, Mesh
 
 from mesh.errors import ConfigError
 
-# Each axis name is spelled here once; everything else imports these constants.
-DP = "dp"  # data parallel (and ZeRO / FSDP sharding of parameters and optimizer state)
-PP = "pp"  # pipeline parallel: layers split into stages
-CP = "cp"  # context parallel: the sequence split, ring attention
-TP = "tp"  # tensor parallel: heads / MLP columns / vocabulary split (Megatron style)
+DP = "dp"  # and ZeRO / FSDP
+PP = "pp"
+CP = "cp"
+TP = "tp"
 AXES: tuple[str, ...] = (DP, PP, CP, TP)
 
 
@@ -41,7 +36,7 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{name}={size!r} is invalid: use {allowed}.")
 
     def resolve(self, num_devices: int) -> "MeshConfig":
-        """Return a copy with `dp` filled in, checking that the sizes fit `num_devices`."""
+        """A copy with `dp` filled in, the sizes checked against `num_devices`."""
         rest = self.pp * self.cp * self.tp
         if self.dp == -1:
             if num_devices % rest:
@@ -72,15 +67,7 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the ('dp', 'pp', 'cp', 'tp') mesh over `devices` (default: all devices).
-
-    Axis types are Auto, deliberately: DP, ZeRO/FSDP and TP come from sharding annotations that
-    XLA's partitioner propagates and turns into collectives ("annotate and let XLA propagate").
-    Under Explicit axes every matmul over a sharded contracting dimension needs an explicit
-    `out_sharding` and `with_sharding_constraint` asserts instead of hinting, which would spread
-    sharding decisions through the model code. The axes that need hand-written communication
-    (cp: ring attention, pp: stage transfer) become Manual inside their own `jax.shard_map`.
-    """
+    """The mesh over `devices` (default: all), every axis Auto (ARCHITECTURE.md, "Auto mesh axes, not Explicit")."""
     devices = list(jax.devices() if devices is None else devices)
     cfg = cfg.resolve(len(devices))
     return jax.make_mesh(cfg.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)

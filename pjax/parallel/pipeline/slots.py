@@ -1,32 +1,12 @@
-"""Slots that hold one of several kinds of per-micro-batch state, in one buffer per dtype.
+"""Slots that hold one of several kinds of per-micro-batch state: a forward's residuals, then what B
+leaves W (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W").
 
-A pipeline device keeps each micro-batch it works on in a slot: a forward leaves its VJP
-residuals there for the backward. With zero-bubble tables the backward (B) then leaves what the
-weight-gradient item (W) needs, each projection's input and output cotangent, and the residuals
-are dead. The two never live in one slot at once, so a slot need only be as large as the larger
-of them, as on a device with its own allocator, where B frees the residuals it read and W
-allocates nothing new (Qi et al. count ZB-H1's memory that way: 1F1B's).
-
-JAX arrays cannot share memory, so the slots are flat: per dtype, one [slots, width] buffer,
-width the most elements of that dtype any one kind holds. Each kind lays its leaves out from
-offset 0 (`SlotPool.offsets`); a leaf is written with one dynamic-update-slice at (slot, offset)
-and read with one dynamic-slice, as separate per-leaf buffers would be, and XLA updates the
-buffer in place. With one kind (1F1B, interleaved, AFAB) the leaves keep buffers of their own,
-[slots, *shape] each: the flat layout costs XLA:CPU a few MB of temporaries more there
-(benchmarks/README.md, "Zero-bubble").
-
-A flat row has no tensor-parallel layout: a leaf split over tp (a head or MLP dimension) is
-flattened whole into it, so every tp device would hold all of it. With tp > 1 every leaf
-therefore keeps a buffer of its own (`separate`), as split as the leaf, and a leaf of kind 1
-takes over the buffer of a kind-0 leaf of its shape, dtype and tp split that kind 1 does not
-read (`reused`): B's output cotangents are mostly shaped and split like activations the forward
-saved. The splits are XLA's (`splits`, from `pipeline/slot_splits.py`); a leaf whose split is not known
-shares nothing.
-
-Part of what B leaves W is already in the slot: a projection's input x is one of the forward's
-residuals, and B passes it through unchanged (under the layer scan, as the scan's stack of the
-stacked residual's rows). Such a leaf is `kept`: kind 1 reads it where kind 0 wrote it, lays its
-other leaves (the output cotangents) out around it, and B writes only those.
+JAX arrays cannot share memory, so with two kinds the slots are flat, per dtype one [slots, width]
+buffer, width the larger kind's, each kind laid out from offset 0, written and read in place. With
+one kind each leaf keeps a buffer of its own (the flat layout costs XLA:CPU temporaries there), and
+so with tp > 1 (`separate`): a flat row has no tp layout, so kind 1 instead takes over a kind-0
+buffer of the same shape, dtype and XLA split (`reused`). A projection input B passes through
+unchanged is `kept`: kind 1 reads it where kind 0 wrote it.
 """
 from __future__ import annotations
 
@@ -44,16 +24,13 @@ Pool = dict[str, jax.Array]  # flat: dtype name -> [slots, width]; else 'kind:le
 
 @dataclasses.dataclass(frozen=True)
 class SlotPool:
-    """The layout of `kinds`: per kind, the shapes and dtypes of the leaves one slot holds.
-
-    `kept`: per leaf of kind 1, the kind-0 leaf whose value it is, or None. Such a leaf is not
-    written again: kind 1 reads it where kind 0 left it, and lays its other leaves out around it
-    (B's projection inputs are its residuals: the stash then adds only the output cotangents)."""
+    """The layout of `kinds`, the leaves one slot holds; `kept`: per leaf of kind 1, the kind-0 leaf whose
+    value it is (never written again), or None."""
 
     kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
     kept: tuple[int | None, ...] = ()
-    separate: bool = False  # a buffer per leaf (tp > 1: see the module doc)
-    splits: tuple[tuple[object, ...], ...] = ()  # per kind and leaf, its tp split (`slot_splits.Split`) or None
+    separate: bool = False
+    splits: tuple[tuple[object, ...], ...] = ()  # per kind and leaf, `slot_splits.Split`
 
     def offsets(self, kind: int) -> list[tuple[str, int, int]]:
         """Per leaf of `kind`: (dtype name, offset, size) in its dtype's row."""
@@ -108,8 +85,7 @@ class SlotPool:
 
     @functools.cached_property
     def reused(self) -> dict[int, int]:
-        """Separate buffers: kind 1's written leaves that take over a kind-0 leaf's buffer of the
-        same shape, dtype and tp split (a residual B has read and does not pass on), each at most once."""
+        """Separate buffers: kind 1's leaves that take over a kind-0 buffer of the same shape, dtype and tp split."""
         if not self.splits or len(self.kinds) < 2:
             return {}
         free = [j for j in range(len(self.kinds[0])) if j not in set(self.kept) and self.splits[0][j] is not None]
@@ -123,7 +99,6 @@ class SlotPool:
         return out
 
     def _own(self, kind: int, i: int) -> str:
-        """The buffer of leaf i of `kind` when leaves have buffers of their own (kept: kind 0's)."""
         k = self.kept[i] if kind == 1 and i < len(self.kept) else None
         k = self.reused.get(i) if kind == 1 and k is None else k
         return f"0:{k}" if k is not None else f"{kind}:{i}"
