@@ -1,44 +1,12 @@
 """Checkpoints on Orbax: async saves of the whole run, exact resume, restore onto any mesh.
 
-One checkpoint is `<checkpoint.dir>/<step>/`, written by Orbax's `CheckpointManager` as four items:
-
-    params     StandardSave  the parameters, global arrays in the canonical layout (below)
-    opt_state  StandardSave  the optimizer state: Adam moments shaped like the parameters, counts
-    meta       JsonSave      {"step", "data": DataIterator.state(), "rng": {"impl", "key_data"}}
-    config     JsonSave      the resolved run config (`config_to_dict`)
-
-Arrays go through tensorstore (zarr/OCDBT) and everything else is JSON: loading a checkpoint never
-unpickles, so it never executes code.
-
-Canonical layout. Orbax stores each array as one global array, whatever its sharding, and the
-parameters are already mesh-independent (layers stacked on a leading dim, heads split out), so
-nothing about dp/pp/cp/tp or ZeRO is written. A restore passes `jax.ShapeDtypeStruct`s carrying
-the *new* run's NamedShardings -- for every leaf, the optimizer moments included -- and each
-device reads only its slice. The one layout that moves data rather than placing it is the
-interleaved pipeline's layer order; `layer_rows` (the model layer held by each row of the run's
-stack) turns it into model order on save and back on restore.
-
-Atomicity. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every item
-is written. A process killed mid-save leaves only that temporary directory: `latest_step` never
-sees it and the next manager deletes it.
-
-Damage. A committed step can still be damaged later (a partial copy, a truncated file). Every
-read goes through `Checkpointer.readable`: the newest step that reads, the ones after it passed
-over with a one-line warning each; a run resuming behind them renames them `<step>.unreadable`
-(Orbax would refuse to save those step numbers again). Nothing is ever deleted.
-
-Asynchrony. `save` copies the arrays to host memory and returns; a background thread writes them
-while training continues (the next step may donate the device buffers). The next `save` and
-`close` first wait for the one in flight.
-
-One writer. A Checkpointer that writes holds `dirlock.DirectoryLock` on its directory from before
-Orbax's manager opens it (the manager deletes temporary directories it finds: another run's saves
-in flight) until `close`; readers (`read_only`: eval, export) take no lock.
-
-A full disk. A save that runs out of space fails on Orbax's background thread and surfaces at the
-next wait (the next save, or `close`): it becomes one ConfigError naming the directory, the step
-and the space a checkpoint needs. The step was never renamed from its temporary directory, so it
-is never read, and the steps before it are untouched.
+`<checkpoint.dir>/<step>/` holds four items: params and opt_state (global arrays via tensorstore),
+meta ({"format", "step", "data", "rng"}) and the resolved config (JSON): loading never unpickles.
+Arrays are stored in one canonical layout and restored onto the new run's shardings; only an
+interleaved pipeline's layer order is moved (`layer_rows`). Orbax commits a step by renaming its
+temporary directory, so a killed save is never read. ARCHITECTURE.md gives the reasons:
+"Checkpoints in one canonical layout", "Unreadable checkpoint steps are passed over, never
+deleted", "One writer per checkpoint directory", "A full disk is a fault, not a traceback".
 """
 from __future__ import annotations
 
@@ -74,8 +42,8 @@ class Restored(NamedTuple):
 
     state: TrainState
     data: dict[str, Any]  # DataIterator.state()
-    rng: jax.Array  # the training key
-    config: Config  # the config the checkpoint was written under
+    rng: jax.Array
+    config: Config  # the one the checkpoint was written under
 
 
 class Checkpointer:
@@ -95,8 +63,8 @@ class Checkpointer:
         if not read_only:  # a save that fails has already printed its writes' failures when its wait raises
             save_faults.quiet_disk_full_logs()
             save_faults.quiet_abandoned_io()
-        self._in_flight: tuple[int, int] | None = None  # (step, bytes) of the save not yet waited for
-        # read_only: nothing is created or cleaned up (Orbax's own read_only mode only adds warnings).
+        self._in_flight: tuple[int, int] | None = None  # (step, bytes) not yet waited for
+        # Orbax's own read_only mode only adds warnings.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=not read_only, create=not read_only)
         try:
@@ -105,8 +73,8 @@ class Checkpointer:
             self._release()
             raise
         self.last_saved = self._manager.latest_step()
-        self.unreadable: list[int] = []  # steps `readable` passed over
-        self.quiet = quiet  # no warnings (a first look that a second, warning one will repeat)
+        self.unreadable: list[int] = []
+        self.quiet = quiet  # a first look that a second, warning one will repeat
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -114,7 +82,6 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- reading -----------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         """The newest complete step (a save still in flight or killed half-way does not count)."""
         return self._manager.latest_step()
@@ -133,11 +100,8 @@ class Checkpointer:
         return step
 
     def readable(self, read: Callable[[int], T], step: int | None = None) -> tuple[int, T]:
-        """(step, read(step)) for `step`, or else for the newest step that can be read.
-
-        A step that cannot be read (a corrupt or partial copy: any error but a ConfigError, which is
-        a mismatch with this run) is passed over with a one-line warning, never deleted; a named
-        `step` that cannot be read, or no readable step at all, is a one-line ConfigError."""
+        """(step, read(step)) for `step`, or else the newest readable step; any error but a ConfigError (a
+        mismatch with this run) makes a step unreadable, passed over with a warning."""
         if step is not None:
             step = self.resolve_step(step)
             try:
@@ -174,9 +138,7 @@ class Checkpointer:
 
     def restore_params(self, shardings: Callable[[LlamaConfig], Any],
                        step: int | None = None) -> tuple[int, Config, Any]:
-        """(step, its config, its parameters in model layer order) of `step`, or of the newest
-        readable step; `shardings(model)` places them (a tree like the params: each step's own
-        config gives the shapes)."""
+        """(step, its config, its parameters in model layer order), placed by `shardings(model)`."""
         def read(s: int) -> tuple[Config, Any]:
             cfg = self.read_config(s)
             target = _abstract(_param_shapes(cfg.model), shardings(cfg.model))
@@ -187,14 +149,10 @@ class Checkpointer:
         return step, cfg, params
 
     def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
-        """The whole training state on `trainer`'s mesh and shardings, plus the data position and RNG,
-        of `step` or of the newest readable step.
-
-        The checkpoint may come from any other layout; `cfg` (this run's config) must describe the
-        same model and optimizer state.
-        """
+        """The whole training state on `trainer`'s mesh, saved under any layout; `cfg` must describe the same
+        model and optimizer state."""
         step, restored = self.readable(lambda s: self._restore(trainer, cfg, s), step)
-        self.last_saved = step  # the run continues from here: its last good checkpoint
+        self.last_saved = step
         return restored
 
     def _restore(self, trainer: Trainer, cfg: Config, step: int) -> Restored:
@@ -210,14 +168,14 @@ class Checkpointer:
                               f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
         state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
                            items["params"], items["opt_state"])
-        if self._rows is not None:  # model order -> this run's pipeline order
+        if self._rows is not None:
             state = _permute_layers(state, self._rows)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
         return Restored(state, meta["data"], rng, saved_cfg)
 
     def set_aside_unreadable(self, after: int) -> None:
-        """Rename the unreadable steps newer than `after` (the step a run resumes from) to
-        `<step>.unreadable`, so that the run can save those step numbers again; nothing is deleted."""
+        """Rename the unreadable steps newer than `after` to `<step>.unreadable`, so the run can save those
+        step numbers again."""
         moved = [s for s in self.unreadable if s > after]
         if jax.process_index() == 0:
             for s in moved:
@@ -238,7 +196,6 @@ class Checkpointer:
         """The path of the newest step this run saved or resumed from (None before any)."""
         return None if self.last_saved is None else f"{self.directory}/{self.last_saved}"
 
-    # -- writing -----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether `checkpoint.every` asks for a save after `step`."""
         return bool(self.every) and step % self.every == 0
@@ -247,7 +204,7 @@ class Checkpointer:
         """Start an async save of everything needed to continue after `step` (once per step)."""
         if step == self.last_saved:
             return
-        if self._rows is not None:  # this run's pipeline order -> model order
+        if self._rows is not None:
             state = _permute_layers(state, np.argsort(self._rows))
         meta = {"format": FORMAT, "step": step, "data": data,
                 "rng": {"impl": str(jax.random.key_impl(rng)),
@@ -255,7 +212,7 @@ class Checkpointer:
         self._wait()  # the previous save's failure is reported as that step's
         self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))))
         with self._disk_full_is_one_line():
-            # force: when to save is decided here (every, end, stop), not by Orbax's interval policy.
+            # force: pjax decides when to save, not Orbax's interval policy.
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config))))
@@ -294,8 +251,7 @@ class Checkpointer:
 
 
 def layer_rows(trainer: Trainer) -> np.ndarray | None:
-    """The model layer held by each row of `trainer`'s layer stack; None when that is model order
-    (everything but pipelines with v chunks per device)."""
+    """The model layer held by each row of `trainer`'s layer stack; None when that is model order."""
     if trainer.pipeline is None:
         return None
     return layer_order(trainer.cfg.num_hidden_layers, trainer.mesh.shape[PP], trainer.pipeline.virtual_stages,
@@ -310,7 +266,6 @@ def saving_in_progress(directory: str | Path) -> list[Path]:
 def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     """A ConfigError unless `cfg` can continue a run saved under `saved` (any mesh; same model and optimizer)."""
     ours, theirs = config_to_dict(cfg), config_to_dict(saved)
-    # The shapes (the padded vocabulary included) and their meaning.
     keys = (*shape_keys(cfg.model.num_local_experts), "make_vocab_size_divisible_by")
     diff = [f"model.{k}={ours['model'][k]} (checkpoint: {theirs['model'][k]})"
             for k in keys if ours["model"][k] != theirs["model"][k]]
@@ -337,8 +292,7 @@ def _abstract(shapes: Any, shardings: Any) -> Any:
 
 
 def _reorder_layers(tree: Any, rows: np.ndarray) -> Any:
-    """out[i] = in[rows[i]] along the stacked-layer dim of every leaf under a 'layers' key: the
-    parameters and every optimizer leaf shaped like them (Adam's moments), whatever the optimizer."""
+    """out[i] = in[rows[i]] along every leaf under a 'layers' key, optimizer moments included."""
     def reorder(path, x):
         return x[rows] if any(getattr(k, "key", None) == "layers" for k in path) else x
     return jax.tree_util.tree_map_with_path(reorder, tree)
