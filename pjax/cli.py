@@ -1,6 +1,5 @@
-"""What every entry point (`pjax.train`, `pjax.eval`, `pjax.export`, `pjax.plot`) shares: a user's
-mistake ends as one `error:` line and exit status 2, never a traceback, and every directory a
-run will write to is checked before any work starts, so a wrong path loses nothing.
+"""What every entry point shares: a user's mistake ends as one `error:` line and exit status 2, and
+every directory a run will write to is checked before any work, so a wrong path loses nothing.
 """
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from mesh.errors import ConfigError, cut
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, except that a bad command line is one `error:` line too (argparse prints the usage
-    first)."""
+    """argparse, except that a bad command line is one `error:` line too."""
 
     def error(self, message: str):
         fail(f"{message}; run `{self.prog} --help` for the options.")
@@ -23,13 +21,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_main(body: Callable[[], Any]) -> int:
-    """Run `body`; a ConfigError (or a file-system error nobody caught earlier) becomes one
-    `error:` line on stderr and exit status 2."""
+    """Run `body`; a ConfigError or uncaught file-system error becomes one `error:` line and exit status 2."""
     try:
         body()
     except ConfigError as e:
         return fail(str(e))
-    except OSError as e:  # a disk that filled up, a path that vanished mid-run: say which
+    except OSError as e:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         return fail(f"{e.strerror or e}{where}; check that path and the space left on its disk.")
     except ValueError as e:  # jax's IndivisibleError (private): a shape no validator foresaw
@@ -41,8 +38,7 @@ def run_main(body: Callable[[], Any]) -> int:
 
 
 def fail(message: str) -> int:
-    """Print the one-line error and return exit status 2. A word longer than 200 characters (a value
-    or path echoed from the user that nothing cut earlier) is cut, so the line stays readable."""
+    """Print the one-line error, over-long words cut, and return exit status 2."""
     print(f"error: {' '.join(_short(word) for word in message.split())}", file=sys.stderr)
     return 2
 
@@ -55,8 +51,7 @@ def _short(word: str, limit: int = 200) -> str:
 
 
 def writable_dir(path: str, key: str) -> None:
-    """Create `path` if needed and check that a file can be written in it; a ConfigError naming
-    `key` otherwise (a path inside a file, a read-only file system, no permission)."""
+    """Create `path` if needed and check a file can be written in it; else a ConfigError naming `key`."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".pjax-write-check-"):

@@ -1,11 +1,6 @@
-"""HuggingFace `datasets` as a text source: a hub name or a folder written by `save_to_disk`,
-one split (`data.split`), one text column (`data.column`), read whole or streamed.
-
-Read whole, a split is Arrow memory-mapped from disk (the hub's download cache, or the saved
-folder). Streamed (`data.streaming=true`), a hub split is read over the network as training
-consumes it (`load_dataset(..., streaming=True)`) and a saved one through
-`to_iterable_dataset()`; neither is ever held in memory or tokenized ahead. `datasets` is the
-`hub` extra (`pip install 'pjax[hub]'`), imported only here.
+"""HuggingFace `datasets` as a text source (the optional `hub` extra, imported only here): a hub name or
+a `save_to_disk` folder, one split and text column, memory-mapped whole or streamed as training
+consumes it, never held in memory or tokenized ahead.
 """
 from __future__ import annotations
 
@@ -14,7 +9,6 @@ from typing import Any, Iterator
 
 from mesh.errors import ConfigError, first_line
 
-# What `save_to_disk` writes: a DatasetDict's index of splits, or one Dataset's state.
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")
 
 
@@ -25,7 +19,7 @@ def is_saved_dataset(path: Path) -> bool:
 
 def _datasets(spec: str) -> Any:
     try:
-        import datasets  # optional and slow to import: only these sources need it
+        import datasets
     except ImportError as e:
         raise ConfigError(f"data.path={spec} is a HuggingFace dataset; run `pip install 'pjax[hub]'` (or `pip "
                           f"install datasets`) to read it, or point data.path at a local .txt/.jsonl/.parquet "
@@ -35,8 +29,8 @@ def _datasets(spec: str) -> Any:
 
 def _open_saved(datasets: Any, path: Path, split: str, streaming: bool) -> Any:
     try:
-        saved = datasets.load_from_disk(str(path))  # memory-maps the Arrow files: nothing is read yet
-    except Exception as e:  # datasets raises FileNotFoundError, ValueError, ArrowInvalid...
+        saved = datasets.load_from_disk(str(path))
+    except Exception as e:
         raise ConfigError(f"data.path={path} looks like a saved dataset but does not load ({first_line(e)}); "
                           f"write it again with save_to_disk.") from None
     if isinstance(saved, datasets.DatasetDict):
@@ -61,8 +55,7 @@ def _open_hub(datasets: Any, name: str, split: str, streaming: bool) -> Any:
 
 def hub_documents(spec: str, saved: Path | None, split: str, column: str, start: int = 0,
                   streaming: bool = False) -> Iterator[Any]:
-    """The `column` of every row of the split from row `start` on (unchecked values: the caller
-    checks each is text); `saved` is the folder when `spec` names one written by save_to_disk."""
+    """The `column` of every row of the split from row `start` on, unchecked; `saved`: a save_to_disk folder."""
     datasets = _datasets(spec)
     dataset = _open_saved(datasets, saved, split, streaming) if saved is not None else \
         _open_hub(datasets, spec, split, streaming)
@@ -71,9 +64,8 @@ def hub_documents(spec: str, saved: Path | None, split: str, column: str, start:
         raise ConfigError(f"data.path={spec} (split {split}) has no column {column!r} (it has "
                           f"{', '.join(names)}); set data.column to the one holding the text.")
     if names is not None and len(names) > 1:
-        dataset = dataset.select_columns([column])  # decode only the text
+        dataset = dataset.select_columns([column])
     if start:
-        # A Dataset jumps to the row; a stream drops rows up to it (a saved one without decoding them).
         dataset = dataset.skip(start)
     for row in dataset:
         if column not in row:

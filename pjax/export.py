@@ -1,12 +1,8 @@
 """`python -m pjax.export --checkpoint DIR [--step N] --out HF_DIR`: a pjax checkpoint -> HuggingFace LLaMA.
 
-Reads only the parameters of one checkpoint (the newest readable one unless --step: a corrupt
-newer step is passed over with a warning), onto the host CPU, and writes `config.json` +
-`model.safetensors` that `transformers.LlamaForCausalLM.from_pretrained` loads
-(`models.hf.save_hf`), with the real vocabulary (pjax's padding is cut off); the run's
-tokenizer.json is copied along when it has one. The checkpoint's own stored config gives the
-model shape, so any mesh the run used is fine.
-Fine-tune from the export with `python -m pjax.train train.init_from=HF_DIR`.
+The parameters alone, onto the host CPU whatever the run's mesh, written as config.json +
+model.safetensors with the real vocabulary, and the run's tokenizer.json when it has one.
+Fine-tune from it with `python -m pjax.train train.init_from=HF_DIR`.
 """
 from __future__ import annotations
 
@@ -26,10 +22,8 @@ from pjax.cli import ArgumentParser, run_main, writable_dir
 
 
 def export(checkpoint: str, out: str, step: int | None = None) -> int:
-    """Write checkpoint `step` (default: the newest readable one) of `checkpoint` to `out` in HF
-    format; returns the step."""
+    """Write checkpoint `step` (default: the newest readable) to `out` in HF format; returns the step."""
     writable_dir(out, "--out")
-    # The host CPU holds the whole model whatever the run's mesh was: the file is written from there.
     host = SingleDeviceSharding(jax.devices("cpu")[0])
     on_host = lambda model: jax.tree.map(lambda _: host, llama.param_logical_axes(model),
                                          is_leaf=lambda x: isinstance(x, tuple))
@@ -37,7 +31,7 @@ def export(checkpoint: str, out: str, step: int | None = None) -> int:
         step, cfg, params = ckpt.restore_params(on_host, step)
     if jax.process_index() == 0:
         save_hf(params, cfg.model, out)
-        tokenizer = assets.locate(cfg.data.tokenizer)  # a tokenizer.json or a folder; may be a shipped one
+        tokenizer = assets.locate(cfg.data.tokenizer)
         if tokenizer is not None and tokenizer.is_dir():
             tokenizer = tokenizer / "tokenizer.json"
         if tokenizer is not None and tokenizer.is_file() and tokenizer.suffix == ".json":

@@ -1,10 +1,6 @@
-"""How a training run takes up its checkpoint directory: open it, find where to continue, keep the plan.
-
-`open_run(cfg)` runs before any work: it opens checkpoint.dir, refuses a directory that this run
-cannot continue (another model, or checkpoint.resume=false over old steps), reads the config of
-the newest readable step (a corrupt one is passed over with a warning, `Checkpointer.readable`),
-and resolves the learning-rate schedule's length (`continue_schedule`): a resumed run keeps the
-schedule it was saved with, so "train 5 steps, then continue to 10" is one run.
+"""How a training run takes up its checkpoint directory before any work: open it, refuse one it cannot
+continue, and keep the saved learning-rate schedule's length, so "train 5 steps, then continue to 10"
+is one run.
 """
 from __future__ import annotations
 
@@ -23,9 +19,9 @@ from pjax.parallel.pipeline.layout import layer_order
 
 
 class RunCheckpoints(NamedTuple):
-    ckpt: Checkpointer | None  # None without checkpoint.dir
-    cfg: Config  # the run's config, train.schedule_steps resolved
-    note: str | None  # a line for the user when the schedule is not train.steps long
+    ckpt: Checkpointer | None
+    cfg: Config  # train.schedule_steps resolved
+    note: str | None  # when the schedule is not train.steps long
 
 
 def open_run(cfg: Config) -> RunCheckpoints:
@@ -45,14 +41,11 @@ def open_run(cfg: Config) -> RunCheckpoints:
 
 
 def open_for_run(cfg: Config) -> Checkpointer | None:
-    """The training run's Checkpointer (None without checkpoint.dir), checked against the run: a
-    directory that cannot be continued (another model, or checkpoint.resume=false over old steps)
-    is a one-line error before any work."""
+    """The training run's Checkpointer (None without checkpoint.dir)."""
     cc = cfg.checkpoint
     if cc.dir is None:
         return None
     pp, v, layers = cfg.mesh.pp, cfg.pipeline.virtual_stages, cfg.model.num_hidden_layers
-    # A pipeline with v chunks keeps its layer stack in pipeline order (checkpoints hold model order).
     rows = layer_order(layers, pp, v, cfg.pipeline.vshape) if pp > 1 and layers % (pp * v) == 0 else None
     ckpt = Checkpointer(cc.dir, every=cc.every, keep=cc.keep, layer_rows=rows)
     try:
@@ -67,10 +60,8 @@ def open_for_run(cfg: Config) -> Checkpointer | None:
 
 
 def continue_schedule(cfg: Config, saved: Config | None) -> tuple[Config, str | None]:
-    """`cfg` with train.schedule_steps resolved, and a line to tell the user when it differs from
-    train.steps: set by the user, it stands; else a resumed run keeps the schedule it was saved
-    with (its warm-up and cosine are functions of that length, so changing train.steps alone
-    must not bend the steps already planned); else it is train.steps."""
+    """`cfg` with train.schedule_steps resolved (the user's, else the checkpoint's, else train.steps), and a
+    line when it differs from train.steps (ARCHITECTURE.md, "The schedule's length is saved")."""
     tc = cfg.train
     length = tc.schedule_steps or (saved.train.schedule_steps or saved.train.steps if saved else tc.steps)
     note = None
@@ -82,7 +73,7 @@ def continue_schedule(cfg: Config, saved: Config | None) -> tuple[Config, str | 
 
 
 def write_config(cfg: Config, directory: str) -> None:
-    """`directory`/config.yaml: the resolved config, which `load_config` reads back (process 0 writes)."""
+    """`directory`/config.yaml: the resolved config, which `load_config` reads back."""
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
         Path(directory, "config.yaml").write_text(dump_config(cfg))
