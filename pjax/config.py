@@ -1,8 +1,5 @@
-"""Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys.
-
-The YAML layout mirrors these classes: `model.*` (LlamaConfig), `mesh.*`, `train.*`,
-`data.*`, `log.*`, `checkpoint.*`, `pipeline.*`, `context.*`, `moe.*` (models/moe.py's MoeConfig). The key
-names are a contract used by tests, docs and notebooks.
+"""Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys. The key
+names are a contract used by tests, docs and notebooks; README.md's table describes each key.
 """
 from __future__ import annotations
 
@@ -40,39 +37,34 @@ def _require_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and step layout. `batch_size` is the global batch in sequences per optimizer
-    step, split into `grad_accum` micro-batches (the pipeline's micro-batches when pp > 1)."""
+    """Optimisation and step layout; `batch_size` is global, split into `grad_accum` micro-batches."""
 
     steps: int = 100
-    # The learning-rate schedule's length (warm-up, then cosine to its end); null: train.steps. Saved
-    # with checkpoints: a resume with another train.steps keeps the saved schedule unless this is set.
+    # Saved with checkpoints (ARCHITECTURE.md, "The schedule's length is saved with the checkpoint").
     schedule_steps: int | None = None
     seed: int = 0
     seq_len: int = 128
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    dtype: str = "auto"  # compute dtype: float32 | bfloat16 | auto (bf16 on GPU/TPU, fp32 on CPU)
-    remat: str = "none"  # none | full | dots | dots_no_batch | offload | names
-    # remat=names: the activations kept (models/remat.py: NAMES); null: q_proj, k_proj, v_proj, o_proj.
+    grad_clip: float = 1.0
+    dtype: str = "auto"
+    remat: str = "none"
     remat_names: tuple[str, ...] | None = None
-    zero: int = 0  # 0: replicated, 1: optimizer state sharded over dp, 3: FSDP (parameters too)
-    # Megatron's sequence parallelism (tp > 1): the residual stream, norms and embedding output
-    # split over tp along the tokens; each TP all-reduce becomes a reduce-scatter + all-gather.
+    zero: int = 0
     sequence_parallel: bool = False
-    scan_layers: bool = True  # lax.scan over layers (fast compile; what makes remat bound memory) or unrolled
-    attention: str = "auto"  # auto (cudnn on GPU, blocked elsewhere) | reference | blocked | chunked | cudnn
-    loss_chunk: int = 0  # tokens per block of the fused output layer + loss (0: the whole micro-batch)
-    init_from: str | None = None  # a HuggingFace checkpoint directory to start from
-    on_nonfinite: str = "stop"  # a step with a non-finite loss or gradient: stop the run, or skip the step
-    max_skipped: int = 5  # on_nonfinite=skip: this many non-finite steps in a row stop the run
+    scan_layers: bool = True
+    attention: str = "auto"
+    loss_chunk: int = 0
+    init_from: str | None = None
+    on_nonfinite: str = "stop"
+    max_skipped: int = 5
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -107,25 +99,22 @@ class TrainConfig:
 
     @property
     def saved_names(self) -> tuple[str, ...]:
-        """The activations remat=names keeps: `remat_names`, or the default list when it is null."""
+        """The activations remat=names keeps."""
         return DEFAULT_REMAT_NAMES if self.remat_names is None else self.remat_names
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The text and its tokenizer. A relative path is read from the working directory, else from
-    the files pjax ships (`pjax/assets/`): `data/prideprejudice.txt` is the shipped book."""
+    """The text and its tokenizer; a relative path is read from the working directory, else from `pjax/assets/`."""
 
     path: str = "data/prideprejudice.txt"
     tokenizer: str = "data/tokenizer/gpt2"
-    cache_dir: str | None = None  # the token cache; null: $XDG_CACHE_HOME/pjax/tokens (~/.cache/pjax/tokens)
-    eval_fraction: float = 0.05  # held-out tail of the token stream (streamed: every round(1/f)-th document)
-    split: str = "train"  # a HuggingFace dataset's split
-    column: str = "text"  # the text's JSONL field, parquet or dataset column
-    # Read, tokenize and pack documents as training consumes them (no token cache, stream order);
-    # for corpora too big to tokenize up front (pjax/data_stream.py).
+    cache_dir: str | None = None
+    eval_fraction: float = 0.05
+    split: str = "train"
+    column: str = "text"
     streaming: bool = False
-    prefetch: int = 2  # batches built ahead by a background thread (pjax/prefetch.py); 0: on the loop's thread
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
@@ -138,14 +127,12 @@ class DataConfig:
 
     @property
     def eval_stride(self) -> int:
-        """Streaming holds out every eval_stride-th document (0: none): a fraction of a corpus
-        whose length is unknown until it has been read."""
+        """Streaming holds out every eval_stride-th document (0: none): the corpus's length is unknown."""
         return round(1 / self.eval_fraction) if self.eval_fraction > 0 else 0
 
     @property
     def cache_path(self) -> Path:
-        """Where the tokenized corpus is cached: `cache_dir`, or the user's cache folder, never
-        inside the installed package (which may be read-only)."""
+        """Where the tokenized corpus is cached, never inside the installed package (may be read-only)."""
         if self.cache_dir is not None:
             return Path(self.cache_dir).expanduser()
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pjax", "tokens")
@@ -157,11 +144,9 @@ class LogConfig:
     every: int = 1
     eval_every: int = 50
     eval_batches: int = 4
-    peak_flops: float | None = None  # per-device peak FLOP/s for MFU where the device kind is unknown (CPU)
-    spike_sigma: float = 6.0  # report a loss this many standard deviations above the recent mean (0: never)
-    inspect: bool = False  # print the step's memory per device and its collectives per mesh axes at start-up
-    # [start, count]: a jax.profiler trace of `count` steps from step `start` in <dir>/profile (pjax/profiling.py);
-    # null: none.
+    peak_flops: float | None = None
+    spike_sigma: float = 6.0
+    inspect: bool = False
     profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -181,7 +166,7 @@ class LogConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None
-    every: int = 0  # 0: only at the end
+    every: int = 0
     keep: int = 3
     resume: bool = True
 
@@ -194,8 +179,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = "1f1b"  # afab | 1f1b | 1f1b_lockstep | interleaved | zb_h1 | zb_v
-    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved's v; zb_v takes 2)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         _require_choice("pipeline.schedule", self.schedule, SCHEDULES)
@@ -203,7 +188,7 @@ class PipelineConfig:
 
     @property
     def vshape(self) -> bool:
-        """Whether the schedule places a device's chunks in a V (zb_v), not round robin."""
+        """Whether a device's chunks are placed in a V (zb_v), not round robin."""
         return self.schedule == "zb_v"
 
 
@@ -211,7 +196,7 @@ class PipelineConfig:
 class ContextConfig:
     """How attention spans a sequence split over mesh.cp (pjax/parallel/context_parallel.py)."""
 
-    strategy: str = "ring"  # ring (K/V around a ring) | all_gather (K/V gathered) | ulysses (all-to-all over heads)
+    strategy: str = "ring"
 
     def __post_init__(self) -> None:
         _require_choice("context.strategy", self.strategy, CONTEXT_STRATEGIES)
