@@ -1,37 +1,11 @@
 """HuggingFace LLaMA and Mixtral checkpoints (config.json + safetensors) <-> pjax parameters.
 
-HF stores one tensor per layer, and every `nn.Linear` weight as (out, in) because torch computes
-`x @ W.T`; pjax stacks the L layers along a leading axis and stores kernels as (in, out) with
-the head dimensions split out, so that `x @ W` and tensor-parallel sharding by head are direct:
-
-    model.embed_tokens.weight                     [V, D]      -> embed/embedding   [Vp, D]
-    model.layers.{i}.input_layernorm.weight       [D]         -> layers/attn_norm  [L, D]
-    model.layers.{i}.self_attn.q_proj.weight      [H*Dh, D]   -> layers/wq         [L, D, H, Dh]
-    model.layers.{i}.self_attn.k_proj.weight      [K*Dh, D]   -> layers/wk         [L, D, K, Dh]
-    model.layers.{i}.self_attn.v_proj.weight      [K*Dh, D]   -> layers/wv         [L, D, K, Dh]
-    model.layers.{i}.self_attn.o_proj.weight      [D, H*Dh]   -> layers/wo         [L, H, Dh, D]
-    model.layers.{i}.post_attention_layernorm.weight [D]      -> layers/mlp_norm   [L, D]
-    model.layers.{i}.mlp.gate_proj.weight / up_proj [F, D]    -> layers/w_gate, w_up [L, D, F]
-    model.layers.{i}.mlp.down_proj.weight         [F, D]      -> layers/w_down     [L, F, D]
-    model.norm.weight                             [D]         -> final_norm/scale  [D]
-    lm_head.weight                                [V, D]      -> lm_head/kernel    [D, Vp]
-                                                                 (absent when tie_word_embeddings)
-Mixtral (model_type 'mixtral', E experts) has, in place of the three mlp.* tensors:
-    model.layers.{i}.block_sparse_moe.gate.weight [E, D]      -> layers/router     [L, D, E]
-    ....block_sparse_moe.experts.{j}.w1 / w3      [F, D]      -> layers/w_gate, w_up [L, E, D, F]
-    ....block_sparse_moe.experts.{j}.w2           [D, F]      -> layers/w_down     [L, E, F, D]
-
-Vp is the vocabulary padded to a multiple of `make_vocab_size_divisible_by` (`LlamaConfig.
-padded_vocab_size`): loading fills the padded rows with zeros, saving cuts them off, so HF only
-ever sees the real vocabulary.
-
-HF's q/k rows are already in rotate-half RoPE order, which is what `models.llama.rope` uses, so
-no permutation is needed (unlike Meta's original checkpoints).
-
-Loading memory-maps the safetensors files (a small reader below, so bf16 needs no torch) and
-hands `jax.make_array_from_callback` a function that cuts each device's slice out of the
-mapped tensors: a device reads only its slice, and no full fp32 copy of the model is built on
-the host first when the parameters are sharded.
+HF stores one tensor per layer (and expert), Linear weights as (out, in); pjax stacks the layers
+and stores kernels as (in, out) with the head dimensions split out, so `x @ W` and sharding by head
+are direct (`_tensors` is the mapping). Loading zero-pads the vocabulary, saving cuts it off. HF's
+q/k rows are already in rotate-half RoPE order, so nothing is permuted (unlike Meta's checkpoints).
+Loading memory-maps the files (a small reader: bf16 needs no torch) and each device reads only its
+slice: no full fp32 copy of the model is built on the host.
 """
 from __future__ import annotations
 
@@ -51,7 +25,7 @@ from models.config import LlamaConfig
 
 Params = dict[str, Any]
 
-# safetensors dtype codes (all little-endian). bf16 and fp8 come from ml_dtypes, as in JAX.
+# safetensors dtype codes (little-endian); bf16 and fp8 from ml_dtypes, as in JAX.
 _DTYPES: dict[str, Any] = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -62,25 +36,21 @@ _DTYPES: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One pjax parameter: its HF name (with `{i}` for per-layer tensors) and pjax shape.
-
-    `n_in` is how many leading pjax dims form the HF Linear's input dim (0: not a Linear, the
-    tensor is copied as is). HF shape = (prod(shape[n_in:]), prod(shape[:n_in])).
-    """
+    """One pjax parameter: its HF name (`{i}`: per layer, `{j}`: per expert) and pjax shape; `n_in` leading
+    pjax dims form the HF Linear's input dim (0: not a Linear, copied as is)."""
 
     path: tuple[str, str]
     hf_name: str
-    shape: tuple[int, ...]  # per layer (and per expert) for stacked tensors
+    shape: tuple[int, ...]  # per layer and expert
     n_in: int = 0
-    unpadded: tuple[int, ...] | None = None  # the pjax shape without the vocabulary padding, if any
-    experts: int = 0  # MoE expert weights: HF stores one tensor per expert ({j}), pjax stacks them
+    unpadded: tuple[int, ...] | None = None  # without the vocabulary padding
+    experts: int = 0
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
 
     def names(self, num_layers: int) -> list[list[str]]:
-        """HF names per layer, each a list over experts (one name for a non-expert tensor)."""
         layers = range(num_layers) if self.stacked else [None]
         return [[self.hf_name.format(i=i, j=j) for j in range(self.experts or 1)] for i in layers]
 
@@ -89,7 +59,6 @@ class _Tensor:
 
     @property
     def real(self) -> tuple[int, ...]:
-        """The pjax-oriented shape of what HF stores (the padded vocabulary rows left out)."""
         return self.unpadded or self.shape
 
     @property
@@ -99,17 +68,16 @@ class _Tensor:
         return (math.prod(self.real[self.n_in:]), math.prod(self.real[:self.n_in]))
 
     def to_pjax(self, w: np.ndarray) -> np.ndarray:
-        """HF layout -> pjax layout of shape `real`. Transposing and splitting an axis are both
-        views: a memory-mapped tensor stays unread."""
+        """HF layout -> pjax layout, as a view: a memory-mapped tensor stays unread."""
         return w.T.reshape(self.real) if self.n_in else w
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
-        w = w[tuple(slice(0, n) for n in self.real)]  # drop the vocabulary padding
+        w = w[tuple(slice(0, n) for n in self.real)]
         return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T if self.n_in else w)
 
 
 def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
-    """The name/shape table above, for this config."""
+    """HF name -> pjax path and shape, for this config."""
     d, f, v, vp = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.padded_vocab_size
     h, k, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pre = "model.layers.{i}."
@@ -126,7 +94,7 @@ def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
         _Tensor(("layers", "w_down"), pre + "mlp.down_proj.weight", (f, d), 1),
         _Tensor(("final_norm", "scale"), "model.norm.weight", (d,)),
     ]
-    if cfg.num_local_experts:  # Mixtral: a router and E expert MLPs (w1 gate, w3 up, w2 down) per layer
+    if cfg.num_local_experts:
         e, moe = cfg.num_local_experts, pre + "block_sparse_moe."
         table[7:10] = [
             _Tensor(("layers", "router"), moe + "gate.weight", (d, e), 1),
@@ -206,17 +174,17 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
     """The pjax shape of `t` and a function index -> host array holding just that slice of it."""
     parts = [[_mapped(t, tensors, name) for name in names] for names in t.names(num_layers)]
     shape = t.stack_shape(num_layers)
-    lead = int(t.stacked) + int(bool(t.experts))  # stacked dims: layers, experts
+    lead = int(t.stacked) + int(bool(t.experts))
 
     def host(idx: tuple[slice, ...]) -> np.ndarray:
-        # Always a fresh copy (never hand JAX a view of the map, which it could alias on CPU).
+        # A fresh copy: JAX could alias a view of the map on CPU.
         out_dtype = dtype or parts[0][0].dtype
         if not lead:
             return _read_padded(parts[0][0], idx, t.shape, out_dtype)
         layers = range(num_layers)[idx[0]] if t.stacked else [0]
         experts = range(t.experts)[idx[lead - 1]] if t.experts else [0]
         out = np.empty((len(layers), len(experts), *parts[0][0][idx[lead:]].shape), out_dtype)
-        for a, i in enumerate(layers):  # read, cast and written once, straight into the stack
+        for a, i in enumerate(layers):
             for b, j in enumerate(experts):
                 out[a, b] = parts[i][j][idx[lead:]]
         return out.reshape(*(len(layers),) * t.stacked, *(len(experts),) * bool(t.experts), *out.shape[2:])
@@ -225,8 +193,7 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
 
 
 def _read_padded(w: np.ndarray, idx: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
-    """w[idx] as a fresh C-ordered array, where `idx` indexes `shape` (w's shape, or w padded at the
-    end of its dimensions): the part past w's own extent is zeros (the padded vocabulary)."""
+    """w[idx] as a fresh array, `idx` indexing `shape` (w zero-padded at the end: the padded vocabulary)."""
     idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, shape))
     out = np.zeros([s.stop - s.start for s in idx], dtype)
     inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(idx, w.shape))
@@ -256,12 +223,8 @@ def read_hf_config(path: str) -> LlamaConfig:
 
 def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
             make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, Params]:
-    """Read a HuggingFace LLaMA checkpoint directory into pjax parameters.
-
-    `shardings`: optional tree shaped like the parameters, of `jax.sharding.Sharding`; each
-    device then receives only its slice. `dtype=None` keeps the checkpoint's dtype. The
-    vocabulary is padded to a multiple of `make_vocab_size_divisible_by` (zeros).
-    """
+    """A HuggingFace LLaMA checkpoint directory as pjax parameters, each device reading only its slice of
+    `shardings`; `dtype=None` keeps the checkpoint's."""
     cfg = dataclasses.replace(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     tensors = _open_checkpoint(path)
     params: Params = {}
@@ -276,15 +239,11 @@ def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
 
 
 def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int | None = None) -> None:
-    """Write `params` as a HuggingFace checkpoint (config.json + safetensors) in their own dtype.
-
-    With `max_shard_bytes`, tensors are packed in order into shard files of at most that size
-    (a larger tensor gets a file of its own) and indexed by model.safetensors.index.json.
-    """
+    """Write `params` as a HuggingFace checkpoint in their own dtype, in shards of `max_shard_bytes` if given."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(cfg.to_hf(), fh, indent=2)
-    host = jax.device_get(params)  # gathers sharded arrays; one tensor tree on the host
+    host = jax.device_get(params)
     tensors: dict[str, np.ndarray] = {}
     for t in _tensors(cfg):
         w = np.asarray(host[t.path[0]][t.path[1]])
