@@ -1,14 +1,6 @@
-"""The layouts a model and batch divide into on N devices, and the training state each holds per device.
-
-This is the planner's search space: every (dp, pp, cp, tp) whose product is N, with tp inside
-one host (its all-reduces run twice per layer and want the fast links), crossed with ZeRO
-stages, remat policies, pipeline schedules and micro-batch counts (train.grad_accum: powers of
-two and the config's own), and kept only when pjax's own validators accept it, so a layout
-listed here is one `pjax.train` runs.
-
-The state per device is exact, not estimated: each parameter's shard shape under the layout's
-shardings, taken on an `AbstractMesh` (no devices needed, any N), for the fp32 parameters, the
-fp32 gradient and AdamW's two moments (split over dp from ZeRO-1 on, like the gradient).
+"""The planner's search space: the layouts a model and batch divide into on N devices (tp inside one
+host), kept only when pjax's own validators accept them, and the exact training state each holds per
+device, from shard shapes on an `AbstractMesh` (no devices needed).
 """
 from __future__ import annotations
 
@@ -32,17 +24,13 @@ from pjax.step import validate_run
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
-# (pipeline.schedule, virtual_stages) the search tries at pp > 1. AFAB and lockstep 1F1B span
-# less than 1F1B only by holding more micro-batches; the zero-bubble tables span less than both
-# with 1F1B's slots where W is about as long as B (the roofline weighs W by the model's FLOPs,
-# `estimate.weight_share`); zb_v where the layers split into 2 pp chunks.
+# AFAB and lockstep 1F1B beat 1F1B only by holding more micro-batches, so the search leaves them out.
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zb_v", 2))
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a config: the mesh, the ZeRO stage, remat, sequence parallelism, (pp > 1) the
-    pipeline schedule and (cp > 1) the context-parallel strategy."""
+    """One way to run a config: the mesh and the train/pipeline/context keys the search varies."""
 
     dp: int
     pp: int = 1
@@ -52,9 +40,9 @@ class Layout:
     remat: str = "none"
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    grad_accum: int = 1  # micro-batches per step (the pipeline's micro-batches when pp > 1)
-    sequence_parallel: bool = False  # train.sequence_parallel
-    context: str = "ring"  # context.strategy (cp > 1)
+    grad_accum: int = 1
+    sequence_parallel: bool = False
+    context: str = "ring"
 
     @property
     def mesh(self) -> MeshConfig:
@@ -62,21 +50,19 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8' (the mesh, what differs from the plain
-        layout, and the micro-batch count)."""
+        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8': the mesh, what differs from plain, the micro-batches."""
         parts = [f"{axis}{size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp)) if size > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.context] if self.cp > 1 and self.context != "ring" else []
-        if self.pp > 1 and self.schedule != "1f1b":  # zb_v always has 2 chunks: its name says it
+        if self.pp > 1 and self.schedule != "1f1b":
             parts += [self.schedule + (str(self.virtual_stages) if self.schedule == "interleaved" else "")]
         return "-".join((parts or ["1"]) + [f"m{self.grad_accum}"])
 
     @classmethod
     def parse(cls, name: str) -> "Layout":
-        """The layout a `name` spells ('dp2-tp4-zero1-m4', '1-m2', 'pp2-interleaved2-m8', 'pp4-zb_v-m8');
-        ValueError otherwise."""
+        """The layout a `name` spells; ValueError otherwise."""
         fields: dict = {}
         for part in name.split("-"):
             key = next((k for k in (*AXES, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
@@ -117,12 +103,9 @@ def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int,
 
 
 def apply(config: Config, layout: Layout) -> Config:
-    """`config` with the layout's mesh, ZeRO stage, remat, micro-batches and pipeline schedule.
-
-    remat=full also scans the layers: unrolled, XLA merges each layer's recomputation with its
-    forward and the memory stays what it was without remat (measured on smollm-1.7b)."""
+    """`config` run on `layout`; remat=full also scans the layers: unrolled, XLA merges each layer's
+    recomputation with its forward and saves no memory."""
     scan = config.train.scan_layers or layout.remat == "full"
-    # The config's remat_names go with its own remat=names; any other policy must not carry them.
     names = config.train.remat_names if layout.remat == "names" else None
     train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, remat_names=names,
                                 grad_accum=layout.grad_accum, scan_layers=scan,
@@ -139,7 +122,7 @@ def check(config: Config, layout: Layout) -> None:
 
 
 def micro_batch_counts(config: Config, dp: int) -> list[int]:
-    """train.grad_accum values to try: the config's and every power of two that leaves whole rows per dp device."""
+    """train.grad_accum values to try: the config's and the powers of two that leave whole rows per dp device."""
     batch = config.train.batch_size
     counts = {config.train.grad_accum} | {2 ** i for i in range(batch.bit_length()) if batch % 2 ** i == 0}
     return sorted(g for g in counts if batch % g == 0 and (batch // g) % dp == 0)
@@ -147,12 +130,9 @@ def micro_batch_counts(config: Config, dp: int) -> list[int]:
 
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
-    """Every layout of `config` on `devices` devices that pjax accepts (pp > 1: 1F1B, ZB-H1, and
-    the interleaved and ZB-V schedules with 2 chunks per device where the layers and micro-batches
-    allow them; tp > 1: with and without sequence parallelism); cp > 1 with the config's context.strategy
-    (choosing among strategies needs a memory estimate that tells them apart: Ulysses holds the
-    most, and the rough one here would rank layouts that do not fit above those that do); the
-    remat policies are `remats` and the config's own."""
+    """Every layout of `config` on `devices` devices that pjax accepts. cp > 1 keeps the config's
+    context.strategy: the rough memory estimate cannot tell the strategies apart and would rank
+    layouts that do not fit above those that do."""
     remats = tuple(dict.fromkeys((*remats, config.train.remat)))
     found = []
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
@@ -160,7 +140,7 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
         sequence_parallel = (False, True) if tp > 1 else (False,)
         for zero, remat, (schedule, v), accum, sp in itertools.product(
                 zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel):
-            if zero and dp == 1:  # ZeRO splits over dp: nothing to split, the same program as zero=0
+            if zero and dp == 1:  # the same program as zero=0
                 continue
             layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy)
             try:
@@ -172,18 +152,17 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
 
 
 def abstract_mesh(layout: Layout) -> AbstractMesh:
-    """The layout's mesh as names and sizes only: shardings and shard shapes without devices."""
+    """The layout's mesh without devices."""
     sizes = (layout.dp, layout.pp, layout.cp, layout.tp)
     return AbstractMesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
-    """Bytes per device of the fp32 parameters, their gradient and the
-    AdamW moments: {'params', 'grads', 'opt_state', 'total'}."""
+    """Bytes per device of the fp32 parameters, gradient and AdamW moments."""
     return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero))
 
 
-@functools.lru_cache(maxsize=4096)  # the planner asks for every layout; the state depends on the mesh and ZeRO only
+@functools.lru_cache(maxsize=4096)
 def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int) -> tuple:
     layout = Layout(dp, pp, cp, tp, zero)
     mesh = abstract_mesh(layout)
