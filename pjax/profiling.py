@@ -1,11 +1,9 @@
 """`log.profile_steps=[start, count]`: a `jax.profiler` trace of `count` training steps from step `start`.
 
-The trace goes to `<log.dir>/profile/plugins/profile/<time>/`, the layout TensorBoard's profile
-plugin reads (`tensorboard --logdir <log.dir>/profile`), with a `perfetto_trace.json.gz` beside it
-for https://ui.perfetto.dev. The loop keeps up to two steps in flight, so the trace starts once
-the step before `start` has finished on the device and stops once step `start + count - 1` has:
-it holds those steps' device work and no other training step's. Waiting at those two points
-changes when the host dispatches, never what a step computes.
+Written to `<log.dir>/profile` for TensorBoard's profile plugin, with a perfetto_trace.json.gz. The
+loop keeps two steps in flight, so the trace waits for the step before `start` and for its last step:
+it holds those steps' device work and no other's. The waits change when the host dispatches, never
+what a step computes.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from mesh.errors import ConfigError
 
 
 def check_profile_steps(profile_steps: tuple[int, int] | None, train_steps: int) -> None:
-    """A one-line ConfigError for a trace that reaches past the run's last step."""
+    """A ConfigError for a trace past the run's last step."""
     if profile_steps is None:
         return
     start, count = profile_steps
@@ -33,13 +31,13 @@ class StepProfiler:
         import jax
 
         self._note, self._active = note, False
-        self._first = self._last = self._dispatched = None  # the traced steps; the last one dispatched
+        self._first = self._last = self._dispatched = None
         if profile_steps is None:
             return
         start, count = profile_steps
         last = start + count - 1
         self._directory = Path(log_dir, "profile")
-        if jax.process_count() > 1:  # each process traces its own devices; processes on one host must not collide
+        if jax.process_count() > 1:  # processes on one host must not collide
             self._directory = self._directory / f"process{jax.process_index()}"
         if start < first_step:  # a resumed run: the steps before it ran in an earlier process
             done = min(last, first_step - 1)
@@ -51,8 +49,7 @@ class StepProfiler:
             self._first, self._last = max(start, first_step), last
 
     def start_if_due(self, step: int, previous: Any) -> None:
-        """Before dispatching `step`: at the first traced step, wait for `previous` (the last step's
-        outputs) so that no earlier step's device work runs into the trace, then start it."""
+        """Before dispatching `step`: at the first traced step, wait for `previous`, then start the trace."""
         import jax
 
         if step != self._first:
@@ -62,8 +59,7 @@ class StepProfiler:
         self._active = True
 
     def stop_if_due(self, step: int, outputs: Any) -> None:
-        """After dispatching `step`: at the last traced step, wait for its `outputs` so that the
-        trace holds its device work, then stop and write the trace."""
+        """After dispatching `step`: at the last traced step, wait for its `outputs`, then write the trace."""
         import jax
 
         if not self._active:

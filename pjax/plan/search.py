@@ -1,17 +1,10 @@
 """The planner's search: every layout scored analytically, the most promising compiled, XLA's figures deciding.
 
-1. List every layout pjax accepts (`layouts.layouts`), micro-batch counts included.
-2. Drop the layouts whose exact training state alone (parameters, gradient, AdamW moments)
-   exceeds a device's usable memory: no activation could fit beside it.
-3. Score the rest with the roofline (`estimate.predict`) on the analytic collectives and
-   memory estimate. Layouts that differ only in their micro-batch count form a family; a
-   family's first candidate is its best-scored count whose estimate fits.
-4. Compile the best three quarters of `max_candidates` families' candidates (cached, in a
-   process pool). Then, in a second round, a candidate whose compiled step does not fit is
-   followed by the count in its family whose micro-batch is small enough (XLA's temporaries
-   scale with the tokens per micro-batch, so the count that fits is read off the first
-   compile), and the rest of the budget goes to the next families.
-5. Score the compiled candidates again with XLA's collectives and memory: the ranking.
+Layouts whose exact state alone exceeds a device are dropped; the rest are scored by the roofline.
+Layouts differing only in micro-batch count form a family. Three quarters of the budget compiles each
+best family's best count that fits; then a family whose compile does not fit tries the count its
+temporaries (which scale with the tokens per micro-batch) say should, and the rest goes to the next
+families. The compiled candidates are scored again with XLA's collectives and memory.
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ from pjax.plan.profiles import Profile
 class Candidate:
     layout: Layout
     estimate: Prediction  # analytic
-    compiled: dict[str, Any] | None = None  # compile_layout's result (or {'error': ...})
+    compiled: dict[str, Any] | None = None  # or {'error': ...}
     prediction: Prediction | None = None  # from XLA's figures
 
     @property
@@ -45,10 +38,10 @@ class Plan:
     devices: int
     devices_per_host: int
     mem_fraction: float
-    listed: int  # layouts pjax accepts
-    too_big: list[tuple[Layout, dict[str, int]]]  # layouts whose state alone does not fit
+    listed: int
+    too_big: list[tuple[Layout, dict[str, int]]]  # the state alone does not fit
     candidates: list[Candidate]  # scored analytically, best first
-    compiled: list[Candidate]  # ranked: fitting by predicted step time, then the rest by memory
+    compiled: list[Candidate]  # fitting by predicted step time, then the rest by memory
 
     @property
     def usable_bytes(self) -> int:
@@ -75,7 +68,7 @@ def _rank_key(c: Candidate) -> tuple:
 def plan(config: Config, profile: Profile, devices: int, devices_per_host: int, compiler: Compiler,
          max_candidates: int, mem_fraction: float, progress: Callable[[int], Callable[[], None]] | None = None
          ) -> Plan:
-    """Search the layouts of `config` on `devices` devices of `profile`; see the module docstring."""
+    """Search the layouts of `config` on `devices` devices of `profile`."""
     listed = layouts(config, devices, devices_per_host)
     usable = usable_bytes(profile, devices, mem_fraction)
     too_big, scored = [], []
@@ -93,8 +86,6 @@ def plan(config: Config, profile: Profile, devices: int, devices_per_host: int, 
     first, queue = queue[:math.ceil(max_candidates * 3 / 4)], queue[math.ceil(max_candidates * 3 / 4):]
     on_done = progress(min(max_candidates, len(first) + len(queue))) if progress else (lambda: None)
     _compile(config, profile, compiler, first, on_done, mem_fraction)
-    # Second round: a family whose first compile does not fit tries the count that should; the
-    # budget left goes to the next families in the analytic order.
     second = [retry for c in first if c.prediction is not None and not c.prediction.fits
               for retry in [_count_that_fits(c, families[c.family], usable)] if retry is not None]
     second = second[:max_candidates - len(first)]
