@@ -1,19 +1,10 @@
 """Token stream -> training batches: packed windows, a shuffled order per epoch, sharded arrays.
 
-Packing: window i is tokens[i*seq_len : i*seq_len + seq_len + 1]. Consecutive windows share one
-boundary token (the last label of one is the first input of the next), so every token after the
-first is predicted exactly once per epoch and nothing is padded.
-
-Order: epoch e visits the windows in `np.random.default_rng([seed, epoch]).permutation`; global
-batch g of the epoch is the next `batch_size` windows, and the remainder that does not fill a
-batch is dropped. The order depends only on the data, seed, batch_size and seq_len, never on the
-mesh: changing the parallel layout changes where rows live, not which rows are trained on.
-
-Layout: a batch is [grad_accum, batch_size // grad_accum, seq_len], micro-batch j holding rows
-j*mb:(j+1)*mb of the global batch. On a mesh it is sharded P(None, dp, cp): every device gets all
-micro-batches, its dp slice of the rows and its cp slice of the sequence. Each process reads only
-the rows and columns its own devices hold, which is what lets the loader scale across hosts.
-`BatchLayout` is that placement; a streamed corpus (`pjax/data_stream.py`) shares it, not the order.
+Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]: neighbours share one boundary token, so
+every token is predicted once per epoch and nothing is padded. Epoch e's order is a permutation by
+(seed, epoch), the remainder dropped, never dependent on the mesh (ARCHITECTURE.md, "Data order from
+the seed alone"). A batch [grad_accum, batch_size // grad_accum, seq_len] is sharded P(None, dp, cp)
+and each process reads only what its devices hold (`BatchLayout`, shared with `data_stream.py`).
 """
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig
 from mesh.validate import validate_batch
 
-# A permutation of the sequence positions applied to the last axis, e.g. context parallelism's
-# zigzag layout (so each cp shard gets an early and a late chunk and causal work balances).
+# A permutation of the sequence positions, e.g. context parallelism's zigzag layout.
 SequenceLayout = Callable[[np.ndarray], np.ndarray]
 Batch = dict[str, jax.Array]
 
@@ -69,12 +59,8 @@ def batch_arrays(tokens: np.ndarray, ids: np.ndarray, seq_len: int, columns: np.
 
 
 def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Per dimension, the global indices this process's devices hold.
-
-    They come in the order `jax.make_array_from_process_local_data` reads its input: each
-    distinct shard slice of the dimension, ascending, concatenated. On one host that is every
-    index; on many hosts it is this host's rows (dp) and sequence chunks (cp).
-    """
+    """Per dimension, the global indices this process's devices hold, in the order
+    `jax.make_array_from_process_local_data` reads them."""
     index_map = sharding.addressable_devices_indices_map(global_shape)
     indices = []
     for dim, size in enumerate(global_shape):
@@ -84,8 +70,7 @@ def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]
 
 
 class BatchLayout:
-    """Where a global batch [grad_accum, batch_size // grad_accum, seq_len] goes: checked against the
-    mesh, sharded P(None, dp, cp), each process holding only its rows and sequence chunks."""
+    """Where a global batch goes: sharded P(None, dp, cp), each process holding only its rows and chunks."""
 
     def __init__(self, seq_len: int, batch_size: int, grad_accum: int, mesh: Mesh | None = None,
                  sequence_layout: SequenceLayout = identity_layout) -> None:
@@ -135,9 +120,8 @@ class DataIterator:
         self.batches_per_epoch = self.num_windows // batch_size
         self.epoch = 0
         self.step_in_epoch = 0
-        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), the current epoch's
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation)
 
-    # -- order -------------------------------------------------------------------------------
     def window_ids(self, epoch: int, step_in_epoch: int) -> np.ndarray:
         """int [grad_accum, micro_batch]: the windows of one global batch, micro-batch-major."""
         if self._order is None or self._order[0] != epoch:
@@ -146,10 +130,9 @@ class DataIterator:
         return self._order[1][start:start + self.batch_size].reshape(self.grad_accum, self.micro_batch)
 
     def global_batch(self, epoch: int, step_in_epoch: int) -> dict[str, np.ndarray]:
-        """The whole global batch as numpy arrays (for checks and debugging; training uses next())."""
+        """The whole global batch as numpy arrays, for checks."""
         return batch_arrays(self.tokens, self.window_ids(epoch, step_in_epoch), self.seq_len, self.layout.columns)
 
-    # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> "DataIterator":
         return self
 
@@ -182,7 +165,6 @@ class DataIterator:
     def _assemble(self, tokens: np.ndarray, ids: np.ndarray) -> Batch:
         return self.layout.place(read_windows(tokens, self.layout.local(ids), self.seq_len))
 
-    # -- checkpointing -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """A small JSON-serialisable position in the stream, plus the settings that define it."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
