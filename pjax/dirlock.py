@@ -1,16 +1,6 @@
-"""One writer per checkpoint directory: a lock held for a training run's whole life.
-
-Two runs saving into one checkpoint.dir destroy each other's steps: each run's Orbax manager
-deletes the other's half-written `<step>.orbax-checkpoint-tmp` directories and both finalize steps
-under the same numbers. `DirectoryLock` takes `fcntl.flock` on `<dir>/.pjax-lock` before a run
-touches anything else there; a second run finds it held and stops with one line naming the holder.
-
-The kernel drops a flock when the holder's file is closed, which it does when the process dies,
-SIGKILL included, so a killed run never leaves a stale lock and there is nothing to clean up. The
-file itself is never deleted (unlinking a lock file races with a run opening it); it holds the
-holder's pid and host only so that the error can name them. A multi-host job takes the lock in
-process 0 alone (`Checkpointer` shares the verdict): flock between hosts needs a shared file
-system that supports it (NFSv4 does), and the other processes of one job must not lock each other out.
+"""One writer per checkpoint directory: an `fcntl.flock` on `<dir>/.pjax-lock` held for a training run's
+whole life (ARCHITECTURE.md, "One writer per checkpoint directory"). The file is never deleted
+(unlinking a lock file races with a run opening it); it holds the holder's pid and host for the error.
 """
 from __future__ import annotations
 
@@ -35,7 +25,7 @@ class DirectoryLock:
 
     def __init__(self, directory: str, key: str = "checkpoint.dir") -> None:
         self.path = os.path.join(directory, LOCK_NAME)
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -67,8 +57,7 @@ class DirectoryLock:
 
 
 def take_run_lock(directory: str, given: str) -> DirectoryLock | None:
-    """Process 0 locks `directory` for writing; in a multi-host job every process learns whether
-    it did, so that all of them stop together (only process 0 talks to the lock)."""
+    """Process 0 locks `directory` for writing, and every process learns whether it did, to stop together."""
     lock, refusal = None, None
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)

@@ -8,8 +8,7 @@ import optax
 
 from pjax.config import TrainConfig
 
-# Norm scales multiply activations; decaying them toward zero shrinks the signal, not the
-# complexity, so (as in LLaMA/GPT training recipes) only matrices and embeddings are decayed.
+# Decaying norm scales shrinks the signal, not the complexity (LLaMA/GPT recipes decay matrices only).
 _NO_DECAY = {"attn_norm", "mlp_norm", "scale"}
 
 
@@ -19,8 +18,7 @@ def schedule_length(tc: TrainConfig) -> int:
 
 
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `lr * min_lr_ratio` at the
-    schedule's end (`schedule_length`), flat after it."""
+    """Linear warmup to `lr`, then cosine to `lr * min_lr_ratio` at the schedule's end, flat after it."""
     steps = schedule_length(tc)
     warmup = min(tc.warmup_steps, max(steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
@@ -29,8 +27,7 @@ def lr_schedule(tc: TrainConfig) -> optax.Schedule:
 
 
 def schedule_count(opt_state: Any) -> jax.Array:
-    """Updates the optimizer has applied, where the schedule stands: a skipped (non-finite) step
-    leaves the optimizer state, and with it this count, unchanged."""
+    """Updates the optimizer has applied (a skipped step leaves it unchanged): where the schedule stands."""
     is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)
     return next(x.count for x in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(x))
 

@@ -2,11 +2,8 @@
 
     python -m pjax.assets.train_bpe  [--vocab 4096] [--text FILE] [--out DIR]
 
-By default it reads the shipped book and rewrites the shipped tokenizer (in a clone: the
-repository's file; the run is deterministic, so it reproduces that file byte for byte).
-
-A 4,096-token vocabulary keeps the output layer of the tiny CPU models (debug, picotron-cpu) from
-dominating their step time; GPT-2's 50,257-token BPE would make it ~90% of the work.
+By default it rewrites the shipped tokenizer from the shipped book, byte for byte (deterministic).
+Why 4,096 tokens: ARCHITECTURE.md, "Small shipped tokenizer".
 """
 import argparse
 from pathlib import Path
