@@ -1,20 +1,10 @@
 """Collectives in a compiled program: how many run per step and how many bytes they move.
 
-`compiled.as_text()` lists each computation once, so a collective inside a `lax.scan` body
-(micro-batches, layers, pipeline ticks) appears once but runs trip-count times. This module
-walks the call graph from the entry computation and multiplies by each while loop's
-`known_trip_count`, which XLA records for scans.
-
-Bytes are per device, from the result shape(s) of each op (what arrives on a device):
-all-reduce and collective-permute move their operand; all-gather's result is the gathered
-tensor; reduce-scatter's result is the scattered slice. Async pairs (`-start`/`-done`, GPU)
-are counted at `-start`.
-
-`collectives_by_axis` also says which mesh axes each op runs over, from its device groups
-(`replica_groups` in any of XLA's three spellings, or a permute's `source_target_pairs`), and
-how many bytes a device sends over links for it with ring algorithms ("link bytes"): an
-all-reduce of S bytes over n devices sends 2(n-1)/n S, an all-gather or all-to-all of an S-byte
-result (n-1)/n S, a reduce-scatter of an s-byte slice (n-1) s, a permute its S.
+`as_text()` lists a scan body once, so this walks the call graph from the entry and multiplies by
+each while loop's `known_trip_count`. Bytes are per device, from each op's result shape (async pairs
+counted at `-start`). `collectives_by_axis` reads each op's mesh axes from its device groups, and its
+ring "link bytes": an all-reduce of S over n sends 2(n-1)/n S, an all-gather or all-to-all
+(n-1)/n S, a reduce-scatter of an s slice (n-1) s, a permute S.
 """
 from __future__ import annotations
 
@@ -86,17 +76,12 @@ def _parse(hlo_text: str, classify: Callable[[str, str], str | None], scale: Cal
 
 def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] = lambda kind, line: kind,
                      scale: Callable[[str, str], float] = lambda kind, line: 1) -> dict[str, dict[str, Any]]:
-    """Per collective kind: {'count': executions per step, 'bytes': bytes per device per step}.
-
-    `classify(kind, instruction_line)` may group differently (e.g. by the op_name in the line's
-    metadata); returning None leaves the op out. `scale(kind, instruction_line)` multiplies an
-    op's count and bytes: what a caller knows and the HLO does not, such as how often a loop of
-    unknown trip count really runs (`pipeline.table.scope_runs`).
-    """
+    """Per collective kind (or `classify`'s label; None leaves an op out): {'count', 'bytes'} per device
+    per step; `scale` multiplies what the HLO cannot know, such as a loop's real trip count."""
     entry, ops, calls = _parse(hlo_text, classify, scale)
     totals: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for kind in KINDS:
-        totals[kind]  # the standard kinds are always present, zero when absent
+        totals[kind]  # always present
 
     def visit(comp: str, mult: int, depth: int = 0) -> None:
         if depth > 64:
@@ -155,14 +140,8 @@ def link_factor(kind: str, n: int) -> float:
 
 def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None,
                         scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
-    """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes',
-    'inter_host', 'kinds'} per device per step; `scale` as `collective_stats`' (a pipeline's
-    conditional parts: `pipeline.table.tick_runs`).
-
-    Device ids in the groups are positions in the mesh's flat device order (axes in
-    `mesh_shape`'s order). `inter_host`: some group spans two hosts, taking hosts as consecutive
-    blocks of `devices_per_host` devices of that order (tp innermost stays inside a host).
-    """
+    """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes', 'inter_host',
+    'kinds'} per device per step; hosts are consecutive blocks of `devices_per_host` devices."""
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
 
@@ -177,7 +156,7 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
 
     out: dict[str, dict[str, Any]] = {}
     for label, stats in collective_stats(hlo_text, classify, scale or (lambda kind, line: 1)).items():
-        if isinstance(label, str):  # the always-present plain-kind rows
+        if isinstance(label, str):
             continue
         kind, axes, size, inter = label
         row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {}})
@@ -194,14 +173,8 @@ _WORK = ("fusion", "custom-call", "convolution", "dot")
 
 
 def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
-    """How a scheduled module (XLA:GPU's, `is_scheduled=true`) overlaps its collectives: per kind,
-    {'sites': instructions in the text, 'overlapped': those run as `async-start`/`async-done`
-    with at least one fusion, custom call or dot scheduled between the two}.
-
-    Counts places in the program, not executions (a site inside a scan is one site). XLA:GPU wraps
-    an asynchronous collective in `async-start(..., calls=%comp)` whose `comp` holds the op; a
-    collective anywhere else runs synchronously.
-    """
+    """Per kind, {'sites', 'overlapped'}: the collectives of a scheduled module (XLA:GPU's) and those run as
+    `async-start`/`async-done` with compute scheduled between; places in the program, not executions."""
     body: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
     current = None
     for line in hlo_text.splitlines():
