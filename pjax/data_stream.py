@@ -1,19 +1,8 @@
-"""`data.streaming=true`: documents read, tokenized and packed as training consumes them.
-
-For a corpus too big to tokenize up front: no token cache is written and nothing is read
-ahead of the batches (a chunk of about 64k characters at a time). Each document's tokens are
-followed by the end-of-text id, so the first epoch's stream equals the token cache's stream
-(which has the id only between documents) for as long as both last; the stream then starts
-the corpus again (epoch 1, 2, ...). Windows are packed as in `pjax/batches.py` (seq_len + 1
-tokens, neighbours sharing one), but in stream order: a stream has no length to permute, so a
-streamed corpus should be shuffled once beforehand, as for torchtitan's streaming loader.
-
-Held out: every `eval_stride`-th document (data.eval_fraction of them, as a fraction of a
-corpus whose length is unknown); the held-out batches are the first ones those documents fill.
-
-Position: (epoch, document, offset), the next window's first token. A resume skips the
-documents before it without tokenizing them, tokenizes that one and drops `offset` tokens, so a
-resumed run trains on exactly the batches an uninterrupted one would.
+"""`data.streaming=true`: documents read, tokenized and packed as training consumes them, no token cache
+and no read-ahead. Each document ends with the end-of-text id, so the first epoch equals the token
+cache's stream as long as both last. Windows are packed as in `batches.py` but in stream order (no
+length to permute: shuffle a streamed corpus beforehand). The position, held-out split and exact
+resume: ARCHITECTURE.md, "Streaming keeps a token position, not a window index".
 """
 from __future__ import annotations
 
@@ -27,13 +16,12 @@ from mesh.errors import ConfigError
 from pjax.batches import Batch, BatchLayout, SequenceLayout, identity_layout
 from pjax.data import eos_id, encode_documents
 
-CHUNK_CHARS = 1 << 16  # text tokenized per call: small enough not to read ahead, big enough to use every core
+CHUNK_CHARS = 1 << 16  # small enough not to read ahead, big enough to use every core
 OpenDocuments = Callable[[int], Iterator[str]]  # documents from index `start` on, in a fixed order
 
 
 class TokenStream:
-    """The tokens of the documents `keep(index)` selects, each followed by EOS, from a position on:
-    endless (epoch after epoch) or one pass."""
+    """The tokens of the documents `keep(index)` selects, each followed by EOS: endless or one pass."""
 
     def __init__(self, open_documents: OpenDocuments, tokenizer: Any, keep: Callable[[int], bool],
                  repeat: bool = True) -> None:
@@ -46,9 +34,9 @@ class TokenStream:
         """Continue from (epoch, document, offset)."""
         epoch, document, offset = position
         self._segments: deque[list] = deque()  # [epoch, document, tokens, first unread], oldest first
-        self._buffered = 0  # unread tokens in the segments
-        self._next = (epoch, document)  # where the reader is: the next document it yields, or later
-        self._skip = offset  # tokens of `document` already consumed
+        self._buffered = 0
+        self._next = (epoch, document)  # the next document the reader yields, or later
+        self._skip = offset
         self._reader = self._read(epoch, document)
 
     @property
@@ -72,7 +60,6 @@ class TokenStream:
             epoch, start = epoch + 1, 0
 
     def _fill(self) -> bool:
-        """Tokenize the next chunk of documents into the buffer; False when a one-pass stream ends."""
         batch: list[tuple[int, int, str]] = []
         size = 0
         for item in self._reader:
@@ -146,7 +133,7 @@ class StreamIterator:
 
         self._train = TokenStream(open_documents, tokenizer, lambda i: not held_out(i))
         self._held_out = TokenStream(open_documents, tokenizer, held_out, repeat=False)
-        self._eval: list[np.ndarray] = []  # held-out batches, global windows, read once
+        self._eval: list[np.ndarray] = []
         self._eval_done = eval_stride == 0
         self._train.take(0, seq_len)  # read the first chunk now: an unreadable source fails before compiling
 
@@ -158,7 +145,7 @@ class StreamIterator:
         return self.layout.place(self.layout.local(windows))
 
     def num_eval_batches(self, limit: int | None = None) -> int:
-        """Held-out batches available (at most `limit`, reading no further); a ConfigError if none."""
+        """Held-out batches available (at most `limit`); a ConfigError if none."""
         while not self._eval_done and (limit is None or len(self._eval) < limit):
             windows = self._held_out.take(self.batch_size, self.seq_len)
             if windows is None:
