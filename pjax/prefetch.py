@@ -1,15 +1,7 @@
-"""`data.prefetch`: the next batches built by a background thread while the step runs.
-
-Without it the loop builds batch s+1 on its own thread after dispatching step s; JAX's async
-dispatch hides that only while building takes less than a step, and a slow batch (a streamed
-chunk being tokenized) stalls the device. A thread is enough: the work is numpy gathers, the
-host-to-device copy and the tokenizer's Rust, all of which release the GIL.
-
-Exact resume: each batch travels with the iterator's position after it, so `state()` is where
-the batches the loop took end, not the batches built ahead. A failure in the thread travels
-the same way and is raised by the `next()` that would have built that batch, so the loop
-stops with the one-line error it would have met without the thread, and never waits on a
-thread that is gone.
+"""`data.prefetch`: the next batches built by a background thread while the step runs; a thread is
+enough, as numpy, the host-to-device copy and the tokenizer release the GIL. Each batch and each
+failure travel with the iterator's position, so `state()` and errors are those of the batches the
+loop took (ARCHITECTURE.md, "The next batch off the loop's thread").
 """
 from __future__ import annotations
 
@@ -18,12 +10,11 @@ import threading
 import time
 from typing import Any, Iterator
 
-_POLL_S = 0.1  # how often a blocked put or get looks whether the other side has gone
+_POLL_S = 0.1  # how often a blocked put or get checks that the other side is still there
 
 
 class Prefetcher:
-    """An iterator of `source`'s batches, up to `depth` built ahead (0: built on next()'s thread),
-    with `source`'s interface: state, restore, eval batches."""
+    """`source`'s batches, up to `depth` built ahead (0: on next()'s thread), with `source`'s interface."""
 
     def __init__(self, source: Any, depth: int) -> None:
         self.source, self.depth = source, depth
@@ -58,7 +49,7 @@ class Prefetcher:
                 batch, state, error = self._queue.get(timeout=_POLL_S)
                 break
             except queue.Empty:
-                if not self._thread.is_alive():  # it ends only after queueing its error; never wait for nothing
+                if not self._thread.is_alive():  # it ends only after queueing its error
                     raise RuntimeError("the data prefetch thread stopped without a batch or an error") from None
         if error is not None:
             self.close()
@@ -79,7 +70,7 @@ class Prefetcher:
                 batch = next(self.source)
                 if not _put(out, (batch, self.source.state(), None), stop):
                     return
-        except BaseException as error:  # everything reaches the loop's thread, which decides
+        except BaseException as error:
             _put(out, (None, None, error), stop)
 
     def close(self) -> None:
@@ -87,8 +78,7 @@ class Prefetcher:
         if self._thread is None:
             return
         self._stop.set()
-        # A thread inside a slow read (a hub stream) is left to end on its own: it is a daemon,
-        # and it only ever touches `source`, which nothing else uses once closed.
+        # A thread inside a slow read is left to end on its own: a daemon touching only `source`.
         self._thread.join(timeout=10)
         self._thread = None
 
