@@ -106,9 +106,9 @@ class _Run(NamedTuple):
     """What the loop needs, built and checked before the first step."""
 
     trainer: Any
-    data: Any  # the batches (pjax/prefetch.py's Prefetcher around the data iterator), at the run's position
-    state: Any  # TrainState: fresh, from train.init_from, or resumed
-    rng: Any  # the training key saved with checkpoints
+    data: Any  # a Prefetcher at the run's position
+    state: Any
+    rng: Any
     memory_estimate: tuple[int, int]  # the compiled step's resident and peak bytes per device
     local_devices: list[Any]
 
@@ -149,11 +149,11 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     compiled = trainer.compile_step()
     check_fits(compiled, mesh)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    if ckpt is not None and ckpt.latest_step() is not None:  # resume: state, data position and RNG
+    if ckpt is not None and ckpt.latest_step() is not None:
         restored = ckpt.restore(trainer, cfg)
         state, rng = restored.state, restored.rng
         train_iter.restore(restored.data)
-        ckpt.set_aside_unreadable(after=int(state.step))  # so that the run can save those steps again
+        ckpt.set_aside_unreadable(after=int(state.step))
         say(f"resumed from {ckpt.directory} at step {int(state.step)}")
         if note:
             say(note)
@@ -161,18 +161,17 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
         state = init_state(trainer, jax.random.key(tc.seed), init_from=tc.init_from)
         # A training key, kept apart from init's and saved with checkpoints; no step draws from it yet.
         rng = jax.random.fold_in(jax.random.key(tc.seed), 1)
-    for directory in (cfg.log.dir, cfg.checkpoint.dir):  # the run directories record exactly what ran
+    for directory in (cfg.log.dir, cfg.checkpoint.dir):
         if directory is not None:
             write_config(cfg, directory)
     say(mesh_summary(mesh))
     say(parameter_table(state.params, llama.param_logical_axes(mc)))
-    if cfg.log.inspect:  # what a device holds and what a step communicates, per mesh axes
+    if cfg.log.inspect:
         say(step_report(cfg, mesh, compiled, devices_per_host=len(local_devices(mesh))))
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
     local = local_devices(mesh)
-    # The thread starts at the first batch, from the position restored above.
     return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory, local)
 
 
@@ -218,7 +217,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
     try:
         for step in range(start + 1, tc.steps + 1):
             profiler.start_if_due(step, state)
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):  # TensorBoard's step view
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 state, metrics = trainer.step(state, next(train_iter))
             profiler.stop_if_due(step, (state, metrics))
             # The previous step is (nearly) done: reading its flags now costs no extra wait, and
@@ -242,7 +241,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                                       mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped,
                                       train_iter.take_wait() / steps_since)
                 if step - start == steps_since:
-                    record["includes_compile"] = True  # the first interval's time includes compilation
+                    record["includes_compile"] = True
                 write(record)
                 bar.update(steps_since, record)
                 t_last, steps_since = time.perf_counter(), 0
@@ -255,7 +254,6 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             # `stop.requested` again: a signal that came after save_now was decided (while this step
             # was logged or evaluated) must still leave its checkpoint behind.
             if ckpt is not None and (save_now or stop.requested):
-                # Async: the arrays are copied to host memory and written while the next steps run.
                 ckpt.save(step, state, data=train_iter.state(), rng=run.rng, config=cfg)
             if stop.requested:
                 bar.note(f"stopping at step {step} on {stop.requested}")
