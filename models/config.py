@@ -85,11 +85,8 @@ class LlamaConfig:
     num_key_value_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_attention_heads, as in HF
     rope_theta: float = 10000.0
-    # RoPE scaling: HF's rope_scaling object as flat keys, so that the config stays hashable (it is a
-    # static jit argument) and each key is one override. rope_type "default": none; "linear": every
-    # frequency divided by rope_factor (position interpolation); "llama3" (Llama 3.1-3.3): frequencies
-    # whose wavelength exceeds rope_original_max_position_embeddings / rope_low_freq_factor divided by
-    # rope_factor, those below it / rope_high_freq_factor kept, a smooth ramp between. Unused keys null.
+    # HF's rope_scaling as flat keys: the config stays hashable (a static jit argument) and each key is
+    # one override; the scalings themselves: `models.llama.rope_inv_freq`. Unused keys null.
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
@@ -99,14 +96,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
-    # Megatron's key (not an HF one): the embedding and the output layer hold the vocabulary rounded
-    # up to a multiple of this, so that it splits over tp and the output matmul gets aligned shapes.
-    # The padded logits are masked out (`padded_vocab_size`, `models.llama.mask_padded_vocab`).
+    # Megatron's key, not HF's (ARCHITECTURE.md, "A padded vocabulary with masked logits").
     make_vocab_size_divisible_by: int = 128
-    # Mixture of Experts (HF Mixtral's names; models/moe.py). 0 experts: every layer has the dense
-    # SwiGLU MLP. Otherwise every layer's MLP is num_local_experts SwiGLUs of intermediate_size,
-    # each token routed to num_experts_per_tok of them; the load-balancing loss (Switch/Mixtral) and
-    # the router z-loss (ST-MoE) are added to the training loss with these coefficients.
+    # Mixture of Experts in HF Mixtral's names (models/moe.py); 0 experts: dense MLPs.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001
