@@ -28,7 +28,7 @@ def shape_keys(num_local_experts: int) -> tuple[str, ...]:
     reads no num_experts_per_tok, so a value there must not refuse a resume."""
     return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k != "num_experts_per_tok")
 
-# RoPE scalings pjax implements (`models.llama.rope_inv_freq`), each with the model keys it needs; each
+# RoPE scalings pjax implements (`models.rope.rope_inv_freq`), each with the model keys it needs; each
 # key is HF's rope_scaling key with a "rope_" prefix (rope_factor is rope_scaling's "factor").
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -86,7 +86,7 @@ class LlamaConfig:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads, as in HF
     rope_theta: float = 10000.0
     # HF's rope_scaling as flat keys: the config stays hashable (a static jit argument) and each key is
-    # one override; the scalings themselves: `models.llama.rope_inv_freq`. Unused keys null.
+    # one override; the scalings themselves: `models.rope.rope_inv_freq`. Unused keys null.
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None

@@ -27,7 +27,6 @@ transposes; on GPU it costs nothing. Attention alone sees [B, T, heads, Dh].
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -44,6 +43,7 @@ from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, moe_mlp
 from models.projection import ProjectFn, plain_projection, select_projection
 from models.remat import DEFAULT_NAMES, policy
+from models.rope import rope, rope_inv_freq, rope_tables  # noqa: F401 (rope_inv_freq: llama's API)
 
 Params = dict[str, Any]
 
@@ -56,51 +56,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return scale.astype(x.dtype) * y.astype(x.dtype)
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
-    """RoPE's [Dh/2] inverse frequencies (radians per position) in fp32, scaled as `cfg.rope_type` says.
-
-    The same float32 operations, in the same order, as transformers' `ROPE_INIT_FUNCTIONS`
-    (modeling_rope_utils.py), so that imported checkpoints give its logits. Every input is a
-    constant of the config, not of the data.
-    """
-    dh = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    if cfg.rope_type == "linear":  # position interpolation: position p rotates as p / factor did
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        # Llama 3.1: wavelengths longer than the pre-training context / low_freq_factor (never a full
-        # turn within it) are interpolated by 1/factor; those shorter than context / high_freq_factor
-        # (many turns: local position) are kept; in between, a linear ramp in context / wavelength.
-        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        context = cfg.rope_original_max_position_embeddings
-        wavelen = 2 * math.pi / inv_freq
-        scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
-        smooth = (context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < context / high) & ~(wavelen > context / low)
-        return jnp.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rope_tables(positions: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's rotation angles, [B, T, Dh/2] in fp32 each.
-
-    Computed once per forward pass and shared by every layer (and by q and k). The barrier keeps
-    them one small computation: without it XLA:CPU fuses cos and sin into every consumer and
-    evaluates them per head and per use, forward and backward (6% of a layer's time at the
-    picotron-cpu shape).
-    """
-    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
-    return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
-
-
-def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary embedding with HF's rotate-half convention. x: [B, T, heads, Dh]; tables from `rope_tables`."""
-    cos, sin = (jnp.concatenate([t, t], axis=-1)[:, :, None, :].astype(x.dtype) for t in tables)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 class DecoderLayer(nn.Module):
@@ -267,21 +222,24 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
     return constrain(x, ("tokens", "embed"))
 
 
-def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
-               dtype=jnp.float32, remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES,
-               scan: bool = True,
-               attention_fn: Callable[..., jax.Array] = reference_attention,
-               moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False, taps: dict | None = None
-               ) -> tuple[jax.Array, RouterStats | None]:
-    """Apply a stack of decoder layers (any number: the whole model or one pipeline stage).
+def decoder_layer(cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
+                  attention_fn: Callable[..., jax.Array] = reference_attention, moe: MoeConfig = MoeConfig(),
+                  sequence_parallel: bool = False) -> DecoderLayer:
+    """The decoder layer module with its choices bound (the matmul form follows `remat`: `select_projection`)."""
+    return DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
+                        sequence_parallel=sequence_parallel)
+
+
+def apply_layers(layer: DecoderLayer, layer_params: Params, x: jax.Array, positions: jax.Array, *,
+                 remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES, scan: bool = True,
+                 taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
+    """Apply a stack of `layer`s (any number: the whole model or one pipeline stage).
     Returns the output and, for MoE layers, their router statistics summed over the layers.
     `remat` is the policy on each layer's body; with 'names', `remat_names` are the activations kept.
     `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients.
     Unrolled (`scan=False`), `layer_params` and `taps` may also be lists of per-layer trees: a
     pipeline stage slices them outside its VJP, so the slices are not kept as residuals."""
-    layer = DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
-                         sequence_parallel=sequence_parallel)
-    tables = rope_tables(positions, cfg)
+    tables = rope_tables(positions, layer.cfg)
 
     def body(h, p_taps):
         p, t = p_taps
@@ -298,7 +256,18 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
     for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
         x, s = body(x, (layer_i(layer_params, i), layer_i(taps, i)))
         stats.append(s)
-    return x, (jax.tree.map(lambda *s: sum(s), *stats) if cfg.num_local_experts else None)
+    return x, (jax.tree.map(lambda *s: sum(s), *stats) if layer.cfg.num_local_experts else None)
+
+
+def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: LlamaConfig, *,
+               dtype=jnp.float32, remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES,
+               scan: bool = True, attention_fn: Callable[..., jax.Array] = reference_attention,
+               moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False, taps: dict | None = None
+               ) -> tuple[jax.Array, RouterStats | None]:
+    """`apply_layers` of the `decoder_layer` these options make (the functional form, for tests and notebooks)."""
+    layer = decoder_layer(cfg, dtype=dtype, remat=remat, attention_fn=attention_fn, moe=moe,
+                          sequence_parallel=sequence_parallel)
+    return apply_layers(layer, layer_params, x, positions, remat=remat, remat_names=remat_names, scan=scan, taps=taps)
 
 
 def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: LlamaConfig, **kw

@@ -30,7 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,8 @@ from pjax.data import documents, load_tokenizer, tokenize
 from pjax.fit import describe, fitted_mesh, names_a_mesh
 from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings
-from pjax.step import compute_dtype, validate_layout
+from pjax.spec import StepSpec, compute_dtype
+from pjax.step import validate_layout
 
 Params = dict[str, Any]
 
@@ -149,15 +150,13 @@ def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array
     return jnp.sum(jnp.where(weights > 0, (lse - target) * weights, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "scan", "attention_fn"))
-def _batch_loss(params: Params, batch: dict[str, jax.Array], *, cfg: LlamaConfig, dtype: Any, scan: bool,
-                attention_fn: Callable) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="spec")
+def _batch_loss(params: Params, batch: dict[str, jax.Array], *, spec: StepSpec) -> jax.Array:
     b, t = batch["inputs"].shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, _ = llama.final_hidden(params, batch["inputs"], positions, cfg, dtype=dtype, scan=scan,
-                                   attention_fn=attention_fn)
-    return masked_cross_entropy(hidden, llama.output_kernel(params, cfg), flatten_tokens(batch["labels"]),
-                                flatten_tokens(batch["weights"]), cfg.vocab_size)
+    hidden = spec.hidden(params, batch["inputs"], positions)
+    return masked_cross_entropy(hidden, llama.output_kernel(params, spec.cfg), flatten_tokens(batch["labels"]),
+                                flatten_tokens(batch["weights"]), spec.cfg.vocab_size)
 
 
 def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
@@ -173,7 +172,7 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     total = -(-n // rows) * rows
     data = {k: np.pad(v, ((0, total - n), (0, 0))) for k, v in data.items()}  # padded rows: weight 0
     sharding = NamedSharding(mesh, P(DP, CP))
-    step = functools.partial(_batch_loss, cfg=cfg, dtype=dtype, scan=scan, attention_fn=select_attention(attention))
+    step = functools.partial(_batch_loss, spec=StepSpec(cfg, dtype, select_attention(attention), scan=scan))
     sums = []
     with jax.set_mesh(mesh):
         for start in range(0, total, rows):

@@ -8,7 +8,7 @@ are masked, so argmax only ever picks a real token.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from mesh.rules import unflatten_tokens
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
+from pjax.spec import StepSpec
 
 Params = dict[str, Any]
 
@@ -31,17 +32,16 @@ def put_rows(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "scan", "attention_fn"))
-def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array, *, cfg: LlamaConfig,
-            dtype: Any, scan: bool, attention_fn: Callable) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="spec")
+def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array, *, spec: StepSpec) -> jax.Array:
     """Fill tokens[:, start:stop] greedily, one whole-sequence forward per token."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cfg = spec.cfg
     kernel = llama.output_kernel(params, cfg)
 
     def body(i, toks):
-        hidden, _ = llama.final_hidden(params, toks, positions, cfg, dtype=dtype, scan=scan,
-                                       attention_fn=attention_fn)
+        hidden = spec.hidden(params, toks, positions)
         last = jax.lax.dynamic_index_in_dim(unflatten_tokens(hidden, b, t), i - 1, axis=1, keepdims=False)
         logits = jnp.einsum("bd,dv->bv", last, kernel.astype(last.dtype), preferred_element_type=jnp.float32)
         nxt = jnp.argmax(llama.mask_padded_vocab(logits, cfg.vocab_size), axis=-1).astype(toks.dtype)
@@ -69,5 +69,5 @@ def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh
     tokens[:, :len(prompt)] = prompt
     with jax.set_mesh(mesh):
         out = _greedy(params, put_rows(tokens, NamedSharding(mesh, P(DP, CP))), jnp.int32(len(prompt)),
-                      jnp.int32(stop), cfg=cfg, dtype=dtype, scan=scan, attention_fn=select_attention(attention))
+                      jnp.int32(stop), spec=StepSpec(cfg, dtype, select_attention(attention), scan=scan))
     return np.asarray(jax.device_get(out))[0, len(prompt):stop].tolist()

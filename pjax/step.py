@@ -23,12 +23,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, MeshConfig
-from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
-from models.moe import MoeConfig, router_loss
+from models.moe import MoeConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
@@ -36,7 +35,7 @@ from pjax.parallel import context_parallel, data_parallel
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import table as pipeline_table
-from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from pjax.spec import StepSpec
 
 Batch = dict[str, jax.Array]
 
@@ -47,43 +46,15 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def compute_dtype(name: str) -> jnp.dtype:
-    """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
-def loss_sum(params: Any, micro: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
-             moe: MoeConfig = MoeConfig()) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
-    """Summed loss of one micro-batch ([B, T] arrays), and (its token count, router metrics).
-
-    The loss is the cross-entropy summed over tokens; an MoE model adds its router losses times the
-    token count, so that dividing by the count gives mean cross-entropy + coef * each router loss."""
-    dtype = compute_dtype(tc.dtype)
-    hidden, stats = llama.final_hidden(params, micro["inputs"], micro["positions"], cfg, dtype=dtype, remat=tc.remat,
-                                       remat_names=tc.saved_names, scan=tc.scan_layers,
-                                       attention_fn=attention_fn or select_attention(tc.attention),
-                                       moe=moe, sequence_parallel=tc.sequence_parallel)
-    loss, count = vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, cfg),
-                                               flatten_tokens(micro["labels"]), tc.loss_chunk, cfg.vocab_size,
-                                               tc.sequence_parallel)
-    if stats is None:
-        return loss, (count, {})
-    extra, router = router_loss(stats, count, cfg)
-    return loss + extra, (count, router)
-
-
-def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, attention_fn: Callable | None = None,
-               pin: Callable[[Any], Any] = lambda g: g, moe: MoeConfig = MoeConfig()
+def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
                ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
     """Summed loss, token count, summed fp32 gradients and the router metrics (MoE; averaged over
     the micro-batches) of a batch: a `lax.scan` over its micro-batches."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_sum, moe=moe), has_aux=True)
+    grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
 
     def micro_step(carry, micro):
         loss_acc, count_acc, grads_acc = carry
-        (loss, (count, router)), grads = grad_fn(params, micro, cfg, tc, attention_fn)
+        (loss, (count, router)), grads = grad_fn(params, micro)
         grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
         return (loss_acc + loss, count_acc + count, grads_acc), router
 
@@ -94,52 +65,45 @@ def accumulate(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, att
     return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)
 
 
-def loss_and_grads(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig, grad_sharding: Any = None,
-                   attention_fn: Callable | None = None, moe: MoeConfig = MoeConfig(),
-                   with_router_metrics: bool = False) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict]:
-    """Mean token loss of the global batch and its gradient, accumulated over micro-batches (and,
-    `with_router_metrics`, an MoE model's router metrics).
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """The step's gradients with pp = 1: micro-batches accumulated by a scan, reduced over the
+    data axes once per step (`data_parallel.reduce_once`), or under ZeRO-3 pinned to their dp
+    slices (`grad_sharding`) as they are accumulated."""
 
-    The gradients are reduced over dp once per step (`data_parallel.reduce_once`) when the
-    parameters are replicated over dp; under ZeRO-3 they are pinned to their dp slices instead.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(accumulate, cfg=cfg, tc=tc, attention_fn=attention_fn, moe=moe)
-    if data_parallel.can_reduce_once(mesh, tc.zero):
-        loss, grads, router = data_parallel.reduce_once(local, params, batch, cfg, tc.zero)
-        return (loss, grads, router) if with_router_metrics else (loss, grads)
+    spec: StepSpec
+    zero: int = 0
+    grad_sharding: Any = None
 
-    def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
-        return g if grad_sharding is None else jax.lax.with_sharding_constraint(g, grad_sharding)
+    def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
+        local = functools.partial(accumulate, spec=self.spec)
+        if data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero):
+            return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero)
 
-    loss, count, grads, router = local(params, batch, pin=pin)
-    loss, grads = loss / count, jax.tree.map(lambda g: g / count, grads)
-    return (loss, grads, router) if with_router_metrics else (loss, grads)
+        def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
+            return g if self.grad_sharding is None else jax.lax.with_sharding_constraint(g, self.grad_sharding)
 
+        loss, count, grads, router = local(params, batch, pin=pin)
+        return loss / count, jax.tree.map(lambda g: g / count, grads), router
 
-def mean_loss(params: Any, batch: Batch, cfg: LlamaConfig, tc: TrainConfig,
-              attention_fn: Callable | None = None, moe: MoeConfig = MoeConfig()) -> jax.Array:
-    """Mean token loss of a batch without gradients (held-out evaluation; with an MoE model's
-    router losses, as in training)."""
-    def micro_step(carry, micro):
-        loss, (count, _) = loss_sum(params, micro, cfg, tc, attention_fn, moe)
-        return (carry[0] + loss, carry[1] + count), None
+    def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
+        """Mean token loss of a batch without gradients (held-out evaluation; with an MoE model's
+        router losses, as in training)."""
+        def micro_step(carry, micro):
+            loss, (count, _) = self.spec.loss_sum(params, micro)
+            return (carry[0] + loss, carry[1] + count), None
 
-    (loss, count), _ = jax.lax.scan(micro_step, (jnp.zeros(()), jnp.zeros(())), batch)
-    return loss / count
+        (loss, count), _ = jax.lax.scan(micro_step, (jnp.zeros(()), jnp.zeros(())), batch)
+        return loss / count
 
 
-def train_step(state: TrainState, batch: Batch, *, cfg: LlamaConfig, tc: TrainConfig,
-               optimizer: optax.GradientTransformation, grad_sharding: Any = None,
-               attention_fn: Callable | None = None, grads_fn: Callable | None = None,
-               moe: MoeConfig = MoeConfig()) -> tuple[TrainState, dict]:
+def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
+               tc: TrainConfig) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}
     (an MoE model adds its router metrics: aux_loss, z_loss, dropped_fraction, load_min, load_max).
-
-    `grads_fn` replaces `loss_and_grads` with `moe` (with pp > 1: the pipelined one, same arguments
-    and results)."""
-    grads_fn = grads_fn or functools.partial(loss_and_grads, moe=moe)
-    loss, grads, router = grads_fn(state.params, batch, cfg, tc, grad_sharding, attention_fn, with_router_metrics=True)
+    `strategy` gives the gradients: `Accumulation`, or with pp > 1 `pipeline.step.Pipelined`."""
+    loss, grads, router = strategy.loss_and_grads(state.params, batch)
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -175,6 +139,7 @@ class Trainer:
     step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
     grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
     loss: Callable[[Any, Batch], jax.Array]
+    strategy: Any = None  # how the gradients are made: `Accumulation`, or `pipeline.step.Pipelined` (pp > 1)
     pipeline: PipelineConfig | None = None  # set when pp > 1 (interleaved: the layer stack is in pipeline order)
 
     def abstract_state(self) -> TrainState:
@@ -270,23 +235,21 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     attention_fn = None
     if mesh.shape[CP] > 1:
         attention_fn = context_parallel.context_attention(mesh, context.strategy, select_attention(tc.attention))
-    grads_fn, loss_fn = functools.partial(loss_and_grads, moe=moe), functools.partial(mean_loss, moe=moe)
-    if mc.pp > 1:  # pipeline parallelism: drop-ins with the same arguments and results
-        kw = dict(pipeline=pipeline, dtype=compute_dtype(tc.dtype), moe=moe)
-        grads_fn = functools.partial(pipeline_parallel.loss_and_grads, **kw)
-        loss_fn = functools.partial(pipeline_parallel.mean_loss, **kw)
-    step = functools.partial(train_step, cfg=cfg, tc=tc, optimizer=optimizer, grad_sharding=g_sharding,
-                             attention_fn=attention_fn, grads_fn=grads_fn, moe=moe)
-    grads = functools.partial(grads_fn, cfg=cfg, tc=tc, grad_sharding=g_sharding, attention_fn=attention_fn)
+    spec = StepSpec.build(cfg, tc, moe, attention_fn)
+    if mc.pp > 1:
+        strategy = pipeline_parallel.Pipelined(spec, tc.zero, g_sharding, pipeline)
+    else:
+        strategy = Accumulation(spec, tc.zero, g_sharding)
+    step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
         init=_on_mesh(mesh, jax.jit(init, out_shardings=state_sharding)),
         step=_on_mesh(mesh, jax.jit(step, in_shardings=(state_sharding, batch_sharding),
                                     out_shardings=(state_sharding, None), donate_argnums=0)),
-        grads=_on_mesh(mesh, jax.jit(grads, in_shardings=(p_sharding, batch_sharding),
-                                     out_shardings=(None, p_sharding))),
-        loss=_on_mesh(mesh, jax.jit(functools.partial(loss_fn, cfg=cfg, tc=tc, attention_fn=attention_fn),
-                                    in_shardings=(p_sharding, batch_sharding))),
+        grads=_on_mesh(mesh, jax.jit(lambda params, batch: strategy.loss_and_grads(params, batch)[:2],
+                                     in_shardings=(p_sharding, batch_sharding), out_shardings=(None, p_sharding))),
+        loss=_on_mesh(mesh, jax.jit(strategy.mean_loss, in_shardings=(p_sharding, batch_sharding))),
+        strategy=strategy,
         pipeline=pipeline if mc.pp > 1 else None,
     )
 

@@ -25,6 +25,7 @@ from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.context_parallel import zigzag_layout
+from pjax.spec import StepSpec
 from pjax.step import add_positions, build_trainer
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
@@ -442,5 +443,6 @@ def test_program_orders_that_miss_repeat_or_deadlock_are_refused(orders, message
 def test_a_schedule_for_another_shape_is_refused_by_the_executor():
     mesh = make_mesh(MeshConfig(dp=1, pp=2), jax.devices()[:2])
     with jax.set_mesh(mesh), pytest.raises(ConfigError, match="is for p=2 m=3 v=1; this run has p=2 m=2"):
-        pipeline_parallel.loss_and_grads(init_params(), make_batch(2), CFG, TC, pipeline=PipelineConfig(), dtype=jnp.float32,
-                           schedule=ps.one_f_one_b(2, 3))
+        pipelined = pipeline_parallel.Pipelined(StepSpec.build(CFG, TC), TC.zero, None, PipelineConfig(),
+                                                schedule=ps.one_f_one_b(2, 3))
+        pipelined.loss_and_grads(init_params(), make_batch(2))

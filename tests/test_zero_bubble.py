@@ -306,6 +306,7 @@ def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_th
     from mesh import MeshConfig, make_mesh
     from models.llama import init_params
     from pjax.parallel.pipeline.stage import VjpLayout, make_stage
+    from pjax.spec import StepSpec
     from test_pipeline_parallel import CFG, TC
 
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])  # make_stage reads the mesh
@@ -313,7 +314,7 @@ def test_what_b_leaves_w_keeps_the_projection_inputs_where_the_residuals_hold_th
     n = 16
     with jax.set_mesh(mesh):
         for scan in (False, True):
-            stage = make_stage(CFG, dataclasses.replace(TC, scan_layers=scan), jnp.float32, None, 1.0)
+            stage = make_stage(StepSpec.build(CFG, dataclasses.replace(TC, scan_layers=scan)), 1.0)
             w, taps = stage.per_layer(layers), stage.per_layer(stage.taps(layers, n))
             act, positions = (jnp.zeros((n, CFG.hidden_size)), ()), jnp.arange(n).reshape(2, 8)
             layout = VjpLayout.trace(lambda w, act, taps: stage.layers(w, act, positions, taps), w, act, taps)

@@ -21,14 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mesh.mesh import CP, DP
-from mesh.rules import flatten_tokens, logical_to_spec
+from mesh.rules import logical_to_spec
 from models import deferred_grads, llama
 from models import sequence_parallel as seqpar
-from models.attention import select_attention
-from models.config import LlamaConfig
-from models.moe import MoeConfig, RouterStats, router_loss
-from pjax.config import TrainConfig
-from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: RouterStats, or () when dense)
 
@@ -72,57 +67,48 @@ class Stage(NamedTuple):
         return jax.tree.map(lambda *a: jnp.stack(a), *tree) if isinstance(tree, list) else tree
 
 
-def make_stage(cfg: LlamaConfig, tc: TrainConfig, dtype: Any, attention_fn: Callable | None, scale: float,
-               moe: MoeConfig = MoeConfig(), data_manual: bool = False) -> Stage:
-    """The LLaMA pieces; `scale` (1 / tokens in the global batch) turns the summed loss into the mean.
-    `data_manual`: the executor's shard_map is manual over dp and cp too (ring attention then
-    runs its ring directly, and an MoE layer its dispatch, with no shard_map of their own)."""
-    attention_fn = attention_fn or select_attention(tc.attention)
-    experts = cfg.num_local_experts
-    # A shard_map inside a lax.scan inside this one (manual over pp) does not lower: ring
-    # attention's (manual over cp, unless cp is manual already) fails Shardy's verifier ("manual
-    # axis cp after free axis pp"), and differentiating the MoE layer's (manual over dp, with
-    # expert parallelism, unless dp is manual already) hoists its constants out of the scan with a
-    # spec over pp as well (models/moe.py). Unrolled, both lower.
-    mesh = jax.sharding.get_abstract_mesh()
-    scan = tc.scan_layers and (data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1)))
+def scan_lowers(experts: int, data_manual: bool) -> bool:
+    """Whether a layer scan lowers inside the pipeline's shard_map (manual over pp).
 
-    def no_stats():
-        if not experts:
-            return ()
-        return RouterStats(*(varying(jnp.zeros(shape, jnp.float32)) for shape in [(), (experts,), (experts,), (), ()]))
+    A shard_map inside a `lax.scan` inside it does not: ring attention's (manual over cp, unless
+    cp is manual already) fails Shardy's verifier ("manual axis cp after free axis pp"), and
+    differentiating an MoE layer's expert dispatch (manual over dp, unless dp is manual already)
+    hoists its constants out of the scan with a spec over pp as well. Unrolled, both lower."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1))
+
+
+def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
+    """A pipeline stage of `spec` (a `pjax.spec.StepSpec`); `scale` (1 / tokens in the global
+    batch) turns the summed loss into the mean. `data_manual`: the executor's shard_map is manual
+    over dp and cp too (ring attention and an MoE layer's dispatch then need no shard_map of
+    their own)."""
+    cfg, experts = spec.cfg, spec.cfg.num_local_experts
+    spec = dataclasses.replace(spec, scan=spec.scan and scan_lowers(experts, data_manual))
 
     def layers(w, act, positions, taps=None):
         x, stats = act
-        y, own = llama.run_layers(w, x, positions, cfg, dtype=dtype, remat=tc.remat, remat_names=tc.saved_names,
-                                  scan=scan, attention_fn=attention_fn, moe=moe,
-                                  sequence_parallel=tc.sequence_parallel, taps=taps)
+        y, own = spec.layers(w, x, positions, taps)
         return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
 
     def loss(shared, act, labels):
-        y, stats = act
-        h = llama.rms_norm(y, shared["final_norm"]["scale"], cfg.rms_norm_eps)
-        total, count = vocab_parallel_cross_entropy(h, llama.output_kernel(shared, cfg), flatten_tokens(labels),
-                                                    tc.loss_chunk, cfg.vocab_size, tc.sequence_parallel)
-        if not experts:
-            return total * scale, {}
-        extra, metrics = router_loss(stats, count, cfg)
-        return (total + extra) * scale, metrics
+        total, (_, metrics) = spec.head(shared, *act, labels)
+        return total * scale, metrics
 
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
     is_names = lambda x: isinstance(x, tuple)
     return Stage(
-        dtype=dtype,
+        dtype=spec.dtype,
         shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=is_names),
-        embed=lambda shared, tokens: llama.embed(shared, tokens, cfg, dtype, tc.sequence_parallel),
-        no_stats=no_stats,
+        embed=spec.embed,
+        no_stats=lambda: varying(spec.no_stats()),
         layers=layers,
         loss=loss,
-        head_keys=("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head"),
-        tokens=seqpar.residual_axis(tc.sequence_parallel),
-        taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, dtype),
-        weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(tc.sequence_parallel)),
-        scan=scan,
+        head_keys=spec.head_keys(),
+        tokens=spec.tokens,
+        taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, spec.dtype),
+        weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(spec.sequence_parallel)),
+        scan=spec.scan,
         layer_specs=jax.tree.map(lambda n: logical_to_spec(n[1:]), llama.param_logical_axes(cfg)["layers"],
                                  is_leaf=is_names),
     )

@@ -1,0 +1,113 @@
+"""The step specification: what one micro-batch's loss is, built once from the resolved config.
+
+`StepSpec` binds the model-level choices (compute dtype, remat, layer scan, attention kernel, MoE
+routing, sequence parallelism, loss chunking) and exposes the model in the three pieces every
+strategy cuts it into: `embed`, `layers`, `head` (final norm, vocab-parallel cross-entropy, router
+losses). The plain step (`pjax.step`) chains them in `loss_sum`; a pipeline stage
+(`pipeline/stage.py`) runs them on different devices; evaluation and generation use `hidden`.
+A new model-level choice (a per-module precision policy, say) is a field here, not an argument
+threaded through the strategies.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from mesh.rules import flatten_tokens
+from models import llama
+from models import sequence_parallel as seqpar
+from models.attention import reference_attention, select_attention
+from models.config import LlamaConfig
+from models.moe import MoeConfig, RouterStats, router_loss
+from models.remat import DEFAULT_NAMES
+from pjax.config import TrainConfig
+from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+Batch = dict[str, jax.Array]
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The LLaMA as a step runs it: `embed -> layers -> head`, every model-level choice bound."""
+
+    cfg: LlamaConfig
+    dtype: Any = jnp.float32
+    attention_fn: Callable = reference_attention
+    remat: str = "none"
+    remat_names: tuple[str, ...] = DEFAULT_NAMES
+    scan: bool = True
+    moe: MoeConfig = MoeConfig()
+    sequence_parallel: bool = False
+    loss_chunk: int = 0
+
+    @classmethod
+    def build(cls, cfg: LlamaConfig, tc: TrainConfig, moe: MoeConfig = MoeConfig(),
+              attention_fn: Callable | None = None) -> StepSpec:
+        """The spec of `tc`'s choices; `attention_fn` replaces train.attention's kernel (context parallelism)."""
+        return cls(cfg, compute_dtype(tc.dtype), attention_fn or select_attention(tc.attention), tc.remat,
+                   tc.saved_names, tc.scan_layers, moe, tc.sequence_parallel, tc.loss_chunk)
+
+    @property
+    def tokens(self) -> str:
+        """The residual stream's token axis: 'sp_tokens' (split over tp too) under sequence parallelism."""
+        return seqpar.residual_axis(self.sequence_parallel)
+
+    def embed(self, params: Any, tokens: jax.Array) -> jax.Array:
+        """Token ids [B, T] -> x [B*T, D] in the compute dtype (reads params['embed'])."""
+        return llama.embed(params, tokens, self.cfg, self.dtype, self.sequence_parallel)
+
+    def layers(self, layer_params: Any, x: jax.Array, positions: jax.Array, taps: Any = None
+               ) -> tuple[jax.Array, RouterStats | None]:
+        """A stack of decoder layers (the model's or a stage's): x and their summed router statistics."""
+        return llama.apply_layers(self.decoder_layer(), layer_params, x, positions, remat=self.remat,
+                                  remat_names=self.remat_names, scan=self.scan, taps=taps)
+
+    def decoder_layer(self) -> llama.DecoderLayer:
+        """The decoder layer module with this spec's choices (dtype, attention, matmul form, MoE, sequence parallelism)."""
+        return llama.decoder_layer(self.cfg, dtype=self.dtype, remat=self.remat, attention_fn=self.attention_fn,
+                                   moe=self.moe, sequence_parallel=self.sequence_parallel)
+
+    def no_stats(self) -> RouterStats | tuple:
+        """Router statistics before the first layer: zeros, or () for a dense model."""
+        e = self.cfg.num_local_experts
+        if not e:
+            return ()
+        return RouterStats(*(jnp.zeros(shape, jnp.float32) for shape in [(), (e,), (e,), (), ()]))
+
+    def head(self, params: Any, x: jax.Array, stats: Any, labels: jax.Array
+             ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+        """Summed loss of the last layer's output and (token count, router metrics).
+
+        Cross-entropy summed over tokens; an MoE model adds its router losses times the token
+        count, so dividing by the count gives mean cross-entropy + coef * each router loss."""
+        h = llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps)
+        loss, count = vocab_parallel_cross_entropy(h, llama.output_kernel(params, self.cfg), flatten_tokens(labels),
+                                                   self.loss_chunk, self.cfg.vocab_size, self.sequence_parallel)
+        if not self.cfg.num_local_experts:
+            return loss, (count, {})
+        extra, router = router_loss(stats, count, self.cfg)
+        return loss + extra, (count, router)
+
+    def head_keys(self) -> tuple[str, ...]:
+        """The parameters `head` reads besides `x`."""
+        return ("final_norm", "embed" if self.cfg.tie_word_embeddings else "lm_head")
+
+    def loss_sum(self, params: Any, micro: Batch) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+        """Summed loss of one micro-batch ({'inputs', 'labels', 'positions'}: [B, T]) and (count, router metrics)."""
+        x, stats = self.layers(params["layers"], self.embed(params, micro["inputs"]), micro["positions"])
+        return self.head(params, x, stats, micro["labels"])
+
+    def hidden(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """The final-normed hidden states [B*T, D] (evaluation, generation)."""
+        x, _ = self.layers(params["layers"], self.embed(params, tokens), positions)
+        return llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps)
