@@ -209,7 +209,7 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ContextConfig:
-    """How attention spans a sequence split over mesh.cp (pjax/parallel/context_parallel.py)."""
+    """How attention spans a sequence split over mesh.cp (pjax/parallel/context/)."""
 
     strategy: str = "ring"  # ring (K/V around a ring) | all_gather (K/V gathered) | ulysses (all-to-all over heads)
 
