@@ -82,7 +82,7 @@ def random_batch(trainer: Any, seed: int = 0) -> dict:
     import jax
     import numpy as np
 
-    from pjax.parallel.context_parallel import zigzag_layout
+    from pjax.parallel.context.zigzag import zigzag_layout
 
     tc, mc = trainer.tc, trainer.cfg
     shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)

@@ -82,7 +82,7 @@ def measure(seq_len: int, cp: int, strategy: str, batch_size: int, steps: int, o
 
     from mesh import MeshConfig, make_mesh
     from pjax.config_io import load_config
-    from pjax.parallel.context_parallel import zigzag_layout
+    from pjax.parallel.context.zigzag import zigzag_layout
     from mesh.errors import ConfigError
     from pjax.step import build_trainer
 

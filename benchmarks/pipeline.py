@@ -42,7 +42,7 @@ from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402
 from pjax.parallel.pipeline import schedules as ps  # noqa: E402
-from pjax.parallel.context_parallel import zigzag_layout  # noqa: E402
+from pjax.parallel.context.zigzag import zigzag_layout  # noqa: E402
 from pjax.parallel.pipeline.buffers import buffer_plan  # noqa: E402
 from pjax.parallel.pipeline.table import make_schedule  # noqa: E402
 from pjax.step import add_positions, build_trainer  # noqa: E402

@@ -1,7 +1,10 @@
-"""Causal grouped-query attention: the one function every attention call goes through.
+"""Causal grouped-query attention: the `AttentionFn` every attention call goes through, and
+`select_attention`, which picks the implementation a run uses.
 
-Context parallelism (ring attention) and backend-tuned kernels replace `attention` by passing a
-different `AttentionFn` to the model; nothing else in the model knows how attention is computed.
+The implementations sit below this module (reference_attention.py, cpu_attention.py,
+chunked_attention.py; cuDNN's fused kernel is here) and import nothing of it. Context
+parallelism passes its own `AttentionFn` (pjax/parallel/context/); nothing else in the model
+knows how attention is computed.
 """
 from __future__ import annotations
 
@@ -13,31 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from mesh.errors import ConfigError
+from models.chunked_attention import chunked_causal_attention
+from models.cpu_attention import blocked_causal_attention
+from models.reference_attention import reference_attention
 
 
 class AttentionFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
         """q: [B, T, H, D]; k, v: [B, S, KV, D]; positions [B, T] / [B, S]; returns [B, T, H, D]."""
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
-    """Plain causal GQA attention with scores and softmax in fp32.
-
-    Queries are viewed as [kv_heads, group] instead of repeating K/V `group` times: the same math,
-    without materialising the expanded keys and values (and it shards cleanly when kv_heads are
-    split over tp). The mask comes from token positions, not indices, so a caller may hand in
-    the tokens in any order (the zigzag context-parallel layout does), as long as every query
-    sees at least its own key.
-    """
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    causal = q_pos[:, None, None, :, None] >= kv_pos[:, None, None, None, :]
-    # A large finite negative (not -inf) keeps the softmax free of inf-inf NaNs in any dtype.
-    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(b, t, h, d)
 
 
 def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
@@ -51,12 +37,8 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
     if impl == "reference":
         return reference_attention
     if impl == "blocked":
-        from models.cpu_attention import blocked_causal_attention
-
         return blocked_causal_attention
     if impl == "chunked":
-        from models.chunked_attention import chunked_causal_attention
-
         return chunked_causal_attention
     if impl == "cudnn":
         if jax.default_backend() != "gpu":

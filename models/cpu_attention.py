@@ -32,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models.reference_attention import reference_attention
+
 _NEG = -1e30  # finite: no inf - inf NaNs in any dtype
 
 
@@ -108,8 +110,6 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     # The largest block <= `block` that divides T; tiny blocks would only add overhead.
     block = max(n for n in range(1, min(block, t) + 1) if t % n == 0)
     if block < min(16, t):
-        from models.attention import reference_attention
-
         return reference_attention(q, k, v, q_pos, kv_pos)
     # Head-major once per call: [B, KV, T*G, D] query rows (each block of queries is then one
     # contiguous slice) and [B, KV, T, D] keys/values; no per-block transposes remain.

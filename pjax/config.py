@@ -194,7 +194,7 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ContextConfig:
-    """How attention spans a sequence split over mesh.cp (pjax/parallel/context_parallel.py)."""
+    """How attention spans a sequence split over mesh.cp (pjax/parallel/context/)."""
 
     strategy: str = "ring"
 

@@ -31,7 +31,8 @@ from models.moe import MoeConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import context_parallel, data_parallel
+from pjax.parallel import data_parallel
+from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import table as pipeline_table
@@ -185,7 +186,7 @@ def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pi
         raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
                           f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
     if mc.cp > 1:
-        context_parallel.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
+        context_strategy.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
         if context.strategy != "ulysses" and tc.attention != "auto":
             raise ConfigError(f"train.attention={tc.attention} has no effect with mesh.cp={mc.cp} and context.strategy="
                               f"{context.strategy}, which attends with its own online softmax; leave train.attention"
@@ -234,7 +235,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     # cp > 1: attention over the sequence split (batches must come in the zigzag layout).
     attention_fn = None
     if mesh.shape[CP] > 1:
-        attention_fn = context_parallel.context_attention(mesh, context.strategy, select_attention(tc.attention))
+        attention_fn = context_strategy.context_attention(mesh, context.strategy, select_attention(tc.attention))
     spec = StepSpec.build(cfg, tc, moe, attention_fn)
     if mc.pp > 1:
         strategy = pipeline_parallel.Pipelined(spec, tc.zero, g_sharding, pipeline)

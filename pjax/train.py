@@ -121,7 +121,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from models import llama
     from pjax.resume import write_config
     from pjax.data import build_data
-    from pjax.parallel.context_parallel import zigzag_layout
+    from pjax.parallel.context.zigzag import zigzag_layout
     from pjax.memory import check_fits, step_memory_bytes
     from pjax.plan.inspect import parameter_table, step_report
     from pjax.prefetch import Prefetcher

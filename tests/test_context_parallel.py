@@ -18,8 +18,9 @@ from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
 from pjax.batches import DataIterator
 from pjax.config import ContextConfig, TrainConfig
-from pjax.parallel.context_parallel import (context_attention, ring_attention, zigzag_chunks, zigzag_layout,
-                                            zigzag_schedule)
+from pjax.parallel.context.ring import ring_attention
+from pjax.parallel.context.strategy import context_attention
+from pjax.parallel.context.zigzag import zigzag_chunks, zigzag_layout, zigzag_schedule
 from pjax.step import build_trainer
 
 B, T, H, KV, D = 2, 32, 4, 2, 8  # GQA: 2 query heads per kv head

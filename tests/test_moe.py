@@ -15,7 +15,7 @@ from models import llama, moe
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
 from pjax.hlo import collective_stats
-from pjax.parallel.context_parallel import zigzag_layout
+from pjax.parallel.context.zigzag import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
 N, D, F = 32, 16, 24  # tokens, hidden, expert MLP width

@@ -24,7 +24,7 @@ from pjax.parallel.pipeline import layout as ppl
 from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
-from pjax.parallel.context_parallel import zigzag_layout
+from pjax.parallel.context.zigzag import zigzag_layout
 from pjax.spec import StepSpec
 from pjax.step import add_positions, build_trainer
 

@@ -185,7 +185,7 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
 
     `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs on each
     device's rows and sequence chunk: cp is manual here too, so ring attention runs its
-    per-device ring directly (`context_parallel.ring_attention`) and every token's gradient stays
+    per-device ring directly (`context.ring.ring_attention`) and every token's gradient stays
     a local partial sum until the end. ZeRO-1 reduce-scatters over dp and all-reduces the slice
     over cp. An MoE model's experts come in as each device's own (`data_specs`) and their
     gradients are not reduced over dp (`reduce_gradients`); its router metrics are of the whole

@@ -26,17 +26,11 @@ import time
 from typing import Any, Callable, Iterable
 
 from pjax.config import Config
-from pjax.plan.layouts import Layout, apply
+from pjax.plan.inspect import step_collectives
+from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import Profile
 
 _SOURCE_DIRS = ("pjax", "models", "mesh")
-
-
-def planned_config(config: Config, layout: Layout, profile: Profile) -> Config:
-    """The config the planner compiles for `layout` on `profile` (its compute dtype and attention)."""
-    config = apply(config, layout)
-    train = dataclasses.replace(config.train, dtype=profile.compute_dtype, attention=profile.attention)
-    return dataclasses.replace(config, train=train)
 
 
 def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
@@ -46,7 +40,6 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
 
     from mesh.mesh import make_mesh
     from pjax.memory import step_memory_bytes
-    from pjax.plan.inspect import step_collectives
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)

@@ -14,7 +14,7 @@ from pjax.config import Config
 from pjax.hlo import collectives_by_axis
 from pjax.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import tick_runs
-from pjax.plan.layouts import Layout, state_bytes
+from pjax.plan.layouts import Layout, check, planned_config, state_bytes
 
 
 def _size(n: float) -> str:
@@ -87,9 +87,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
     and the planner's prediction for it on `profile`."""
     from mesh.mesh import make_mesh
     from models.llama import param_logical_axes
-    from pjax.plan.compile import planned_config
     from pjax.plan.estimate import predict
-    from pjax.plan.layouts import check
     from pjax.step import build_trainer
 
     check(config, layout)

@@ -20,6 +20,7 @@ from mesh.mesh import AXES, MeshConfig
 from models import llama
 from pjax.config import CONTEXT_STRATEGIES, SCHEDULES, Config
 from pjax.parallel import data_parallel
+from pjax.plan.profiles import Profile
 from pjax.step import validate_run
 
 ZEROS = (0, 1, 3)
@@ -113,6 +114,13 @@ def apply(config: Config, layout: Layout) -> Config:
     pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
     context = dataclasses.replace(config.context, strategy=layout.context)
     return dataclasses.replace(config, mesh=layout.mesh, train=train, pipeline=pipeline, context=context)
+
+
+def planned_config(config: Config, layout: Layout, profile: Profile) -> Config:
+    """The config the planner compiles for `layout` on `profile` (its compute dtype and attention)."""
+    config = apply(config, layout)
+    train = dataclasses.replace(config.train, dtype=profile.compute_dtype, attention=profile.attention)
+    return dataclasses.replace(config, train=train)
 
 
 def check(config: Config, layout: Layout) -> None:

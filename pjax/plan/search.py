@@ -13,9 +13,9 @@ import math
 from typing import Any, Callable
 
 from pjax.config import Config
-from pjax.plan.compile import Compiler, planned_config
+from pjax.plan.compile import Compiler
 from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, predict, usable_bytes
-from pjax.plan.layouts import Layout, layouts, state_bytes
+from pjax.plan.layouts import Layout, layouts, planned_config, state_bytes
 from pjax.plan.profiles import Profile
 
 

@@ -1,7 +1,7 @@
 """Context parallelism by all-gather: each device gathers every key and value over `cp` and
 attends its own queries to them (`context.strategy=all_gather`).
 
-The sequence is split over cp in the zigzag layout (`context_parallel.zigzag_layout`): device i
+The sequence is split over cp in the zigzag layout (`zigzag.zigzag_layout`): device i
 holds chunks i ("early") and 2cp-1-i ("late") of 2cp. Instead of passing K/V blocks around a
 ring, the forward all-gathers K and V once -- with their kv-heads only, so under grouped-query
 attention this is the small half of the attention inputs -- and each device folds the chunk
@@ -45,8 +45,8 @@ from mesh import rules
 from mesh.errors import ConfigError
 from mesh.mesh import CP, TP
 from models.attention import AttentionFn
-from pjax.parallel.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp, softmax_delta,
-                                          split, start)
+from pjax.parallel.context.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp,
+                                                  softmax_delta, split, start)
 
 
 def _gathered_index(chunk: jax.Array, cp: int) -> jax.Array:

@@ -39,7 +39,7 @@ from mesh import rules
 from mesh.errors import ConfigError
 from mesh.mesh import CP, TP
 from models.attention import AttentionFn
-from pjax.parallel.context_parallel import zigzag_chunks
+from pjax.parallel.context.zigzag import zigzag_chunks
 
 
 def validate_heads(num_heads: int, kv_heads: int, cp: int, tp: int) -> None:

@@ -1,0 +1,37 @@
+"""`context.strategy`: which of the three ways to attend across the cp split a run uses.
+
+All three take the same zigzag layout (zigzag.py), so the data pipeline does not change with
+the choice: 'ring' (ring.py, the default: K/V blocks passed around), 'all_gather'
+(all_gather.py: K/V gathered once, the same chunk pairs folded locally) and 'ulysses'
+(ulysses.py: all-to-all from sequence-split to head-split and back around the backend's own
+attention). This module sits above them and they import nothing of it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+from mesh.errors import ConfigError
+from models.attention import AttentionFn
+from pjax.parallel.context.all_gather import all_gather_attention
+from pjax.parallel.context.ring import ring_attention
+from pjax.parallel.context.ulysses import ulysses_attention, validate_heads
+
+
+def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> None:
+    """A one-line ConfigError unless `strategy` works on mesh `mc` (a MeshConfig) with these heads."""
+    if strategy == "ulysses":
+        validate_heads(num_heads, kv_heads, mc.cp, mc.tp)
+
+
+def context_attention(mesh: Mesh, strategy: str, local: AttentionFn) -> AttentionFn:
+    """The `AttentionFn` of `context.strategy` for sequences split over cp in the zigzag layout;
+    'ulysses' runs `local`, the backend's own attention, on its heads."""
+    if strategy == "ring":
+        return ring_attention(mesh)
+    if strategy == "all_gather":
+        return all_gather_attention(mesh)
+    if strategy == "ulysses":
+        return ulysses_attention(mesh, local)
+    raise ConfigError(f"context.strategy={strategy!r} is unknown; choose ring, all_gather or ulysses.")
