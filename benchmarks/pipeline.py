@@ -42,6 +42,7 @@ from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
 from pjax.hlo import collective_stats  # noqa: E402
 from pjax.parallel.pipeline import schedules as ps  # noqa: E402
+from pjax.pictures import plot_schedule  # noqa: E402
 from pjax.parallel.context.zigzag import zigzag_layout  # noqa: E402
 from pjax.parallel.pipeline.buffers import buffer_plan  # noqa: E402
 from pjax.parallel.pipeline.table import make_schedule  # noqa: E402
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 sched = run_schedule(pipeline, mesh_cfg, m)
                 print(sched.render(), file=sys.stderr)
                 if args.plot:
-                    ps.plot_schedule(sched, os.path.join(args.plot, f"{name}_p{p}_m{m}_v{sched.v}.png"))
+                    plot_schedule(sched, os.path.join(args.plot, f"{name}_p{p}_m{m}_v{sched.v}.png"))
                 record = bench(cfg, tc, mesh_cfg, pipeline, args.steps)
                 print(json.dumps(record), file=sys.stderr)
                 results.append(record)

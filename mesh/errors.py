@@ -21,3 +21,13 @@ def shown(value: object, limit: int = 80) -> str:
 def cut(text: str, limit: int = 80) -> str:
     """`text`, or its first `limit` characters and an ellipsis with the full length when longer."""
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def require(ok: bool, key: str, value: object, valid: str) -> None:
+    """Raise the one-sentence ConfigError for an impossible value of config key `key` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={shown(value)} is invalid; {valid}.")
+
+
+def require_choice(key: str, value: object, choices: tuple) -> None:
+    require(value in choices, key, value, "choose one of " + ", ".join(str(c) for c in choices))

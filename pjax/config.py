@@ -6,33 +6,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
-from mesh.errors import ConfigError, shown
+from mesh.errors import require, require_choice
 from mesh.mesh import MeshConfig
 from models.config import LlamaConfig
 from models.moe import MoeConfig
 from models.remat import DEFAULT_NAMES as DEFAULT_REMAT_NAMES
 from models.remat import NAMES as REMAT_NAMES
+from pjax.parallel.context.strategy import ContextConfig
+from pjax.parallel.pipeline.table import PipelineConfig
 
 # The choices each string option accepts; the first is the default.
 DTYPES = ("auto", "float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch", "offload", "names")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
-SCHEDULES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1", "zb_v")
-CONTEXT_STRATEGIES = ("ring", "all_gather", "ulysses")
 ON_NONFINITE = ("stop", "skip")
-
-
-def _require(ok: bool, key: str, value: Any, valid: str) -> None:
-    """Raise the one-sentence ConfigError for an impossible value unless `ok`."""
-    if not ok:
-        raise ConfigError(f"{key}={shown(value)} is invalid; {valid}.")
-
-
-def _require_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
-    _require(value in choices, key, value, "choose one of " + ", ".join(str(c) for c in choices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,32 +58,32 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
         for key in ("steps", "seq_len", "batch_size", "grad_accum", "max_skipped"):
-            _require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "use an integer >= 1")
-        _require(self.schedule_steps is None or self.schedule_steps >= 1, "train.schedule_steps", self.schedule_steps,
+            require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "use an integer >= 1")
+        require(self.schedule_steps is None or self.schedule_steps >= 1, "train.schedule_steps", self.schedule_steps,
                  "use an integer >= 1, or null for train.steps")
-        _require_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        require_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         # jax.random.key keeps the low 32 bits without x64: seed 2**32 would initialise like seed 0.
-        _require(0 <= self.seed < 2**32, "train.seed", self.seed, "use an integer in [0, 2**32)")
-        _require(self.lr > 0, "train.lr", self.lr, "use a learning rate > 0")
-        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use an integer >= 0")
-        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
-        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "use a value >= 0")
+        require(0 <= self.seed < 2**32, "train.seed", self.seed, "use an integer in [0, 2**32)")
+        require(self.lr > 0, "train.lr", self.lr, "use a learning rate > 0")
+        require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "use an integer >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
+        require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "use a value >= 0")
         for key in ("beta1", "beta2"):
-            _require(0 <= getattr(self, key) < 1, f"train.{key}", getattr(self, key), "use a value in [0, 1)")
-        _require(self.eps > 0, "train.eps", self.eps, "use a value > 0")
-        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use a value >= 0 (0 disables clipping)")
-        _require_choice("train.dtype", self.dtype, DTYPES)
-        _require_choice("train.remat", self.remat, REMATS)
+            require(0 <= getattr(self, key) < 1, f"train.{key}", getattr(self, key), "use a value in [0, 1)")
+        require(self.eps > 0, "train.eps", self.eps, "use a value > 0")
+        require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use a value >= 0 (0 disables clipping)")
+        require_choice("train.dtype", self.dtype, DTYPES)
+        require_choice("train.remat", self.remat, REMATS)
         if self.remat_names is not None:
             unknown = [n for n in self.remat_names if n not in REMAT_NAMES]
-            _require(not unknown, "train.remat_names", list(self.remat_names),
+            require(not unknown, "train.remat_names", list(self.remat_names),
                      f"{', '.join(map(repr, unknown))} {'is not a name' if len(unknown) == 1 else 'are not names'}; choose from {', '.join(REMAT_NAMES)}")
-            _require(self.remat == "names", "train.remat_names", list(self.remat_names),
+            require(self.remat == "names", "train.remat_names", list(self.remat_names),
                      f"it applies only with train.remat=names (train.remat={self.remat}): set that, "
                      "or leave train.remat_names unset")
-        _require_choice("train.zero", self.zero, ZERO_STAGES)
-        _require_choice("train.attention", self.attention, ATTENTIONS)
-        _require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
+        require_choice("train.zero", self.zero, ZERO_STAGES)
+        require_choice("train.attention", self.attention, ATTENTIONS)
+        require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
 
 
     @property
@@ -117,12 +106,12 @@ class DataConfig:
     prefetch: int = 2
 
     def __post_init__(self) -> None:
-        _require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
-        _require(bool(self.split), "data.split", self.split, "name a split of the dataset, e.g. train")
-        _require(bool(self.column), "data.column", self.column, "name the column that holds the text, e.g. text")
-        _require(self.prefetch >= 0, "data.prefetch", self.prefetch, "use an integer >= 0 (0 builds batches "
+        require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")
+        require(bool(self.split), "data.split", self.split, "name a split of the dataset, e.g. train")
+        require(bool(self.column), "data.column", self.column, "name the column that holds the text, e.g. text")
+        require(self.prefetch >= 0, "data.prefetch", self.prefetch, "use an integer >= 0 (0 builds batches "
                  "on the training loop's thread)")
-        _require(not self.streaming or self.eval_fraction <= 0.5, "data.eval_fraction", self.eval_fraction,
+        require(not self.streaming or self.eval_fraction <= 0.5, "data.eval_fraction", self.eval_fraction,
                  "with data.streaming=true every round(1/eval_fraction)-th document is held out, so use at most 0.5")
 
     @property
@@ -150,14 +139,14 @@ class LogConfig:
     profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        _require(self.every >= 1, "log.every", self.every, "use an integer >= 1")
-        _require(self.eval_every >= 0, "log.eval_every", self.eval_every, "use an integer >= 0 (0 disables evaluation)")
-        _require(self.eval_batches >= 1, "log.eval_batches", self.eval_batches, "use an integer >= 1")
-        _require(self.peak_flops is None or self.peak_flops > 0, "log.peak_flops", self.peak_flops,
+        require(self.every >= 1, "log.every", self.every, "use an integer >= 1")
+        require(self.eval_every >= 0, "log.eval_every", self.eval_every, "use an integer >= 0 (0 disables evaluation)")
+        require(self.eval_batches >= 1, "log.eval_batches", self.eval_batches, "use an integer >= 1")
+        require(self.peak_flops is None or self.peak_flops > 0, "log.peak_flops", self.peak_flops,
                  "use a positive FLOP/s figure or null")
-        _require(self.spike_sigma >= 0, "log.spike_sigma", self.spike_sigma, "use a value >= 0 (0 turns it off)")
+        require(self.spike_sigma >= 0, "log.spike_sigma", self.spike_sigma, "use a value >= 0 (0 turns it off)")
         steps = self.profile_steps
-        _require(steps is None or (isinstance(steps, tuple) and len(steps) == 2 and
+        require(steps is None or (isinstance(steps, tuple) and len(steps) == 2 and
                                    all(type(n) is int and n >= 1 for n in steps)),
                  "log.profile_steps", list(steps) if isinstance(steps, tuple) else steps,
                  "use [start, count] (trace count >= 1 steps from step start >= 1), or null for no trace")
@@ -171,35 +160,10 @@ class CheckpointConfig:
     resume: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "checkpoint.every", self.every, "use an integer >= 0 (0 saves only at the end)")
-        _require(self.keep >= 1, "checkpoint.keep", self.keep, "use an integer >= 1")
-        _require(self.every == 0 or self.dir is not None, "checkpoint.every", self.every,
+        require(self.every >= 0, "checkpoint.every", self.every, "use an integer >= 0 (0 saves only at the end)")
+        require(self.keep >= 1, "checkpoint.keep", self.keep, "use an integer >= 1")
+        require(self.every == 0 or self.dir is not None, "checkpoint.every", self.every,
                  "it saves only with a checkpoint.dir: set one, or checkpoint.every=0")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-
-    def __post_init__(self) -> None:
-        _require_choice("pipeline.schedule", self.schedule, SCHEDULES)
-        _require(self.virtual_stages >= 1, "pipeline.virtual_stages", self.virtual_stages, "use an integer >= 1")
-
-    @property
-    def vshape(self) -> bool:
-        """Whether a device's chunks are placed in a V (zb_v), not round robin."""
-        return self.schedule == "zb_v"
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextConfig:
-    """How attention spans a sequence split over mesh.cp (pjax/parallel/context/)."""
-
-    strategy: str = "ring"
-
-    def __post_init__(self) -> None:
-        _require_choice("context.strategy", self.strategy, CONTEXT_STRATEGIES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,3 +78,8 @@ def draw_schedule(sched: Any, ax: Any = None) -> Any:
     ax.set_title(f"{sched.name}: p={sched.p} m={sched.m} v={sched.v}, bubble {sched.bubble_fraction():.3f}",
                  fontsize=9)
     return fig
+
+
+def plot_schedule(sched: Any, path: str) -> None:
+    """Save a pipeline schedule's table (`pipeline.schedules.Schedule`) as a PNG."""
+    save(draw_schedule(sched), path)

@@ -25,6 +25,7 @@ from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.context.zigzag import zigzag_layout
+from pjax.pictures import plot_schedule
 from pjax.spec import StepSpec
 from pjax.step import add_positions, build_trainer
 
@@ -156,7 +157,7 @@ def test_lockstep_one_f_one_b_takes_afab_time_where_one_f_one_b_waits_on_backwar
 def test_schedules_render_as_text_and_png(tmp_path):
     text = ps.interleaved_1f1b(2, 2, 2).render()
     assert text.splitlines()[1].split("|")[1].split() == ["F0a", "F1a", "F0b", "F1b", ".", "B0b", ".", "B1b", "B0a", "B1a"]
-    ps.plot_schedule(ps.one_f_one_b(4, 8), str(tmp_path / "1f1b.png"))
+    plot_schedule(ps.one_f_one_b(4, 8), str(tmp_path / "1f1b.png"))
     assert (tmp_path / "1f1b.png").stat().st_size > 1000
 
 

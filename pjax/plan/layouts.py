@@ -18,7 +18,9 @@ from jax.sharding import AbstractMesh, AxisType
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
 from models import llama
-from pjax.config import CONTEXT_STRATEGIES, SCHEDULES, Config
+from pjax.config import Config
+from pjax.parallel.context.strategy import STRATEGIES as CONTEXT_STRATEGIES
+from pjax.parallel.pipeline.table import SCHEDULE_NAMES as SCHEDULES
 from pjax.parallel import data_parallel
 from pjax.plan.profiles import Profile
 from pjax.step import validate_run

@@ -8,15 +8,29 @@ attention). This module sits above them and they import nothing of it.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jax.sharding import Mesh
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, require_choice
 from models.attention import AttentionFn
 from pjax.parallel.context.all_gather import all_gather_attention
 from pjax.parallel.context.ring import ring_attention
 from pjax.parallel.context.ulysses import ulysses_attention, validate_heads
+
+
+STRATEGIES = ("ring", "all_gather", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextConfig:
+    """The config's `context.*` keys: how attention spans a sequence split over mesh.cp."""
+
+    strategy: str = "ring"
+
+    def __post_init__(self) -> None:
+        require_choice("context.strategy", self.strategy, STRATEGIES)
 
 
 def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> None:

@@ -210,10 +210,3 @@ def tick_ops(sched: Schedule) -> np.ndarray:
     if np.any((sched.op != IDLE) & (sched.op != kinds[:, None])):
         raise ValueError(f"schedule {sched.name} mixes forwards and backwards in a tick; pass it through lockstep()")
     return kinds
-
-
-def plot_schedule(sched: Schedule, path: str) -> None:
-    """Save the table as a PNG (`pjax.pictures.draw_schedule`)."""
-    from pjax.pictures import draw_schedule, save
-
-    save(draw_schedule(sched), path)

@@ -9,18 +9,38 @@ so `scope_runs`/`tick_runs` weight each named scope's collectives by how often i
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable
 
 import jax
 import numpy as np
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, require, require_choice
 from mesh.mesh import CP, MeshConfig
-from pjax.config import PipelineConfig
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.pipeline.zero_bubble import zb_h1, zb_v
+
+SCHEDULE_NAMES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1", "zb_v")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The config's `pipeline.*` keys."""
+
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        require_choice("pipeline.schedule", self.schedule, SCHEDULE_NAMES)
+        require(self.virtual_stages >= 1, "pipeline.virtual_stages", self.virtual_stages, "use an integer >= 1")
+
+    @property
+    def vshape(self) -> bool:
+        """Whether a device's chunks are placed in a V (zb_v), not round robin."""
+        return self.schedule == "zb_v"
+
 
 SCHEDULES: dict[str, Callable[[int, int, int], ps.Schedule]] = {
     "afab": lambda p, m, v: ps.afab(p, m),
