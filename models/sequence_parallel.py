@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mesh.errors import ConfigError
 from mesh.mesh import TP
 from mesh.rules import auto_size, logical_to_spec, per_device
 from models.projection import weight_grads
@@ -132,3 +133,20 @@ def _lookup_bwd(dtype, res, g):
 
 
 lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def check_run(run) -> None:
+    """With train.sequence_parallel and tp > 1: each device's tokens of a micro-batch split over tp,
+    and the loss is not chunked (its fused blocks would all-reduce their input gradients over tp).
+    `run`: a `pjax.validate.Run`."""
+    mc, tc = run.mesh, run.train
+    if not (tc.sequence_parallel and mc.tp > 1):
+        return
+    tokens = tc.batch_size // tc.grad_accum // mc.dp * (tc.seq_len // mc.cp)
+    if tokens % mc.tp:
+        raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "
+                          f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, train.batch_size "
+                          f"or train.grad_accum, or set train.sequence_parallel=false.")
+    if tc.loss_chunk:
+        raise ConfigError(f"train.loss_chunk={tc.loss_chunk} does not combine with train.sequence_parallel; "
+                          f"set train.loss_chunk=0 or train.sequence_parallel=false.")

@@ -56,7 +56,7 @@ from pjax.fit import describe, fitted_mesh, names_a_mesh
 from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings
 from pjax.spec import StepSpec, compute_dtype
-from pjax.step import validate_layout
+from pjax.validate import validate_layout
 
 Params = dict[str, Any]
 

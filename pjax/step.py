@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, MeshConfig
-from mesh.validate import validate_batch, validate_model
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
@@ -35,8 +34,8 @@ from pjax.parallel import data_parallel
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline import step as pipeline_parallel
-from pjax.parallel.pipeline import table as pipeline_table
 from pjax.spec import StepSpec
+from pjax.validate import validate_run
 
 Batch = dict[str, jax.Array]
 
@@ -163,49 +162,6 @@ class Trainer:
         batch = self.abstract_batch() if batch is None else batch
         with jax.set_mesh(self.mesh):
             return self.step.jitted.lower(state, batch).compile()
-
-
-def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
-    """`mesh.validate.validate_model` for this model: a one-line ConfigError unless it splits over `mesh`."""
-    validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
-                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero,
-                   vocab_multiple=cfg.make_vocab_size_divisible_by, num_experts=cfg.num_local_experts)
-
-
-def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig,
-                 context: ContextConfig = ContextConfig()) -> None:
-    """A one-line ConfigError unless the model (experts included), batch, pipeline schedule and
-    context strategy split over `mc`."""
-    validate_layout(mc, cfg, tc.zero)
-    validate_batch(mc, batch_size=tc.batch_size, grad_accum=tc.grad_accum, seq_len=tc.seq_len)
-    if mc.pp > 1:
-        pipeline_table.validate_pipeline(mc, pipeline, cfg.num_hidden_layers, tc.grad_accum)
-        pipeline_table.validate_split_backward(mc, pipeline, cfg.num_local_experts)
-    if mc.pp == 1 and (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
-        raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
-                          f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
-    if mc.cp > 1:
-        context_strategy.validate_strategy(context.strategy, mc, cfg.num_attention_heads, cfg.num_key_value_heads)
-        if context.strategy != "ulysses" and tc.attention != "auto":
-            raise ConfigError(f"train.attention={tc.attention} has no effect with mesh.cp={mc.cp} and context.strategy="
-                              f"{context.strategy}, which attends with its own online softmax; leave train.attention"
-                              f"=auto, or use context.strategy=ulysses, which runs that kernel.")
-    if tc.sequence_parallel and mc.tp > 1:
-        validate_sequence_parallel(mc, tc)
-
-
-def validate_sequence_parallel(mc: MeshConfig, tc: TrainConfig) -> None:
-    """A one-line ConfigError unless each device's tokens of a micro-batch split over tp and the
-    loss is not chunked (its fused blocks would all-reduce their input gradients over tp)."""
-    tokens = tc.batch_size // tc.grad_accum // mc.dp * (tc.seq_len // mc.cp)
-    if tokens % mc.tp:
-        raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "
-                          f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, train.batch_size "
-                          f"or train.grad_accum, or set train.sequence_parallel=false.")
-    if tc.loss_chunk:
-        raise ConfigError(f"train.loss_chunk={tc.loss_chunk} does not combine with train.sequence_parallel; "
-                          f"set train.loss_chunk=0 or train.sequence_parallel=false.")
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,

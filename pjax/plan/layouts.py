@@ -23,7 +23,7 @@ from pjax.parallel.context.strategy import STRATEGIES as CONTEXT_STRATEGIES
 from pjax.parallel.pipeline.table import SCHEDULE_NAMES as SCHEDULES
 from pjax.parallel import data_parallel
 from pjax.plan.profiles import Profile
-from pjax.step import validate_run
+from pjax.validate import validate_run
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")

@@ -33,6 +33,18 @@ class ContextConfig:
         require_choice("context.strategy", self.strategy, STRATEGIES)
 
 
+def check_run(run) -> None:
+    """The `context.*` keys against the mesh, model and attention kernel of `run` (a `pjax.validate.Run`)."""
+    mc, strategy, attention = run.mesh, run.context.strategy, run.train.attention
+    if mc.cp == 1:
+        return
+    validate_strategy(strategy, mc, run.model.num_attention_heads, run.model.num_key_value_heads)
+    if strategy != "ulysses" and attention != "auto":
+        raise ConfigError(f"train.attention={attention} has no effect with mesh.cp={mc.cp} and context.strategy="
+                          f"{strategy}, which attends with its own online softmax; leave train.attention"
+                          f"=auto, or use context.strategy=ulysses, which runs that kernel.")
+
+
 def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> None:
     """A one-line ConfigError unless `strategy` works on mesh `mc` (a MeshConfig) with these heads."""
     if strategy == "ulysses":

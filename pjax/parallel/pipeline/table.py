@@ -62,6 +62,17 @@ def scope_name(part: str) -> str:
     return SCOPES.get(part, f"pp_{part}_")
 
 
+def check_run(run) -> None:
+    """The `pipeline.*` keys against the mesh and model of `run` (a `pjax.validate.Run`)."""
+    mc, pipeline = run.mesh, run.pipeline
+    if mc.pp > 1:
+        validate_pipeline(mc, pipeline, run.model.num_hidden_layers, run.train.grad_accum)
+        validate_split_backward(mc, pipeline, run.model.num_local_experts)
+    elif (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
+        raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
+                          f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
+
+
 def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
     """Check that the layers split into pp * v stages and the micro-batches suit the schedule."""
     pp, v = mesh.pp, pipeline.virtual_stages

@@ -1,0 +1,62 @@
+"""Whether a run splits over its mesh: one pass over the rules each part of pjax contributes.
+
+A rule takes the run (`Run`) and raises the one-line ConfigError that says what to change. Each
+lives next to what it protects (the model's divisibility in `mesh/validate.py`, the schedule's
+in `pipeline/table.py`, the context strategy's in `context/strategy.py`, sequence parallelism's
+in `models/sequence_parallel.py`); a new strategy adds its rule to `RULES`. Values that are wrong
+whatever the mesh (a negative step count, an unknown schedule) are refused earlier, by the config
+dataclasses' `__post_init__`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from mesh.mesh import MeshConfig
+from mesh.validate import validate_batch, validate_model
+from models import sequence_parallel
+from models.config import LlamaConfig
+from pjax.config import TrainConfig
+from pjax.parallel.context import strategy as context_strategy
+from pjax.parallel.context.strategy import ContextConfig
+from pjax.parallel.pipeline import table as pipeline_table
+from pjax.parallel.pipeline.table import PipelineConfig
+
+
+class Run(NamedTuple):
+    """What the rules read: the mesh and the config sections a layout depends on."""
+
+    mesh: MeshConfig
+    model: LlamaConfig
+    train: TrainConfig
+    pipeline: PipelineConfig = PipelineConfig()
+    context: ContextConfig = ContextConfig()
+
+
+def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
+    """A one-line ConfigError unless the model (experts included) splits over `mesh` with ZeRO stage `zero`."""
+    validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                   num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero,
+                   vocab_multiple=cfg.make_vocab_size_divisible_by, num_experts=cfg.num_local_experts)
+
+
+def model_splits(run: Run) -> None:
+    validate_layout(run.mesh, run.model, run.train.zero)
+
+
+def batch_splits(run: Run) -> None:
+    validate_batch(run.mesh, batch_size=run.train.batch_size, grad_accum=run.train.grad_accum,
+                   seq_len=run.train.seq_len)
+
+
+RULES = (model_splits, batch_splits, pipeline_table.check_run, context_strategy.check_run,
+         sequence_parallel.check_run)
+
+
+def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),
+                 context: ContextConfig = ContextConfig()) -> None:
+    """A one-line ConfigError unless the model, batch, pipeline schedule, context strategy and
+    sequence parallelism all split over `mc`: the first rule that fails says what to change."""
+    run = Run(mc, cfg, tc, pipeline, context)
+    for rule in RULES:
+        rule(run)
