@@ -1,35 +1,12 @@
-"""Context parallelism by all-gather: each device gathers every key and value over `cp` and
-attends its own queries to them (`context.strategy=all_gather`).
+"""Context parallelism by all-gather (`context.strategy=all_gather`): each device gathers every
+key and value over `cp` (kv-heads only) and folds its queries' zigzag pairs into an online softmax.
 
-The sequence is split over cp in the zigzag layout (`zigzag.zigzag_layout`): device i
-holds chunks i ("early") and 2cp-1-i ("late") of 2cp. Instead of passing K/V blocks around a
-ring, the forward all-gathers K and V once -- with their kv-heads only, so under grouped-query
-attention this is the small half of the attention inputs -- and each device folds the chunk
-pairs its queries need into an online softmax (`online_softmax`):
-
-  * the early query chunk i sees key chunks 0..i-1 whole, and chunk i under a causal mask;
-  * the late one, 2cp-1-i, sees chunks 0..2cp-2-i whole, and chunk 2cp-1-i under a mask.
-
-That is 2cp-1 whole pairs on every device (i + 2cp-1-i), run by one fixed-length loop whose
-step s is (early, chunk s) while s < i and (late, chunk s-i) after, plus the two masked
-diagonal pairs: 2cp+1 pairs, the ring's count, with nothing above the diagonal computed.
-
-The backward (a `custom_vjp`, saving only local q, k, v, the output and the log-sum-exp)
-gathers K and V again, recomputes each pair, accumulates dK and dV for the whole sequence in
-fp32, and reduce-scatters them back to their owners: the gathered order puts device d's two
-chunks at positions 2d and 2d+1, so a tiled `psum_scatter` over cp is exactly "send each chunk's
-gradient home".
-
-Communication per call, with one K/V block = B*T/cp*kv_heads*head_dim elements: forward an
-all-gather of K and V (2(cp-1) blocks received), backward the same plus a reduce-scatter of dK
-and dV (2(cp-1) fp32 blocks): the ring's bytes less two fp32 blocks, in six collectives per
-layer (four all-gathers, two reduce-scatters) whatever cp is, where the ring's permutes grow with
-cp, and with no step waiting on a neighbour. The price is memory: the gathered K/V (and, in the
-backward, their fp32 gradients) are the whole sequence's, O(T) per device where the ring holds
-two blocks.
-
-The collectives themselves run in shard_maps nested manual over tp as well (`_over_tp`): XLA
-would otherwise gather the kv-heads over tp before each one.
+Device i's early chunk i sees key chunks 0..i-1 whole, its late chunk 2cp-1-i chunks 0..2cp-2-i:
+2cp-1 whole pairs, run by one fixed-length loop (step s: (early, s) while s < i, then (late, s-i)),
+plus the two masked diagonal pairs. The backward recomputes each pair and reduce-scatters the
+whole sequence's fp32 dK/dV home: the gathered order puts device d's chunks at 2d and 2d+1, so a
+tiled `psum_scatter` sends each chunk's gradient to its owner. Costs against the ring:
+ARCHITECTURE.md, "Three context-parallel strategies on one layout".
 """
 from __future__ import annotations
 
@@ -67,13 +44,8 @@ def _diagonal(i: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> list[tuple[i
 
 
 def _over_tp(collective: Callable, mesh: Mesh) -> Callable:
-    """`collective` ([B, n, c, KV, D] -> ...) manual over tp too, the kv-heads split.
-
-    Left automatic, tp would be gathered first: XLA's partitioner replicates the operand of an
-    all-gather or reduce-scatter over the axes a shard_map leaves to it (a permute it keeps
-    split). The nested shard_map holds the collective alone, so autodiff and the layer scan's
-    loop-invariant hoisting never look inside it.
-    """
+    """`collective` ([B, n, c, KV, D] -> ...) manual over tp too (left automatic, XLA gathers the
+    kv-heads over tp first); it holds the collective alone, so autodiff never looks inside."""
     heads = P(None, None, None, TP)
     return lambda x: rules.per_device(collective, mesh, heads, heads)(x)
 

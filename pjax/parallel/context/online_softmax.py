@@ -1,13 +1,9 @@
-"""Attention over chunk pairs with an online softmax: the arithmetic the context-parallel
-strategies that split attention into blocks share (the ring, and all-gather).
+"""Attention over chunk pairs with an online softmax: the arithmetic the ring and all-gather share.
 
-A device's queries, keys and values are cut into chunks along the sequence: q becomes
-[B, n, c, KV, G, D] (queries viewed as [kv_heads, group], so GQA never repeats K/V) and k, v
-[B, n, c, KV, D]. The forward folds one (query chunk, key chunk) pair at a time into a running
-(out, max, sum) per query -- FlashAttention's online softmax -- and ends with the log-sum-exp,
-which is all the backward needs: it recomputes each pair's probabilities from it and adds that
-pair's dQ, dK and dV. Which pairs to fold, in what order and with which mask is the strategy's
-business; every function here is one chunk pair, with chunk indices that may be traced.
+q is [B, n, c, KV, G, D] (GQA as [kv_heads, group], never repeating K/V), k and v [B, n, c, KV, D].
+The forward folds one (query chunk, key chunk) pair at a time into a running (out, max, sum) and
+ends with the log-sum-exp, from which the backward recomputes each pair. Which pairs, in what
+order and with which mask is the strategy's business; chunk indices may be traced.
 """
 from __future__ import annotations
 
@@ -97,17 +93,12 @@ def fold_grad(grads, q, k, v, do, lse, delta, qh, kh, visible):
 
 
 def recomputing_vjp(forward: Callable, backward: Callable, mesh: Any) -> Callable:
-    """attend(q, k, v, q_pos, kv_pos) -> out, from per-device functions run over cp
-    (`mesh.rules.per_device`): `forward` -> (out, lse) and `backward`(q, k, v, q_pos, kv_pos,
-    out, lse, d_out) -> (dq, dk, dv), which recomputes the scores from the lse.
-
-    The custom_vjp sits outside the shard_maps: lse leaves the forward as an ordinary output with
-    a known sharding, and autodiff never transposes a shard_map (nested in the step's or a
-    pipeline stage's, Shardy's verifier refuses its residuals' shardings).
-    """
+    """attend(q, k, v, q_pos, kv_pos) -> out from per-device `forward` -> (out, lse) and
+    `backward`(q, k, v, q_pos, kv_pos, out, lse, d_out) -> (dq, dk, dv). The custom_vjp sits outside
+    the shard_maps, so autodiff never transposes a nested one (ARCHITECTURE.md says why)."""
     seq = P(None, CP)  # every argument and result is [B, T or chunks, ...] split over cp on axis 1
 
-    def run(fn: Callable, out_specs: Any) -> Callable:  # called while tracing: reads the context mesh
+    def run(fn: Callable, out_specs: Any) -> Callable:
         return rules.per_device(fn, mesh, seq, out_specs)
 
     @jax.custom_vjp

@@ -1,24 +1,9 @@
 """Ring attention over `cp`: K/V blocks passed around with `ppermute` (`context.strategy=ring`).
 
-The sequence is split over the mesh axis `cp` in the zigzag layout (zigzag.py). Each device
-keeps its queries; key/value blocks travel around a ring (device i sends to i+1), and each
-device folds the chunk pairs of every block it receives into its queries' running softmax
-(online_softmax.py). No device ever holds more than two K/V blocks, so attention memory per
-device is O(T/cp). Only the two diagonal pairs of the device's own block (step 0) carry a mask.
-The contiguous layout, kept for comparison, computes every block and masks: equal work per
-device, but about twice the necessary total.
-
-Memory in the backward pass. Autodiff through the ring would keep every received K/V block
-for the backward (memory growing with cp). A `jax.custom_vjp` saves only the local q, k, v, the
-output and the log-sum-exp, and runs a second ring in the backward: K/V travel again, block
-scores are recomputed, dQ stays home, and dK/dV (fp32) travel with their blocks and arrive
-back at their owner after the last step.
-
-Communication per ring attention call, with one K/V block = B*T/cp*kv_heads*head_dim elements:
-forward 2*(cp-1) block sends (K and V); backward 2*(cp-1) again plus 2*cp fp32 dK/dV sends.
-K/V travel with their original kv-heads: grouped-query attention is computed by viewing the
-queries as [kv_heads, group], never by repeating K/V. The `shard_map` is manual over cp only,
-so dp (batch) and tp (heads) stay automatic inside it.
+Each device keeps its zigzag queries and folds the pairs of every K/V block it receives into
+their online softmax, holding at most two blocks; only its own block (step 0) needs a mask. K/V
+travel with their kv-heads (queries viewed as [kv_heads, group]). The backward is a second ring
+with dK/dV (fp32) travelling beside their blocks (ARCHITECTURE.md, "Zigzag ring attention").
 """
 from __future__ import annotations
 
@@ -43,13 +28,10 @@ LAYOUTS = ("zigzag", "contiguous")  # contiguous: masked instead of skipped, for
 
 def _pairs(layout: str, i: jax.Array, j: Any, first: bool, q_pos: jax.Array, kv_pos: jax.Array):
     """(query chunk, key chunk, visible) to compute this ring step; visible=None means all of it.
-
-    Masks only ever come from the device's own block (step 0), so local positions suffice.
-    """
+    Masks come only from the own block (step 0), so local positions suffice."""
     if layout == "zigzag":
         return [(qh, kh, causal(q_pos, kv_pos, qh, kh) if masked else None)
                 for qh, kh, masked in zigzag_pairs(i, j, first)]
-    # Contiguous: one chunk per device; a block is entirely visible iff it comes from a lower rank.
     return [(0, 0, causal(q_pos, kv_pos, 0, 0) if first else j < i)]
 
 
@@ -59,12 +41,8 @@ def _shift(x: Any, cp: int) -> Any:
 
 
 def _ring_loop(step: Callable, carry: Any, kv: Any, cp: int) -> Any:
-    """carry = step(carry, kv_j, s, first) for s = 0..cp-1, kv_j the K/V of device j = i - s.
-
-    The next block is sent while the current one is used (independent ops XLA can overlap), and
-    the last step sends nothing: cp-1 sends in all. A `fori_loop` keeps one block in flight,
-    whatever cp is.
-    """
+    """carry = step(carry, kv_j, s, first) for s = 0..cp-1, kv_j the K/V of device j = i - s; the
+    next block is sent while the current one is used, so XLA can overlap them."""
     if cp == 1:
         return step(carry, kv, 0, True)
     nxt = _shift(kv, cp)
@@ -87,8 +65,7 @@ def _forward(q, k, v, q_pos, kv_pos, cp: int, layout: str):
     i = lax.axis_index(CP)
 
     def step(acc, kv, s, first):
-        # The first step is the own (diagonal) block, so every query row has seen a key, and has
-        # a finite running max, before any fully masked block (contiguous layout) arrives.
+        # The own block comes first, so every row has a finite running max before a fully masked one.
         for qh, kh, visible in _pairs(layout, i, (i - s) % cp, first, qp, kp):
             acc = fold(acc, qs, *kv, qh, kh, visible)
         return acc
@@ -107,7 +84,7 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, layout: str):
     def step(carry, kv, s, first):
         dq, dkv = carry
         if not first:
-            dkv = _shift(dkv, cp)  # block j's dK/dV, accumulated by the devices before, follow it
+            dkv = _shift(dkv, cp)  # block j's dK/dV follow it
         grads = (dq, *dkv)
         for qh, kh, visible in _pairs(layout, i, (i - s) % cp, first, qp, kp):
             grads = fold_grad(grads, qs, *kv, dos, lse, delta, qh, kh, visible)
@@ -116,25 +93,18 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, layout: str):
     zeros_kv = jnp.zeros_like(ks, dtype=F32)
     dq, dkv = _ring_loop(step, (jnp.zeros_like(qs, dtype=F32), (zeros_kv, zeros_kv)), (ks, vs), cp)
     if cp > 1:
-        dkv = _shift(dkv, cp)  # after step cp-1 device i holds block i+1's gradients: send them home
+        dkv = _shift(dkv, cp)  # device i holds block i+1's gradients: send them home
     dk, dv = (d.astype(k.dtype).reshape(k.shape) for d in dkv)
     return dq.astype(q.dtype).reshape(q.shape), dk, dv
 
 
 def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = True) -> AttentionFn:
-    """An `AttentionFn` for sequences split over `cp` in `layout` (the batch's positions must
-    follow it: the DataIterator with `sequence_layout=zigzag_layout(cp)` does that).
-
-    `custom_backward=False` lets autodiff differentiate the forward ring instead (it stores every
-    received K/V block; kept to measure what the custom backward saves).
-    """
+    """An `AttentionFn` for sequences split over `cp` in `layout`; `custom_backward=False` lets
+    autodiff differentiate the forward ring (storing every block), to measure what the custom one saves."""
     if layout not in LAYOUTS:
         raise ConfigError(f"context-parallel layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}.")
     cp = mesh.shape[CP]
     chunks = 2 * cp if layout == "zigzag" else cp
-    # Every argument and result is [B, T or chunks, ...] with that axis split over cp (the local
-    # lse [B, n, c, KV, G] concatenates over devices on axis 1 too); batch and heads stay
-    # automatic, so dp and tp keep working inside.
     seq = P(None, CP)
 
     forward, backward = (functools.partial(f, cp=cp, layout=layout) for f in (_forward, _backward))

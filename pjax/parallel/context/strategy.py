@@ -1,10 +1,5 @@
-"""`context.strategy`: which of the three ways to attend across the cp split a run uses.
-
-All three take the same zigzag layout (zigzag.py), so the data pipeline does not change with
-the choice: 'ring' (ring.py, the default: K/V blocks passed around), 'all_gather'
-(all_gather.py: K/V gathered once, the same chunk pairs folded locally) and 'ulysses'
-(ulysses.py: all-to-all from sequence-split to head-split and back around the backend's own
-attention). This module sits above them and they import nothing of it.
+"""`context.strategy`: which of the three ways to attend across the cp split a run uses
+(ARCHITECTURE.md, "Three context-parallel strategies on one layout"). The strategies import nothing of it.
 """
 from __future__ import annotations
 

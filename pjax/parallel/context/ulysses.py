@@ -1,28 +1,9 @@
 """Context parallelism by all-to-all over heads (DeepSpeed-Ulysses; `context.strategy=ulysses`).
 
-Outside attention every device holds a slice of the sequence (T/cp tokens, all heads). Around
-attention an all-to-all over cp trades that for the whole sequence and 1/cp of the heads: each
-device sends head group g of its tokens to device g, and receives every device's tokens for its
-own group. Attention is then ordinary local causal attention over the full sequence (the
-backend's own: blocked on CPU, cuDNN on GPU, with its own backward), and a second all-to-all
-trades back. The exchanges only move elements, so each one's transpose is the other: the
-backward is the same two exchanges in reverse order, around the local attention's backward.
-
-The sequence arrives in the zigzag layout the data pipeline uses for every strategy; after the
-all-to-all the tokens are in device order (0, 2cp-1, 1, 2cp-2, ...) and a local reshuffle puts
-them in order, so the local kernel's causal mask is the plain one.
-
-Heads are split over tp too, and the exchange must not cross tp devices: each tp device splits
-its own heads over cp, so `num_attention_heads / tp` must be divisible by cp. The heads are
-viewed as [kv_heads/cp, cp, group] with tp on the first dimension and the all-to-all on the
-second, so a device receives whole GQA groups (queries with their kv-head). Where a tp device
-has fewer kv-heads than cp, each is repeated until it has cp of them.
-
-Communication per call: the all-to-all of q, k, v and the output forward, and of their
-gradients backward, each moving (cp-1)/cp of the tensor a device holds. Unlike the ring's,
-these bytes do not grow with cp at a fixed sequence per device, and there is no loop. The
-positions are all-gathered too, for local attention that reads them (the reference); the
-blocked and cuDNN kernels assume tokens in order, and XLA drops the unused gather.
+An all-to-all over cp trades each device's T/cp tokens of all heads for all T tokens of 1/cp of
+the heads, the backend's own attention runs on whole sequences, and a second all-to-all trades
+back; the zigzag chunks arrive in device order and are put in order, so the causal mask is the
+plain one. ARCHITECTURE.md, "Three context-parallel strategies on one layout", has the costs.
 """
 from __future__ import annotations
 
@@ -68,8 +49,7 @@ def _reorder(x: jax.Array, order: np.ndarray) -> jax.Array:
 
 
 def _to_heads(x: jax.Array, cp: int) -> jax.Array:
-    """Per device: [B, T/cp, A, cp, g, D] -> [1, B, T, A*g, D], head group i of every device's
-    tokens on device i, the tokens in order."""
+    """Per device: [B, T/cp, A, cp, g, D] -> [1, B, T, A*g, D], head group i of every device's tokens on device i."""
     b, t, a, _, g, d = x.shape
     x = lax.all_to_all(x, CP, split_axis=3, concat_axis=1, tiled=True)
     return _reorder(x.reshape(b, t * cp, a * g, d), np.argsort(_device_order(cp)))[None]
@@ -93,19 +73,15 @@ def _with_transpose(f: Callable, f_t: Callable) -> Callable:
 
 
 def _gather_positions(q_pos: jax.Array, cp: int) -> jax.Array:
+    """For a local attention that reads positions (the reference); XLA drops it where unused."""
     return _reorder(lax.all_gather(q_pos, CP, axis=1, tiled=True), np.argsort(_device_order(cp)))[None]
 
 
 def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
     """An `AttentionFn` for sequences split over `cp` (zigzag), attending with `local` per head group."""
     cp, tp = mesh.shape[CP], mesh.shape[TP]
-    # Outside: [B, T, ...] with the sequence split over cp. Between the exchanges: a leading axis
-    # of one head group per cp device, so attention runs outside any shard_map, heads automatic
-    # over tp. The exchanges run manual over tp as well (XLA's partitioner would otherwise gather
-    # the heads over tp before each all-to-all) and carry their own transposes: shard_map's
-    # transpose rule, nested in another shard_map, emits shardings Shardy's verifier refuses
-    # (the same reason the ring has a custom_vjp outside its shard_maps). They hold nothing but
-    # data movement, so no constant inside them is hoisted out of the layer scan either.
+    # Between the exchanges a leading axis holds one head group per cp device, so attention runs
+    # outside any shard_map; the exchanges are manual over tp and carry their own transposes.
     seq, heads, group, group_heads = P(None, CP), P(None, CP, TP), P(CP), P(CP, None, None, TP)
 
     def exchanges(g: int) -> tuple[Callable, Callable]:
@@ -120,12 +96,11 @@ def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
         del kv_pos  # the model attends within one sequence: the keys are the queries' tokens
         b, t, h, d = q.shape
         kv = k.shape[2]
-        if (kv // tp) % cp:  # fewer kv-heads per tp device than cp: repeat each so head group g finds its own
+        if (kv // tp) % cp:  # fewer kv-heads per tp device than cp: repeat each
             k, v = (jnp.repeat(x, cp * tp // kv, axis=2) for x in (k, v))
             kv = k.shape[2]
-        # Heads as [kv/cp, cp, group]: the all-to-all splits the cp-sized dimension and tp stays
-        # on the first, so the exchange never crosses tp devices; a query head and its kv-head
-        # share their (kv/cp, cp) indices, so every device gets whole GQA groups.
+        # Heads as [kv/cp, cp, group], tp on the first: the exchange never crosses tp devices, and a
+        # query head shares its kv-head's (kv/cp, cp) indices, so devices get whole GQA groups.
         a = kv // cp
         q_heads, q_back = exchanges(h // kv)
         kv_heads = exchanges(1)[0]
