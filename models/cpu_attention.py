@@ -1,29 +1,11 @@
 """Causal attention in query blocks with a hand-written backward: the formulation XLA:CPU runs fast.
 
-XLA:CPU has no fused attention kernel, and the obvious [T, T] formulation computes the whole
-masked upper triangle and then runs its softmax and backward through generic fusions (measured
-~23 GFLOP/s here, against ~190 for the MLP matmuls). Four changes recover most of that:
-
-1. Query blocks: block i (queries [i*b, (i+1)*b)) attends only to keys [0, (i+1)*b). With n
-   blocks that is (n+1)/2n of the square (5/8 for n=4): the masked part is skipped, not computed.
-   Only the diagonal tile needs a mask, added as a constant bias.
-2. GQA by grouping the query heads per kv-head instead of repeating K/V.
-3. Head-major layouts made once per call: queries as [B, KV, T*G, D] rows in (t, g) order, so a
-   query block is one contiguous slice and every block's matmuls are plain batched matmuls with
-   no transposes of their own (the token-major einsums copied q, k and v for every block: ~45%
-   of the attention time went to copies).
-4. A `custom_vjp` that keeps the softmax probabilities of each block and writes the backward
-   as plain matmuls (flash-attention's algebra without the tiling): dV = P^T dO,
-   dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q, with dK and dV built
-   transposed so that no dot contracts over the leading dimension of both operands.
-
-Measured on this 2-core machine (B=4, T=256, 8 heads / 4 kv-heads of 32, fwd+bwd per layer):
-~11 ms for the token-major blocked form, ~6 ms for this one; PyTorch's fused CPU kernel
-(`scaled_dot_product_attention`) takes ~5.3 ms.
-
-Assumes the standard causal layout (query t sees keys 0..t, positions = 0..T-1 in order), which
-is how the model calls attention without context parallelism; the ring-attention path handles
-permuted layouts.
+XLA:CPU has no fused attention, and the [T, T] form computes the masked upper triangle and runs
+its softmax through generic fusions (benchmarks/README.md has the figures). Here: query block i
+attends only to keys [0, (i+1)*b), so only the diagonal tile needs a mask; GQA groups the query
+heads per kv-head; layouts are made head-major once per call, so every block is a plain batched
+matmul; and a `custom_vjp` keeps each block's probabilities and writes the backward as matmuls.
+Assumes the standard layout (positions 0..T-1 in order); context parallelism handles permuted ones.
 """
 from __future__ import annotations
 
@@ -101,18 +83,14 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
                              block: int = 64) -> jax.Array:
-    """Causal GQA attention for the standard layout. q: [B, T, H, D]; k, v: [B, T, KV, D].
-
-    The positions are not read: the layout is 0..T-1 by contract (see the module docstring).
-    """
+    """Causal GQA attention for the standard layout (positions not read). q: [B, T, H, D]; k, v: [B, T, KV, D]."""
     b, t, h, d = q.shape
     kv = k.shape[2]
-    # The largest block <= `block` that divides T; tiny blocks would only add overhead.
+    # The largest block <= `block` that divides T.
     block = max(n for n in range(1, min(block, t) + 1) if t % n == 0)
     if block < min(16, t):
         return reference_attention(q, k, v, q_pos, kv_pos)
-    # Head-major once per call: [B, KV, T*G, D] query rows (each block of queries is then one
-    # contiguous slice) and [B, KV, T, D] keys/values; no per-block transposes remain.
+    # Head-major once per call: each block of queries is then one contiguous slice.
     rows = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * (h // kv), d)
     head_major = lambda x: x.transpose(0, 2, 1, 3)
     out = _blocked(rows, head_major(k), head_major(v), block)

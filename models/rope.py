@@ -11,20 +11,12 @@ from models.config import LlamaConfig
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
-    """RoPE's [Dh/2] inverse frequencies (radians per position) in fp32, scaled as `cfg.rope_type` says.
-
-    The same float32 operations, in the same order, as transformers' `ROPE_INIT_FUNCTIONS`
-    (modeling_rope_utils.py), so that imported checkpoints give its logits. Every input is a
-    constant of the config, not of the data.
-    """
+    """RoPE's [Dh/2] inverse frequencies in fp32, scaled as `cfg.rope_type` says, in transformers' operations and order."""
     dh = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
     if cfg.rope_type == "linear":  # position interpolation: position p rotates as p / factor did
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
-        # Llama 3.1: wavelengths longer than the pre-training context / low_freq_factor (never a full
-        # turn within it) are interpolated by 1/factor; those shorter than context / high_freq_factor
-        # (many turns: local position) are kept; in between, a linear ramp in context / wavelength.
         factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
         context = cfg.rope_original_max_position_embeddings
         wavelen = 2 * math.pi / inv_freq
@@ -37,13 +29,8 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's rotation angles, [B, T, Dh/2] in fp32 each.
-
-    Computed once per forward pass and shared by every layer (and by q and k). The barrier keeps
-    them one small computation: without it XLA:CPU fuses cos and sin into every consumer and
-    evaluates them per head and per use, forward and backward (6% of a layer's time at the
-    picotron-cpu shape).
-    """
+    """cos and sin of each position's angles, [B, T, Dh/2] fp32, once per forward pass behind a
+    barrier (ARCHITECTURE.md, "RoPE tables once per forward pass, behind a barrier")."""
     freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
     return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
 
