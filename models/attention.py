@@ -1,10 +1,6 @@
 """Causal grouped-query attention: the `AttentionFn` every attention call goes through, and
-`select_attention`, which picks the implementation a run uses.
-
-The implementations sit below this module (reference_attention.py, cpu_attention.py,
-chunked_attention.py; cuDNN's fused kernel is here) and import nothing of it. Context
-parallelism passes its own `AttentionFn` (pjax/parallel/context/); nothing else in the model
-knows how attention is computed.
+`select_attention`, which picks the implementation a run uses. The implementations import nothing
+of this module; context parallelism passes its own `AttentionFn` (pjax/parallel/context/).
 """
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ class AttentionFn(Protocol):
 
 
 def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
-    """The attention implementation: 'reference', 'blocked' (fast on XLA:CPU), 'chunked' (keeps
-    no scores for the backward: long sequences without a fused kernel) or 'cudnn' (GPU).
-
-    'auto' picks cuDNN's fused kernel on GPU and the blocked form elsewhere.
-    """
+    """'reference', 'blocked' (fast on XLA:CPU), 'chunked' (no scores kept for the backward) or
+    'cudnn' (GPU); 'auto': cuDNN on GPU, blocked elsewhere."""
     if impl == "auto":
         impl = "cudnn" if jax.default_backend() == "gpu" else "blocked"
     if impl == "reference":
@@ -65,9 +58,7 @@ def cudnn_supported(q: jax.Array) -> bool:
 
 
 def _cudnn_attention(q, k, v, q_pos, kv_pos):
-    # cuDNN's fused kernel handles GQA and the causal mask itself; it assumes contiguous positions.
-    # The implementation is named: `implementation=None` means XLA's unfused form (scores and
-    # probabilities materialised in memory), not "cuDNN where possible".
+    # Assumes contiguous positions; named, not None (ARCHITECTURE.md, "cuDNN attention asked for by name").
     del q_pos, kv_pos
     impl = "cudnn" if cudnn_supported(q) else "xla"
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

@@ -1,29 +1,8 @@
 """LLaMA in Flax (Linen): RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings.
 
-Every parameter is declared once, with its shape, initializer and logical axis names
-('embed', 'heads', 'mlp', ...); `mesh.rules` maps those names to mesh axes. The decoder
-layers' parameters are stacked along a leading 'layers' dimension and run with `jax.lax.scan`
-(one compiled layer body instead of L copies; pipeline stages slice this stack).
-
-Parameter tree (shapes for hidden D, heads H, kv-heads K, head_dim Dh, MLP F, vocab V, layers L):
-    embed/embedding     [Vp, D]         ('vocab', 'embed')
-    layers/attn_norm    [L, D]          ('layers', 'embed')
-    layers/wq           [L, D, H, Dh]   ('layers', 'embed', 'heads', 'head_dim')
-    layers/wk, wv       [L, D, K, Dh]   ('layers', 'embed', 'kv_heads', 'head_dim')
-    layers/wo           [L, H, Dh, D]   ('layers', 'heads', 'head_dim', 'embed')
-    layers/mlp_norm     [L, D]
-    layers/w_gate, w_up [L, D, F]       ('layers', 'embed', 'mlp')
-    layers/w_down       [L, F, D]       ('layers', 'mlp', 'embed')
-    final_norm/scale    [D]             ('embed',)
-    lm_head/kernel      [D, Vp]         ('embed', 'vocab')   (absent with tied embeddings)
-
-Vp is the vocabulary padded to a multiple of `make_vocab_size_divisible_by` (as Megatron does), so
-that it splits over tp: the padded rows are never looked up, and their logits are masked to -inf
-(`mask_padded_vocab`), so the model computes exactly what an unpadded one would.
-
-Activations entering and leaving every matmul are 2-D, [B*T, D] ('tokens', 'embed'): on
-XLA:CPU 3-D activations make the weight-gradient contractions over (B, T) materialise large
-transposes; on GPU it costs nothing. Attention alone sees [B, T, heads, Dh].
+Each parameter is declared once with its logical axis names (`mesh.rules` maps them to mesh axes);
+the layers are stacked along 'layers' and scanned; matmul activations are 2-D [B*T, D]; the
+vocabulary is padded to split over tp, its padded logits masked. ARCHITECTURE.md says why of each.
 """
 from __future__ import annotations
 
@@ -71,10 +50,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array],
                  taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """x: [B*T, D]; positions: [B, T] (for the attention mask); tables: `rope_tables(positions)`;
-        taps: per projection, a zero tap that takes its weight gradients out of the backward
-        (`models/deferred_grads.py`). Returns the new x and, for an MoE layer, its router
-        statistics (None for a dense one)."""
+        """x: [B*T, D]; positions: [B, T]; tables: `rope_tables(positions)`; taps: `models/deferred_grads.py`.
+        Returns the new x and an MoE layer's router statistics (None for a dense one)."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -84,7 +61,7 @@ class DecoderLayer(nn.Module):
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
         mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
-        # MoE: a stack of expert MLPs (in a shard_map manual over dp, this device's E/dp of them)
+        # MoE: in a shard_map manual over dp, this device's E/dp experts
         e = (c.num_local_experts // manual_size(jax.sharding.get_abstract_mesh(), DP),) if c.num_local_experts else ()
         experts = ("experts",) if e else ()
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
@@ -93,8 +70,6 @@ class DecoderLayer(nn.Module):
         cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
-        # Projections by site (models/deferred_grads.py: SITES); `taps` (zero-bubble pipelines,
-        # dense layers) leave their weight gradients to the pipeline's W item.
         if sp and taps is not None:
             column = lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site])
             row = lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site])
@@ -107,13 +82,9 @@ class DecoderLayer(nn.Module):
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
-        # Attention. q/k/v are column-parallel (heads split over tp), o is row-parallel: XLA's
-        # partitioner inserts the one all-reduce after `wo` that Megatron writes by hand (under
-        # sequence parallelism the ops write their all-gather and reduce-scatter themselves).
-        # checkpoint_name tags (models/remat.py: NAMES) are for train.remat=names; outside jax.checkpoint
-        # they are the identity. They go on the projections' outputs, outside any custom_vjp form.
+        # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`. checkpoint_name
+        # tags (train.remat=names) go on the projections' outputs, outside any custom_vjp form.
         y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps), "attn_norm")
-        # Heads and head_dim merge into one matmul dimension ([D, H, Dh] -> [D, H*Dh]) and split again.
         q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
         q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
@@ -125,15 +96,12 @@ class DecoderLayer(nn.Module):
         o = checkpoint_name(row(o, cast(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
         x = x + constrain(o, residual)
 
-        # SwiGLU MLP: gate/up column-parallel, down row-parallel. MoE: routed to experts (models/moe.py).
         y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps), "mlp_norm")
         if e:
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
                 return x, None
-            # Under sequence parallelism the experts see every token of the (dp, cp) block; their
-            # down projection's partial sums are still all-reduced over tp (by XLA, inside the
-            # experts' shard_map), and the residual stream takes its slice of the result.
+            # Under sequence parallelism the experts see every token of the (dp, cp) block.
             y = constrain(y, ("tokens", "embed"))
             down, stats = moe_mlp(y, {"router": router, "w_gate": w_gate, "w_up": w_up, "w_down": w_down},
                                   top_k=c.num_experts_per_tok, routing=self.moe.routing,
@@ -179,8 +147,7 @@ def _boxed_init(cfg: LlamaConfig, rng: jax.Array) -> Params:
     tokens = jnp.zeros((1, 1), jnp.int32)
     x, pos = jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, 1), jnp.int32)
     layer = DecoderLayer(cfg)
-    # vmap over per-layer keys stacks each parameter along a new leading dim; the box keeps the
-    # per-layer names, so prepend 'layers' to them.
+    # vmap stacks each parameter along a new leading dim; the box keeps the per-layer names.
     tables = rope_tables(pos, cfg)
     init_one = lambda k: layer.init(k, x, pos, tables)["params"]
     stacked = jax.vmap(init_one)(jax.random.split(k_layers, cfg.num_hidden_layers))
@@ -204,10 +171,7 @@ def param_logical_axes(cfg: LlamaConfig) -> Params:
 
 
 def init_params(cfg: LlamaConfig, rng: jax.Array) -> Params:
-    """Random fp32 parameters (HF's init: normal(initializer_range) weights, unit norms).
-
-    Call under `jax.jit(..., out_shardings=...)` to create them already sharded.
-    """
+    """Random fp32 parameters (HF's init); under `jax.jit(..., out_shardings=...)` created sharded."""
     return nn.meta.unbox(_boxed_init(cfg, rng))
 
 
@@ -233,12 +197,9 @@ def decoder_layer(cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
 def apply_layers(layer: DecoderLayer, layer_params: Params, x: jax.Array, positions: jax.Array, *,
                  remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES, scan: bool = True,
                  taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
-    """Apply a stack of `layer`s (any number: the whole model or one pipeline stage).
-    Returns the output and, for MoE layers, their router statistics summed over the layers.
-    `remat` is the policy on each layer's body; with 'names', `remat_names` are the activations kept.
-    `taps` (stacked per layer, `deferred_grads.layer_taps`) defer the projections' weight gradients.
-    Unrolled (`scan=False`), `layer_params` and `taps` may also be lists of per-layer trees: a
-    pipeline stage slices them outside its VJP, so the slices are not kept as residuals."""
+    """Apply a stack of `layer`s (the whole model or one pipeline stage): the output and the MoE
+    router statistics summed over the layers. Unrolled (`scan=False`), `layer_params` and `taps` may
+    be lists of per-layer trees: a pipeline stage slices them outside its VJP, keeping no slices."""
     tables = rope_tables(positions, layer.cfg)
 
     def body(h, p_taps):
@@ -248,12 +209,12 @@ def apply_layers(layer: DecoderLayer, layer_params: Params, x: jax.Array, positi
     if remat != "none":
         body = jax.checkpoint(body, policy=policy(remat, remat_names), prevent_cse=not scan)
     if scan:
-        x, stats = jax.lax.scan(body, x, (layer_params, taps))  # stats: stacked per layer (None: dense)
+        x, stats = jax.lax.scan(body, x, (layer_params, taps))
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
     layer_i = lambda tree, i: tree[i] if isinstance(tree, list) else jax.tree.map(lambda a: a[i], tree)
     n = len(layer_params) if isinstance(layer_params, list) else jax.tree.leaves(layer_params)[0].shape[0]
     stats = []
-    for i in range(n):  # unrolled: more compile time, sometimes faster on CPU for few layers
+    for i in range(n):
         x, s = body(x, (layer_i(layer_params, i), layer_i(taps, i)))
         stats.append(s)
     return x, (jax.tree.map(lambda *s: sum(s), *stats) if layer.cfg.num_local_experts else None)
@@ -272,27 +233,22 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
 
 def final_hidden(params: Params, tokens: jax.Array, positions: jax.Array, cfg: LlamaConfig, **kw
                  ) -> tuple[jax.Array, RouterStats | None]:
-    """Embedding, all decoder layers and the final norm: [B, T] ids -> [B*T, D] hidden states, and
-    the MoE layers' router statistics summed over the layers (None for a dense model)."""
+    """Embedding, decoder layers and final norm: [B, T] ids -> [B*T, D] hidden states, router statistics."""
     x0 = embed(params, tokens, cfg, kw.get("dtype", jnp.float32), kw.get("sequence_parallel", False))
     x, stats = run_layers(params["layers"], x0, positions, cfg, **kw)
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), stats
 
 
 def output_kernel(params: Params, cfg: LlamaConfig) -> jax.Array:
-    """The [D, Vp] output projection (the embedding table's transpose when tied), padded vocabulary
-    included: mask its logits with `mask_padded_vocab`."""
+    """The [D, Vp] output projection (tied: the embedding's transpose); mask its logits with `mask_padded_vocab`."""
     if cfg.tie_word_embeddings:
         return params["embed"]["embedding"].T
     return params["lm_head"]["kernel"]
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
-    """Logits [..., Vp] with the padded vocabulary's entries at -inf: they take no probability mass
-    (exp(-inf) = 0), receive no gradient, and argmax never picks them. Free when nothing is padded.
-
-    Works on a vocab-parallel slice too: the iota is over the global vocabulary dimension, which
-    XLA's partitioner offsets per tp shard."""
+    """Logits [..., Vp] with the padded entries at -inf; on a vocab-parallel slice too (the iota is
+    global, and XLA's partitioner offsets it per tp shard)."""
     if logits.shape[-1] == vocab_size:
         return logits
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

@@ -1,9 +1,7 @@
 """How a decoder layer multiplies one input by its weight matrices (q, k, v share one; gate, up another).
 
-`transposed_projection` takes the weight gradients from one x^T per input, since XLA:CPU runs the
-transposed-left x^T @ g slowly (ARCHITECTURE.md, "Weight gradients from a transposed input").
-Under tp > 1 both forms take dx from one dot over the operands merged along F, which tp all-reduces
-once (ARCHITECTURE.md, "One all-reduce per shared input under TP"). Remat keeps the plain form: the
+ARCHITECTURE.md says why: "Weight gradients from a transposed input" (`transposed_projection`)
+and "One all-reduce per shared input under TP" (`merge_over_tp`). Remat keeps the plain form: the
 `dots` policies choose by primitive, and a `custom_vjp` call is no dot.
 """
 from __future__ import annotations
@@ -24,8 +22,7 @@ def _tp() -> int:
 
 
 def merge_over_tp(arrays: Sequence[jax.Array], tp: int) -> jax.Array:
-    """[..., F_i] arrays split over tp on the last dimension -> [..., sum F_i], each device's blocks
-    side by side: a concatenation that moves nothing between devices."""
+    """[..., F_i] arrays split over tp -> [..., sum F_i], each device's blocks side by side (local)."""
     lead = arrays[0].shape[:-1]
     return jnp.concatenate([a.reshape(*lead, tp, a.shape[-1] // tp) for a in arrays], axis=-1).reshape(*lead, -1)
 
