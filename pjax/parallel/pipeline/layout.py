@@ -1,6 +1,5 @@
-"""Which model stage each chunk of each pipeline device holds: round robin (interleaved, stage
-c*p + s) or a V (zb_v, stages s and 2p - 1 - s). The stored layer stack is in pipeline order, each
-device's rows holding its chunks, so nothing is re-laid-out per step; checkpoints store model order.
+"""Which model stage each chunk of each pipeline device holds: round robin (interleaved) or a V
+(zb_v). The stored layer stack is in pipeline order, so nothing is re-laid-out per step; checkpoints store model order.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots.
 
-The executor (`pipeline/executor.py`) moves one *activation* from stage to stage: the hidden
-states x [B*T, D], and for a Mixture-of-Experts model the router statistics of the layers run so
-far (`models.moe.RouterStats`: [E] sums, a few hundred bytes). The statistics travel because
-the load-balancing loss couples every MoE layer of the model: the last stage needs all of them
-to compute it, and its gradient (d loss / d each expert's probability sum) is needed by every
-stage's router. So the forward carries the sums on with the activation, and the backward
-carries their cotangent back with the activation's: each stage adds its own layers' sums
-(`layers(w, (x, stats)) = (y, stats + its sums)`), whose VJP passes the statistics' cotangent
-through unchanged and into its routers. A dense model's statistics are `()`: the same code
-moves nothing more.
+The activation passed between stages is the hidden states and, for MoE, the router statistics so
+far (ARCHITECTURE.md, "MoE in a pipeline: the router statistics travel with the activations");
+a dense model's statistics are `()`, so the same code moves nothing more.
 """
 from __future__ import annotations
 
@@ -29,8 +22,7 @@ Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: Rou
 
 
 def varying(x: Any) -> Any:
-    """`x` (an array or a tree) typed as varying over every manual axis of the shard_map it is in
-    (pp; dp and cp too when the pipeline reduces gradients once), whatever it varied over before."""
+    """`x` (an array or a tree) cast to varying over every manual axis of the enclosing shard_map."""
     manual = jax.sharding.get_abstract_mesh().manual_axes
 
     def cast(a):
@@ -41,23 +33,22 @@ def varying(x: Any) -> Any:
 
 
 class Stage(NamedTuple):
-    dtype: Any  # the compute dtype: activations, cotangents and the weights a stage runs with
+    dtype: Any
     shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see the executor)
     embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
-    no_stats: Callable[[], Any]  # the router statistics before the first layer (zeros; () when dense)
+    no_stats: Callable[[], Any]
     layers: Callable[..., Activation]  # (chunk weights, activation, positions[, taps: models/deferred_grads.py])
     loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
-    head_keys: tuple[str, ...]  # the shared parameters the loss reads (its gradient's keys)
+    head_keys: tuple[str, ...]  # the shared parameters the loss reads
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
     weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
-    scan: bool = True  # layers under lax.scan; unrolled, `layers` takes per-layer lists (`per_layer`)
+    scan: bool = True  # unrolled, `layers` takes per-layer lists (`per_layer`)
     layer_specs: Any = None  # one layer's weights' specs (its 'layers' dim dropped), like its weights
 
     def per_layer(self, tree: Any) -> Any:
-        """Stacked per-layer weights (or taps) as the stage's VJP takes them: as they are under the
-        layer scan; unrolled, a list of one layer's each, sliced outside the VJP so that its
-        residuals hold no per-micro-batch copies of the weights."""
+        """Stacked weights (or taps) as the VJP takes them; unrolled, per-layer slices taken outside
+        it, so its residuals hold no per-micro-batch copies of the weights."""
         if self.scan:
             return tree
         return [jax.tree.map(lambda a: a[i], tree) for i in range(jax.tree.leaves(tree)[0].shape[0])]
@@ -68,21 +59,16 @@ class Stage(NamedTuple):
 
 
 def scan_lowers(experts: int, data_manual: bool) -> bool:
-    """Whether a layer scan lowers inside the pipeline's shard_map (manual over pp).
-
-    A shard_map inside a `lax.scan` inside it does not: ring attention's (manual over cp, unless
-    cp is manual already) fails Shardy's verifier ("manual axis cp after free axis pp"), and
-    differentiating an MoE layer's expert dispatch (manual over dp, unless dp is manual already)
-    hoists its constants out of the scan with a spec over pp as well. Unrolled, both lower."""
+    """Whether a layer scan lowers inside the pipeline's shard_map. A shard_map in a scan in it
+    does not: ring attention's fails Shardy's verifier ("manual axis cp after free axis pp"), and an
+    MoE dispatch's backward hoists constants out of the scan with a spec over pp. Unrolled, both lower."""
     mesh = jax.sharding.get_abstract_mesh()
     return data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1))
 
 
 def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
-    """A pipeline stage of `spec` (a `pjax.spec.StepSpec`); `scale` (1 / tokens in the global
-    batch) turns the summed loss into the mean. `data_manual`: the executor's shard_map is manual
-    over dp and cp too (ring attention and an MoE layer's dispatch then need no shard_map of
-    their own)."""
+    """A pipeline stage of `spec` (a `pjax.spec.StepSpec`); `scale` (1 / tokens in the global batch)
+    makes the loss a mean; `data_manual`: the executor's shard_map is manual over dp and cp too."""
     cfg, experts = spec.cfg, spec.cfg.num_local_experts
     spec = dataclasses.replace(spec, scan=spec.scan and scan_lowers(experts, data_manual))
 
@@ -116,9 +102,8 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
 
 @dataclasses.dataclass(frozen=True)
 class VjpLayout:
-    """How to store a stage's `jax.vjp` function and rebuild it: its pytree structure, and for
-    each leaf either the index of the weight it is (not stored: the backward has the weights)
-    or None (a residual: stored per micro-batch)."""
+    """How to store a stage's `jax.vjp` function and rebuild it: per leaf, the index of the weight it
+    is (not stored) or None (a residual, stored per micro-batch)."""
 
     treedef: Any
     weight_index: tuple[int | None, ...]
@@ -144,13 +129,12 @@ class VjpLayout:
     def pack(self, vjp_fn: Callable) -> list[jax.Array]:
         leaves = jax.tree.leaves(vjp_fn)
         assert len(leaves) == len(self.weight_index), "the stage's VJP changed structure between traces"
-        # A residual can be a pp-invariant constant; the slot buffers (and the loops carrying them) are varying.
+        # A residual can be a pp-invariant constant; the slot buffers are varying.
         return [varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
 
     def passed_through(self, backward: Callable[[list[jax.Array]], Any]) -> tuple[int | None, ...]:
-        """Per output leaf of `backward(stored residuals)`: the index of the residual it is,
-        unchanged (as a projection's input is in what B leaves W), or None. Under the layer scan
-        such an output is the scan's stack of a residual's slices, one per layer: that counts."""
+        """Per output leaf of `backward(stored residuals)`: the index of the residual it is unchanged
+        (as a projection's input in what B leaves W), also as a layer scan's stack of its slices, or None."""
         stored = [varying(jnp.zeros(s.shape, s.dtype)) for s in self.stored]
         jaxpr = jax.make_jaxpr(lambda res: jax.tree.leaves(backward(res)))(stored).jaxpr
         index = {id(v): k for k, v in enumerate(jaxpr.invars)}
@@ -166,8 +150,7 @@ class VjpLayout:
             if k < carry:  # a carry, not a stacked output
                 return None
             j = next((i for i, u in enumerate(body.invars) if u is body.outvars[k]), None)
-            # A stacked output that is the body's slice of a stacked input (forwards or reversed,
-            # slice i goes to row i) is that input.
+            # A stacked output that is the body's slice of a stacked input is that input.
             return source(eqn.invars[j]) if j is not None and j >= consts + carry else None
 
         return tuple(source(v) for v in jaxpr.outvars)

@@ -1,10 +1,7 @@
 """Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan.
 
-`Pipelined` is the strategy `pjax.step` builds instead of `Accumulation` when pp > 1. It picks
-the table (`table.make_schedule`: AFAB, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, or a
-table of your own), cuts the LLaMA into a stage (`pipeline/stage.py`), and runs the executor
-(`pipeline/executor.py`, which says how a tick works) in a `jax.shard_map` over pp, and over the
-data axes too when each device can keep its own rows' gradients until the end (`_run`).
+`Pipelined` is `pjax.step`'s strategy when pp > 1: it picks the table (`table.make_schedule`),
+cuts the model into a stage (`stage.py`) and runs the executor (`executor.py`) in a shard_map.
 """
 from __future__ import annotations
 
@@ -28,16 +25,13 @@ from pjax.parallel.pipeline.table import make_schedule, needs_lockstep
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,
          zero: int, with_grads: bool = True) -> tuple[jax.Array, Any, dict]:
-    """The executor in a shard_map over pp, and over the data axes dp and cp too when `once`:
-    then each device accumulates its own rows' partial gradients through every tick and they are
-    reduced once, after the scan (`data_parallel.reduce_gradients`), where with dp automatic
-    XLA reduces each tick's weight gradient over dp as soon as the tick computes it.
-    Without `with_grads` (evaluation) the gradients are `{}`."""
+    """The executor in a shard_map over pp, and with `once` over the data axes too, reducing the
+    gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step")."""
     data = data_parallel.data_axes(jax.sharding.get_abstract_mesh()) if once else ()
     split = zero == 1 and DP in data
     reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
     body, table = executor(sched, stage, lockstep, reduce if with_grads else None)
-    specs = data_parallel.data_specs(cfg, data, pipelined=True)  # layers over pp (and experts over dp when `once`)
+    specs = data_parallel.data_specs(cfg, data, pipelined=True)
     grad_specs = data_parallel.data_specs(cfg, data, split, pipelined=True) if with_grads else P()
     run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
                         out_specs=(P(), grad_specs, P()), axis_names={PP, *data})
@@ -46,11 +40,8 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
-    """The step's gradients with pp > 1 (what `pjax.step.Accumulation` is for pp = 1): the
-    train.grad_accum micro-batches ([m, B, T] batch arrays) are the pipeline's, run by
-    `pipeline.schedule`'s table (or `schedule`, a table of your own from `ps.from_orders`: its p, m
-    and v must be the mesh's pp, the batch's m and `pipeline.virtual_stages`, and its chunks
-    placed as `pipeline.schedule` places them)."""
+    """The step's gradients with pp > 1 (`pjax.step.Accumulation` for pp = 1), the micro-batches run
+    by `pipeline.schedule`'s table or by `schedule` (from `ps.from_orders`, matching the run's p, m, v)."""
 
     spec: Any  # a `pjax.spec.StepSpec`
     zero: int
@@ -59,8 +50,7 @@ class Pipelined:
     schedule: ps.Schedule | None = None
 
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict]:
-        """Mean token loss of the global batch, its gradient, and the router metrics (MoE, averaged
-        over the micro-batches; else {})."""
+        """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
         lockstep = needs_lockstep()
         sched = self._table(batch["inputs"].shape[0], lockstep)
         once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero)
@@ -71,8 +61,7 @@ class Pipelined:
         return loss, grads, router
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
-        """Mean token loss without gradients (evaluation; with an MoE model's router losses, as in
-        training), through a forwards-only table (one kind of op: lockstep as it is)."""
+        """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""
         pp, v = jax.sharding.get_abstract_mesh().shape[PP], self.pipeline.virtual_stages
         sched = ps.forward_only(pp, batch["inputs"].shape[0], v, self.pipeline.vshape)
         once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero)
