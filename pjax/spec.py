@@ -1,12 +1,6 @@
-"""The step specification: what one micro-batch's loss is, built once from the resolved config.
-
-`StepSpec` binds the model-level choices (compute dtype, remat, layer scan, attention kernel, MoE
-routing, sequence parallelism, loss chunking) and exposes the model in the three pieces every
-strategy cuts it into: `embed`, `layers`, `head` (final norm, vocab-parallel cross-entropy, router
-losses). The plain step (`pjax.step`) chains them in `loss_sum`; a pipeline stage
-(`pipeline/stage.py`) runs them on different devices; evaluation and generation use `hidden`.
-A new model-level choice (a per-module precision policy, say) is a field here, not an argument
-threaded through the strategies.
+"""The step specification: what one micro-batch's loss is, built once from the resolved config
+(ARCHITECTURE.md, "One step specification, strategies around it"). A new model-level choice is a
+field here, not an argument threaded through the strategies.
 """
 from __future__ import annotations
 
@@ -86,10 +80,8 @@ class StepSpec:
 
     def head(self, params: Any, x: jax.Array, stats: Any, labels: jax.Array
              ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
-        """Summed loss of the last layer's output and (token count, router metrics).
-
-        Cross-entropy summed over tokens; an MoE model adds its router losses times the token
-        count, so dividing by the count gives mean cross-entropy + coef * each router loss."""
+        """Summed loss of the last layer's output and (token count, router metrics); MoE router losses
+        are added times the count, so dividing by it gives mean cross-entropy + coef * each."""
         h = llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps)
         loss, count = vocab_parallel_cross_entropy(h, llama.output_kernel(params, self.cfg), flatten_tokens(labels),
                                                    self.loss_chunk, self.cfg.vocab_size, self.sequence_parallel)

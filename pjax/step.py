@@ -1,12 +1,5 @@
-"""One training step: loss, gradient accumulation over micro-batches, AdamW update.
+"""One training step: loss, gradient accumulation over micro-batches, AdamW update, in one `jax.jit`.
 
-Data flow of `train_step(state, batch)` (all inside one `jax.jit`):
-    batch {'inputs', 'labels', 'positions'}: int32 [grad_accum, micro_batch, seq_len], rows over dp
-    -> lax.scan over the grad_accum micro-batches:
-         params (fp32) -> cast to compute dtype -> embed -> scanned decoder layers (remat policy)
-         -> final norm -> vocab-parallel cross-entropy (summed)  => value_and_grad
-         gradients summed in fp32, pinned to their ZeRO sharding
-    -> divide by the total token count -> AdamW (clip, schedule) -> new TrainState (donated)
 Layout never changes the math: every micro-batch has the same number of tokens, so the mean over
 all tokens of the global batch is what every mesh computes.
 """
@@ -67,9 +60,8 @@ def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], A
 
 @dataclasses.dataclass(frozen=True)
 class Accumulation:
-    """The step's gradients with pp = 1: micro-batches accumulated by a scan, reduced over the
-    data axes once per step (`data_parallel.reduce_once`), or under ZeRO-3 pinned to their dp
-    slices (`grad_sharding`) as they are accumulated."""
+    """The step's gradients with pp = 1: micro-batches accumulated by a scan, reduced once per step
+    (`data_parallel.reduce_once`), or under ZeRO-3 pinned to their dp slices as they accumulate."""
 
     spec: StepSpec
     zero: int = 0
@@ -88,8 +80,7 @@ class Accumulation:
         return loss / count, jax.tree.map(lambda g: g / count, grads), router
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
-        """Mean token loss of a batch without gradients (held-out evaluation; with an MoE model's
-        router losses, as in training)."""
+        """Mean token loss (with MoE router losses) of a batch without gradients."""
         def micro_step(carry, micro):
             loss, (count, _) = self.spec.loss_sum(params, micro)
             return (carry[0] + loss, carry[1] + count), None
@@ -100,16 +91,14 @@ class Accumulation:
 
 def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
                tc: TrainConfig) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch; returns the new state and {loss, grad_norm, lr, finite}
-    (an MoE model adds its router metrics: aux_loss, z_loss, dropped_fraction, load_min, load_max).
-    `strategy` gives the gradients: `Accumulation`, or with pp > 1 `pipeline.step.Pipelined`."""
+    """One optimizer step on a global batch: the new state and {loss, grad_norm, lr, finite} (and an
+    MoE model's router metrics), the gradients from `strategy`."""
     loss, grads, router = strategy.loss_and_grads(state.params, batch)
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # The divergence guard (pjax/divergence.py) reads `finite`; under on_nonfinite=skip a non-finite
-    # step leaves the state as it was (under stop the run ends before anything uses that state).
+    # pjax/divergence.py reads `finite`; under stop the run ends before anything uses the state.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if tc.on_nonfinite == "skip":
         params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
@@ -139,12 +128,11 @@ class Trainer:
     step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
     grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
     loss: Callable[[Any, Batch], jax.Array]
-    strategy: Any = None  # how the gradients are made: `Accumulation`, or `pipeline.step.Pipelined` (pp > 1)
-    pipeline: PipelineConfig | None = None  # set when pp > 1 (interleaved: the layer stack is in pipeline order)
+    strategy: Any = None  # `Accumulation`, or `pipeline.step.Pipelined` (pp > 1)
+    pipeline: PipelineConfig | None = None  # set when pp > 1
 
     def abstract_state(self) -> TrainState:
-        """The state as sharded shapes (every leaf, the optimizer moments included): a restore
-        target, or an input to compile from without allocating anything."""
+        """The state as sharded shapes: a restore target, or an input to compile from without allocating."""
         shapes = jax.eval_shape(self.init.jitted, jax.random.key(0))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
@@ -156,8 +144,7 @@ class Trainer:
                 for k in ("inputs", "labels", "positions")}
 
     def compile_step(self, state: Any = None, batch: Any = None) -> Any:
-        """The step compiled ahead of time (from shapes unless arrays are given), for its
-        `memory_analysis()`, its HLO (`as_text()`), or to call directly."""
+        """The step compiled ahead of time (from shapes unless arrays are given)."""
         state = self.abstract_state() if state is None else state
         batch = self.abstract_batch() if batch is None else batch
         with jax.set_mesh(self.mesh):
@@ -166,11 +153,7 @@ class Trainer:
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
                   moe: MoeConfig | None = None, context: ContextConfig | None = None) -> Trainer:
-    """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`.
-
-    With pp > 1 the gradients and the loss come from `pipeline_parallel` (schedule and virtual
-    stages from `pipeline`, default PipelineConfig()); the micro-batches are train.grad_accum's.
-    With cp > 1 attention follows `context.strategy` (default ring)."""
+    """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
     validate_run(mc, cfg, tc, pipeline, context)
@@ -184,11 +167,10 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
-        if mc.pp > 1:  # v chunks (interleaved, zb_v): reorder the layer stack so each device's block holds its own
+        if mc.pp > 1:  # the layer stack in pipeline order
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    # cp > 1: attention over the sequence split (batches must come in the zigzag layout).
     attention_fn = None
     if mesh.shape[CP] > 1:
         attention_fn = context_strategy.context_attention(mesh, context.strategy, select_attention(tc.attention))
