@@ -5,21 +5,10 @@
     python -m pjax.eval --checkpoint DIR ...  (a pjax checkpoint: its newest readable step; the model
                                                shape and default tokenizer come from its stored config)
 
-Evaluation covers the whole text, each token after the first predicted exactly once: window i
-is tokens[i*T : i*T+T+1] with T = train.seq_len, as in training (`pjax.batches`), except that
-the last, partial window is kept. Padding (the partial window's tail, and whole rows that fill
-the last batch) carries weight 0, so every batch has the same shape and one compiled function
-serves them all. The result is one JSON line: mean nats per predicted token, the token count
-and the perplexity.
-
-With no mesh.* key given, the mesh is fitted to the model (`pjax.fit`: tp the largest divisor of
-its kv-heads that fits a host's devices, dp the rest) and printed; a padded vocabulary's logits are
-masked, so the loss is the unpadded model's. Greedy generation lives in `pjax.generate`.
-
-The model runs on the mesh like training does: parameters sharded by
-`param_shardings`, rows over dp, sequence over cp, heads and vocabulary over tp. There is no
-pipelined or ring-attention forward here: with pp > 1 XLA gathers each layer's weights from the
-stage that holds them, and with cp > 1 it gathers keys and values for attention.
+Every token after the first is predicted exactly once, in training's windows with the last,
+partial one kept; padding carries weight 0, so one compiled function serves every batch. With no
+mesh.* key the mesh is fitted to the model (`pjax.fit`). There is no pipelined or ring-attention
+forward here: with pp > 1 or cp > 1 XLA gathers the weights or keys and values it needs.
 """
 from __future__ import annotations
 
@@ -61,13 +50,11 @@ from pjax.validate import validate_layout
 Params = dict[str, Any]
 
 
-# ---------------------------------------------------------------------------------------------
-# Model and text
-# ---------------------------------------------------------------------------------------------
+# --- Model and text ---
 
 def load_hf_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
     """A HuggingFace checkpoint's config and parameters, each device reading only its slice."""
-    cfg = read_hf_config(path)  # the shardings depend on the shape, so it is read before the weights
+    cfg = read_hf_config(path)
     validate_layout(MeshConfig.of(mesh), cfg, zero)
     return load_hf(path, param_shardings(mesh, cfg, zero))
 
@@ -82,8 +69,7 @@ def read_checkpoint_config(path: str) -> Config:
 
 
 def load_checkpoint_on_mesh(path: str, mesh: Mesh, zero: int = 0) -> tuple[LlamaConfig, Params]:
-    """A pjax checkpoint's model config and parameters (its newest readable step), each device
-    reading only its slice."""
+    """A pjax checkpoint's model config and parameters (newest readable step), each device reading its slice."""
     def shardings(model: LlamaConfig) -> Params:
         validate_layout(MeshConfig.of(mesh), model, zero)
         return param_shardings(mesh, model, zero)
@@ -128,25 +114,18 @@ def windows(tokens: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
             "weights": weights.reshape(n, seq_len)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loss
-# ---------------------------------------------------------------------------------------------
+# --- Loss ---
 
 def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, weights: jax.Array,
                          vocab_size: int) -> jax.Array:
-    """Weighted sum of next-token cross-entropies, vocab-parallel as in `tensor_parallel`.
-
-    hidden [N, D], kernel [D, Vp] (vocab split over tp; padded past `vocab_size`, masked), labels
-    and weights [N]. Only reductions over the vocabulary (max, sum of exps, the masked target
-    pick): no gather across tp shards.
-    """
+    """Weighted sum of next-token cross-entropies, vocab-parallel (reductions only) as in `tensor_parallel`."""
     logits = jnp.einsum("nd,dv->nv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
     logits = llama.mask_padded_vocab(constrain(logits, ("tokens", "vocab")), vocab_size)
     m = jnp.max(logits, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[:, 0]
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     target = jnp.sum(jnp.where(vocab_ids == labels[:, None], logits, 0.0), axis=-1)
-    # where, not a multiply: a padded position's loss is never mixed in, even if it is not finite.
+    # where, not a multiply: a padded position's loss is never mixed in, even if not finite.
     return jnp.sum(jnp.where(weights > 0, (lse - target) * weights, 0.0))
 
 
@@ -166,7 +145,6 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     data = windows(tokens, seq_len)
     n = len(data["inputs"])
     dp = mesh.shape[DP]
-    # Rows per batch: no more than the text needs, rounded up so that dp splits them evenly.
     rows = -(-min(batch_size, n) // dp) * dp
     validate_batch(MeshConfig.of(mesh), batch_size=rows, grad_accum=1, seq_len=seq_len)
     total = -(-n // rows) * rows
@@ -182,13 +160,11 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
             # collectives deadlocked here (rendezvous timeout, abort) on a 2-core host.
             sums[-1].block_until_ready()
     n_pred = len(tokens) - 1
-    loss = math.fsum(float(s) for s in sums) / n_pred  # batches summed in float64 on the host
+    loss = math.fsum(float(s) for s in sums) / n_pred
     return {"loss": loss, "tokens": n_pred, "perplexity": math.exp(loss)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
+# --- Command line ---
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
@@ -214,7 +190,6 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
         raise ConfigError(f"--batch_size={args.batch_size} is invalid; use an integer >= 1.")
     if args.text is not None and assets.locate(args.text) is None:
         raise ConfigError(f"--text {args.text} does not exist; pass a .txt, .jsonl or .parquet file or a folder.")
-    # A pjax checkpoint's stored config knows the model and the tokenizer; a HF one may ship its tokenizer.
     model_cfg, default_tokenizer = model_config(args)
     if args.checkpoint is not None:
         load = functools.partial(load_checkpoint_on_mesh, args.checkpoint, mesh, cfg.train.zero)
@@ -235,7 +210,6 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
         return text
 
     # Tokenize before reading the weights: a wrong text fails fast.
-    # --text is read with the defaults; the run's own data.path with its split and column.
     tokens = read_tokens(args.text, tokenizer) if args.text is not None else \
         read_tokens(cfg.data.path, tokenizer, cfg.data.split, cfg.data.column)
     _, params = load()
@@ -246,8 +220,7 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
 
 
 def _devices(n: int) -> list[jax.Device]:
-    # A single CPU process uses exactly the forced count (XLA_FLAGS may have forced more); a
-    # multi-process run or an accelerator host uses every device (mesh.dp=-1 fills them).
+    # A single CPU process uses exactly the forced count (XLA_FLAGS may have forced more).
     devices = jax.devices()
     return devices[:n] if devices[0].platform == "cpu" and jax.process_count() == 1 else devices
 
