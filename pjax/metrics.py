@@ -1,9 +1,8 @@
 """Model FLOPs, MFU, and the metrics a run writes (metrics.jsonl and TensorBoard events).
 
-Model FLOPs count causal attention once (a query attends to T/2 keys on average; PaLM's formula
-counts the masked half too) and no remat. An MoE layer counts its router and the experts a token
-pays for: top-k, or under capacity routing the whole [E, C] buffer (the model's choice). Dense and
-dropless-under-EP routing count top-k: their excess is the implementation's, and MFU should show it.
+Model FLOPs count causal attention once (PaLM's formula counts the masked half too) and no remat.
+An MoE layer counts its router and top-k experts, or under capacity routing the whole [E, C] buffer
+(the model's choice); dropless routing's excess is the implementation's, and MFU should show it.
 """
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ def mfu(tokens_per_sec: float, flops_per_token: float, num_devices: int, peak: f
 
 
 def memory_per_device(devices: list[jax.Device], estimate: tuple[int, int]) -> dict[str, Any]:
-    """Memory in use and its peak on the most loaded device: the allocator's figures, or where the
-    backend keeps none (CPU) XLA's compiled `estimate`."""
+    """Memory in use and its peak on the most loaded device (on CPU, XLA's compiled `estimate`)."""
     stats = [d.memory_stats() for d in devices]
     if all(stats) and all("bytes_in_use" in s for s in stats):
         return {"memory_in_use_bytes": max(s["bytes_in_use"] for s in stats),

@@ -51,12 +51,10 @@ def size_text(num_bytes: float) -> str:
 
 
 def quiet_abandoned_io() -> None:
-    """Keep a failed read's or write's leftovers off the terminal. When one array of a step cannot be
-    read (or written: a full disk), Orbax abandons the step's other reads (writes) and closes its
-    asyncio loop; tensorstore then completes them on its own threads, and each completion reports
-    "Event loop is closed" as an unraisable exception (a traceback each), asyncio logs "Task
-    exception was never retrieved", and Python warns of coroutines never awaited. Only those three
-    are dropped; everything else goes where it went."""
+    """Keep a failed read's or write's leftovers off the terminal: when Orbax abandons a step's other
+    reads (writes) and closes its asyncio loop, tensorstore completes them anyway, and each reports
+    "Event loop is closed", "Task exception was never retrieved" or a coroutine never awaited.
+    Only those three are dropped."""
     if getattr(sys.unraisablehook, "pjax_quiet", False):
         return
     previous = sys.unraisablehook
@@ -72,9 +70,7 @@ def quiet_abandoned_io() -> None:
 
 
 def quiet_disk_full_logs() -> None:
-    """Keep Orbax's account of a full disk off the terminal: each of its background threads logs the
-    failure with a traceback before the save's wait raises it, which `Checkpointer` then reports as
-    one line. Only records that say the disk is full are dropped."""
+    """Keep Orbax's per-thread tracebacks of a full disk off the terminal (`Checkpointer` reports it in one line)."""
     absl_logger = logging.getLogger("absl")
     if not any(getattr(f, "pjax_disk_full", False) for f in absl_logger.filters):
         def keep(record: logging.LogRecord) -> bool:

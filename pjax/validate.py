@@ -1,11 +1,8 @@
 """Whether a run splits over its mesh: one pass over the rules each part of pjax contributes.
 
-A rule takes the run (`Run`) and raises the one-line ConfigError that says what to change. Each
-lives next to what it protects (the model's divisibility in `mesh/validate.py`, the schedule's
-in `pipeline/table.py`, the context strategy's in `context/strategy.py`, sequence parallelism's
-in `models/sequence_parallel.py`); a new strategy adds its rule to `RULES`. Values that are wrong
-whatever the mesh (a negative step count, an unknown schedule) are refused earlier, by the config
-dataclasses' `__post_init__`.
+A rule takes the run (`Run`) and raises the one-line ConfigError that says what to change; each
+lives next to what it protects, and a new strategy adds its rule to `RULES`. Values wrong whatever
+the mesh are refused earlier, by the config dataclasses' `__post_init__`.
 """
 from __future__ import annotations
 
