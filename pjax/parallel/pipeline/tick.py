@@ -153,8 +153,8 @@ def loss(plan: Plan, row: Row, buf: Buffers, x: Activation) -> tuple[Buffers, Ac
 
 def backward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
     """B: adds the chunk's weight gradients; returns the activation's cotangent (stage 0 keeps it:
-    the embedding is differentiated once, after the scan). It reads the slots as the forward's loop
-    left them (a tick runs one op): from before it, XLA would keep a copy of every slot each tick."""
+    the embedding is differentiated once, after the scan). Reads the slots as the forward's loop
+    left them (never what it wrote: a tick runs one op); from before it, XLA copies every slot."""
     def run(state):
         grad_layers, d_embedded, pooled, _ = state
         dw, dact, *dtaps = plan.layout.unpack(row.w, plan.pool.read(pooled, row.slot, 0))(_at(buf.cotangents, row.slot))
@@ -171,7 +171,7 @@ def backward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
 
 
 def _leave_for_weight(plan: Plan, row: Row, pooled: dict, dw: Any, dact: Activation, dtaps: list) -> dict:
-    """Zero-bubble: B's `dw` lacks the projections' (zeros); it leaves W the taps' cotangents
+    """Zero-bubble: B's `dw` holds zeros for the projections; B leaves W the taps' cotangents
     instead, written over the residuals it has just read (`_finite_start`)."""
     if not plan.split:
         return pooled
