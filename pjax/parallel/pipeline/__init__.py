@@ -8,6 +8,7 @@ Read in this order:
     table.py        schedules by name, the int table the executor reads per tick, validation
     stage.py        what one stage runs (embed / layers / loss from the step specification) and its VJP in slots
     slots.py        the slot buffers; slot_splits.py: how XLA splits their leaves over tp
-    executor.py     one tick: receive, forward, loss, backward, weight, send
+    executor.py     the scan over ticks: what every tick reads (`Plan`), the buffers, the gradients after
+    tick.py         one tick: receive and forward, loss, backward, weight, send
     step.py         `loss_and_grads` / `mean_loss` for pp > 1: the executor in a shard_map
 """
