@@ -1,4 +1,4 @@
-"""Ring collectives (pjax.collectives) against XLA's native ones: time and bus bandwidth.
+"""Ring collectives (pjax.parallel.collectives) against XLA's native ones: time and bus bandwidth.
 
     python benchmarks/collectives.py                          # one axis of 8 CPU devices, 1 KB .. 16 MB
     python benchmarks/collectives.py --mesh dp=2,cp=2,tp=2    # every axis of a 4D mesh with size > 1
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig, make_mesh
-from pjax import collectives as C
+from pjax.parallel import collectives as C
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # Bytes one link carries per byte of `size` under the ring algorithm (nccl-tests' bus factor).

@@ -4,7 +4,7 @@
     python benchmarks/comm.py --layouts dp8,dp2-tp4 --config debug
 
 Counts every collective per step (ops inside scans multiplied by their trip count, see
-`pjax/hlo.py`) and its bytes per device (the operand an all-reduce or permute moves, the gathered
+`pjax/observe/hlo.py`) and its bytes per device (the operand an all-reduce or permute moves, the gathered
 result of an all-gather), next to the analytic minimum per device for the layout, mechanism by
 mechanism (`pjax.plan.estimate.minimum_bytes`, whose docstring has the formulas; the planner
 ranks layouts with the same floor before it compiles them).
@@ -52,7 +52,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
     """How many times per step (averaged over devices) a collective runs each time the HLO shows it:
     1, except inside a pipeline tick's conditional parts (`pipeline.table.tick_runs`), and for
     permutes whose pairs leave some devices out."""
-    from pjax.hlo import device_groups
+    from pjax.observe.hlo import device_groups
     from pjax.parallel.pipeline.table import tick_runs
 
     mesh, cfg = built["mesh"], built["cfg"]
@@ -70,7 +70,7 @@ def runs_per_appearance(built: dict) -> Callable[[str, str], float]:
 def measure(config: str, layout: str, overrides: list[str], dump: str | None = None,
             from_hlo: str | None = None) -> dict:
     """One layout's row: compiled here, or read from `from_hlo`/<layout>.hlo.txt (a `--dump`)."""
-    from pjax.hlo import async_overlap, collective_stats
+    from pjax.observe.hlo import async_overlap, collective_stats
 
     if from_hlo:
         cfg, mesh = layout_config(config, layout, overrides)

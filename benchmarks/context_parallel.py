@@ -14,7 +14,7 @@ zigzag batches) and prints one JSON document:
     shares the host's cores, so this shows overheads, not the speed-up cp gives on accelerators;
   * cp_mb: bytes a device sends per step for the strategy's own collectives (ring permutes; the
     all-gathers and reduce-scatters of all_gather; the all-to-alls of ulysses), read from the
-    compiled HLO (loop bodies times their trip counts) and converted to link bytes as `pjax.hlo`
+    compiled HLO (loop bodies times their trip counts) and converted to link bytes as `pjax.observe.hlo`
     does, next to cp_mb_analytic: the formula of `analytic_cp_bytes`;
   * reshard_mb: other permutes and all-to-alls, which XLA's partitioner inserts to move
     activations between layouts. They appear when a device holds more than one sequence per
@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any
 
-from pjax.hlo import collective_stats, device_groups, link_factor  # plain text parsing: imports no JAX
+from pjax.observe.hlo import collective_stats, device_groups, link_factor  # plain text parsing: imports no JAX
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 _OWN = re.compile(r'op_name="[^"]*/(ppermute|all_gather|reduce_scatter|all_to_all)"')

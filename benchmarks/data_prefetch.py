@@ -79,7 +79,7 @@ def overlap_times(config: str, jsonl: str, sleep_ms: float, batches: int) -> Non
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
     from pjax.data import build_data
-    from pjax.prefetch import Prefetcher
+    from pjax.data.prefetch import Prefetcher
 
     cfg = load_config(config, [f"data.path={jsonl}", "data.streaming=true"])
 

@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from common import compile_step  # noqa: E402
-from pjax.memory import step_memory_bytes  # noqa: E402
+from pjax.observe.memory import step_memory_bytes  # noqa: E402
 
 POLICIES = ("none", "dots", "dots_no_batch", "names", "full", "offload")
 

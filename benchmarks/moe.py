@@ -6,7 +6,7 @@ capacity factor, and step time of dropless against capacity routing.
 
 Three measurements, each a JSON line:
   traffic   per layout and routing, AOT from shapes: all-to-all count and bytes per device per step
-            read from the compiled HLO (`pjax/hlo.py`), next to the analytic volume: each routed
+            read from the compiled HLO (`pjax/observe/hlo.py`), next to the analytic volume: each routed
             (token, expert) pair's hidden vector sent to its expert and back, forward and backward,
             per MoE layer and micro-batch (4 * tokens per device * k * D * 4 bytes; a pipeline stage
             holds L/pp of the layers). The buffer an
@@ -55,7 +55,7 @@ def analytic_bytes(cfg, dp: int, pp: int = 1) -> int:
 
 
 def traffic(config: str, layout: str, routing: str, factor: float, overrides: list[str]) -> dict:
-    from pjax.hlo import collective_stats
+    from pjax.observe.hlo import collective_stats
 
     cfg, trainer = build(config, layout, routing, factor, overrides)
     t0 = time.perf_counter()

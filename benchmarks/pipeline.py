@@ -40,9 +40,9 @@ import numpy as np  # noqa: E402
 from mesh import make_mesh  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from pjax.config import PipelineConfig, TrainConfig  # noqa: E402
-from pjax.hlo import collective_stats  # noqa: E402
+from pjax.observe.hlo import collective_stats  # noqa: E402
 from pjax.parallel.pipeline import schedules as ps  # noqa: E402
-from pjax.pictures import plot_schedule  # noqa: E402
+from pjax.observe.pictures import plot_schedule  # noqa: E402
 from pjax.parallel.context.zigzag import zigzag_layout  # noqa: E402
 from pjax.parallel.pipeline.buffers import buffer_plan  # noqa: E402
 from pjax.parallel.pipeline.table import make_schedule  # noqa: E402

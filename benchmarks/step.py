@@ -30,8 +30,8 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     import jax
     import numpy as np
 
-    from pjax.metrics import model_flops_per_token, peak_flops
-    from pjax.memory import step_memory_bytes
+    from pjax.observe.metrics import model_flops_per_token, peak_flops
+    from pjax.observe.memory import step_memory_bytes
 
     built = compile_step(config, layout, overrides)
     cfg, mesh, trainer, compiled = built["cfg"], built["mesh"], built["trainer"], built["compiled"]

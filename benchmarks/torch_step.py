@@ -39,7 +39,7 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     from pjax.config_io import load_config
-    from pjax.metrics import PEAK_BF16, model_flops_per_token
+    from pjax.observe.metrics import PEAK_BF16, model_flops_per_token
 
     cfg = load_config(args.config, list(args.overrides))
     mc, tc = cfg.model, cfg.train

@@ -36,11 +36,11 @@ from models.attention import select_attention
 from models.config import LlamaConfig
 from models.hf import load_hf, read_hf_config
 from pjax import assets
-from pjax.checkpoint import Checkpointer
+from pjax.checkpoint.checkpointer import Checkpointer
 from pjax.cli import ArgumentParser, run_main
 from pjax.config import Config
 from pjax.config_io import load_config, named_keys
-from pjax.data import documents, load_tokenizer, tokenize
+from pjax.data.text import documents, load_tokenizer, tokenize
 from pjax.fit import describe, fitted_mesh, names_a_mesh
 from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings

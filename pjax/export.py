@@ -17,7 +17,7 @@ from jax.sharding import SingleDeviceSharding
 from models import llama
 from models.hf import save_hf
 from pjax import assets
-from pjax.checkpoint import Checkpointer
+from pjax.checkpoint.checkpointer import Checkpointer
 from pjax.cli import ArgumentParser, run_main, writable_dir
 
 

@@ -26,7 +26,7 @@ from pjax.optim import lr_schedule, make_optimizer, schedule_count
 from pjax.parallel import data_parallel
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
-from pjax.parallel.pipeline import step as pipeline_parallel
+from pjax.parallel.pipeline.step import Pipelined
 from pjax.spec import StepSpec
 from pjax.validate import validate_run
 
@@ -176,7 +176,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         attention_fn = context_strategy.context_attention(mesh, context.strategy, select_attention(tc.attention))
     spec = StepSpec.build(cfg, tc, moe, attention_fn)
     if mc.pp > 1:
-        strategy = pipeline_parallel.Pipelined(spec, tc.zero, g_sharding, pipeline)
+        strategy = Pipelined(spec, tc.zero, g_sharding, pipeline)
     else:
         strategy = Accumulation(spec, tc.zero, g_sharding)
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)

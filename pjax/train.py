@@ -15,10 +15,7 @@ if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables 
 import argparse
 import dataclasses
 import sys
-import time
 from typing import Any, NamedTuple, Sequence
-
-import numpy as np
 
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
@@ -26,7 +23,7 @@ from mesh.mesh import MeshConfig
 from pjax.cli import ArgumentParser, run_main, writable_dir
 from pjax.config import Config
 from pjax.config_io import load_config, named_keys
-from pjax.progress import ProgressBar, StopFlag
+from pjax.observe.progress import StopFlag
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -73,7 +70,7 @@ def _run(args: argparse.Namespace) -> None:
             raise
         import jax
 
-        from pjax.memory import preallocation_hint
+        from pjax.observe.memory import preallocation_hint
 
         raise ConfigError(f"a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
                           f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state "
@@ -86,8 +83,8 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
 
     `devices` defaults to all devices; tests pass a subset to run several layouts in one process.
     """
-    from pjax.profiling import check_profile_steps
-    from pjax.resume import open_run
+    from pjax.observe.profiling import check_profile_steps
+    from pjax.checkpoint.resume import open_run
 
     check_profile_steps(cfg.log.profile_steps, cfg.train.steps)
     for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", str(cfg.data.cache_path)),
@@ -110,7 +107,6 @@ class _Run(NamedTuple):
     state: Any
     rng: Any
     memory_estimate: tuple[int, int]  # the compiled step's resident and peak bytes per device
-    local_devices: list[Any]
 
 
 def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | None) -> _Run:
@@ -119,12 +115,13 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
 
     from mesh.mesh import CP, make_mesh, mesh_summary
     from models import llama
-    from pjax.resume import write_config
+    from pjax.checkpoint.resume import write_config
     from pjax.data import build_data
+    from pjax.data.prefetch import Prefetcher
+    from pjax.observe.memory import check_fits, step_memory_bytes
+    from pjax.observe.report import local_devices
     from pjax.parallel.context.zigzag import zigzag_layout
-    from pjax.memory import check_fits, step_memory_bytes
     from pjax.plan.inspect import parameter_table, step_report
-    from pjax.prefetch import Prefetcher
     from pjax.step import build_trainer, init_state
 
     tc, mc = cfg.train, cfg.model
@@ -171,49 +168,21 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
-    local = local_devices(mesh)
-    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory, local)
+    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory)
 
 
 def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, Any]]:
     """Steps from the run's position to train.steps: logging, evaluation, saves, the guard, SIGTERM."""
     import jax
 
-    from pjax.divergence import DivergenceGuard
-    from pjax.metrics import MetricsWriter, mfu, model_flops_per_token, peak_flops, routing_group_tokens
-    from pjax.profiling import StepProfiler
+    from pjax.observe.profiling import StepProfiler
+    from pjax.observe.report import RunReport
 
     tc, trainer, train_iter, state = cfg.train, run.trainer, run.data, run.state
     start = int(state.step)
-    axes = trainer.mesh.shape
-    group = routing_group_tokens(tc.batch_size, tc.grad_accum, tc.seq_len, axes['dp'], axes['cp'])
-    flops_per_token = model_flops_per_token(cfg.model, tc.seq_len, cfg.moe, group)
-    peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
-    tokens_per_step = tc.batch_size * tc.seq_len
-    writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl
-    guard = DivergenceGuard(tc.on_nonfinite, tc.max_skipped, cfg.log.spike_sigma)
-    records: list[dict[str, Any]] = []
-    stop = StopFlag()
-    bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
-                      initial=start)
-    profiler = StepProfiler(cfg.log.profile_steps, cfg.log.dir, start + 1, bar.note, bar.warn)
-
-    def write(record: dict[str, Any]) -> None:
-        writer.write(record)
-        records.append(record)
-
-    def check(step: int, metrics: dict) -> dict:
-        """Bring one step's metrics to the host and hand them to the divergence guard."""
-        host = jax.device_get(metrics)
-        record, warning = guard.observe(step, float(host["loss"]), float(host["grad_norm"]), bool(host["finite"]),
-                                        ckpt.last_good() if ckpt is not None else None)
-        if record is not None:
-            write(record)
-        if warning is not None:
-            bar.warn(warning)
-        return host
-
-    t_last, steps_since, pending = time.perf_counter(), 0, None
+    report = RunReport(cfg, ckpt, trainer, train_iter, run.memory_estimate, progress, start)
+    profiler = StepProfiler(cfg.log.profile_steps, cfg.log.dir, start + 1, report.bar.note, report.bar.warn)
+    stop, pending = StopFlag(), None
     try:
         for step in range(start + 1, tc.steps + 1):
             profiler.start_if_due(step, state)
@@ -224,75 +193,32 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             # keeps at most two steps in flight (an unbounded queue of dispatched steps can
             # deadlock XLA:CPU's in-process collectives on few cores).
             if pending is not None:
-                check(*pending)
-            pending = (step, metrics)
-            steps_since += 1
+                report.check(*pending)
+            pending, report.steps_since = (step, metrics), report.steps_since + 1
             last = step == tc.steps
             log_now = step % cfg.log.every == 0 or last
             eval_now = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or last)
             save_now = ckpt is not None and (ckpt.due(step) or last or stop.requested)
             if not (log_now or eval_now or save_now):
                 continue
-            host, pending = check(step, metrics), None  # this step's own flag before anything uses it
+            host, pending = report.check(step, metrics), None  # this step's own flag before anything uses it
             if log_now:
-                step_time = (time.perf_counter() - t_last) / steps_since
-                tps = tokens_per_step / step_time
-                record = _step_record(step, host, run, step_time, tps,
-                                      mfu(tps, flops_per_token, trainer.mesh.devices.size, peak), guard.skipped,
-                                      train_iter.take_wait() / steps_since)
-                if step - start == steps_since:
-                    record["includes_compile"] = True
-                write(record)
-                bar.update(steps_since, record)
-                t_last, steps_since = time.perf_counter(), 0
+                report.log(step, host)
             if eval_now:
-                t_eval = time.perf_counter()
-                eval_loss = evaluate_held_out(trainer, state, train_iter, cfg.log.eval_batches)
-                write({"step": step, "eval_loss": eval_loss})
-                bar.note(f"step {step}: held-out loss {eval_loss:.4f}")
-                t_last += time.perf_counter() - t_eval  # keep evaluation out of the training throughput
+                report.evaluate(step, state)
             # `stop.requested` again: a signal that came after save_now was decided (while this step
             # was logged or evaluated) must still leave its checkpoint behind.
             if ckpt is not None and (save_now or stop.requested):
                 ckpt.save(step, state, data=train_iter.state(), rng=run.rng, config=cfg)
             if stop.requested:
-                bar.note(f"stopping at step {step} on {stop.requested}")
+                report.bar.note(f"stopping at step {step} on {stop.requested}")
                 break
     finally:
         train_iter.close()
         profiler.close()
-        bar.close()
-        writer.close()
+        report.close()
         stop.restore()
-    if jax.process_index() == 0:
-        print(f"metrics: {writer.path}")
-    return records
-
-
-def _step_record(step: int, host: dict, run: _Run, step_time: float, tokens_per_sec: float, mfu: float | None,
-                 skipped: int, data_wait: float) -> dict[str, Any]:
-    """One logged step's metrics.jsonl record (an MoE model's router metrics included)."""
-    from models.moe import ROUTER_METRICS
-    from pjax.metrics import memory_per_device
-
-    return {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
-            "lr": float(host["lr"]), "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time_s": step_time,
-            "data_wait_s": data_wait,
-            "skipped_steps": skipped, **memory_per_device(run.local_devices, run.memory_estimate),
-            **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}
-
-
-def local_devices(mesh: Any) -> list[Any]:
-    """The mesh's devices this process drives (one host's)."""
-    import jax
-
-    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-
-
-def evaluate_held_out(trainer, state, train_iter, num_batches: int) -> float:
-    """Mean token loss over up to `num_batches` held-out batches (same compiled loss as training)."""
-    losses = [float(trainer.loss(state.params, batch)) for batch in train_iter.eval_batches(num_batches)]
-    return float(np.mean(losses))
+    return report.records
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""pjax/checkpoint.py: exact resume, restore onto other meshes, atomic and preemptible saves, HF export."""
+"""pjax/checkpoint/checkpointer.py: exact resume, restore onto other meshes, atomic and preemptible saves, HF export."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +19,11 @@ import pytest
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig, make_mesh
 from pjax import assets
-from pjax.checkpoint import Checkpointer, layer_rows, saving_in_progress
+from pjax.checkpoint.checkpointer import Checkpointer, layer_rows, saving_in_progress
 from pjax.config import PipelineConfig
 from pjax.config_io import load_config
 from pjax.data import build_data
-from pjax.dirlock import LOCK_NAME
+from pjax.checkpoint.dirlock import LOCK_NAME
 from pjax.step import build_trainer
 from pjax.train import train
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, TP, MeshConfig, make_mesh
-from pjax import collectives as C
+from pjax.parallel import collectives as C
 
 SIZES = (2, 3, 4, 5, 8)  # axis sizes, odd ones included: the chunking must not assume powers of 2
 SHAPES = ((7, 3), (13,), (1,), ())  # ragged: nothing here divides evenly by 2, 3, 4, 5 or 8

@@ -10,7 +10,8 @@ import pytest
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
-from pjax import assets, data
+from pjax import assets
+from pjax.data import text as data
 from pjax.config import Config
 from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config, resolve_config_path
 
@@ -360,7 +361,7 @@ def test_mesh_sizes_are_left_to_mesh_validation():
 def test_a_dense_checkpoint_resumes_whatever_num_experts_per_tok_says():
     """A dense model reads no num_experts_per_tok: a value there must not refuse a resume, while an
     MoE model's top-k (and any dense shape key) still must match."""
-    from pjax.checkpoint import check_compatible
+    from pjax.checkpoint.checkpointer import check_compatible
 
     saved = load_config()
     check_compatible(saved, load_config(overrides=["model.num_experts_per_tok=1"]), "in runs/x")

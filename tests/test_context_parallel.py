@@ -16,7 +16,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import PP
 from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
-from pjax.batches import DataIterator
+from pjax.data.batches import DataIterator
 from pjax.config import ContextConfig, TrainConfig
 from pjax.parallel.context.ring import ring_attention
 from pjax.parallel.context.strategy import context_attention
@@ -210,7 +210,7 @@ def test_other_strategies_communicate_by_their_own_collectives(strategy, kinds):
     the output all-to-all. No ring permutes, and tp keeps its heads split: nothing over tp but
     its all-reduces (left to XLA, the kv-heads would be all-gathered over tp before each of
     these collectives over cp)."""
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
 
     rows = collectives_by_axis(train_run(dp=2, cp=2, tp=2, strategy=strategy)[2], dict(dp=2, pp=1, cp=2, tp=2))
     assert set(rows["cp"]["kinds"]) == kinds, rows["cp"]
@@ -222,7 +222,7 @@ def test_other_strategies_communicate_by_their_own_collectives(strategy, kinds):
 def test_dp_cp_gradients_are_reduced_once_per_step_not_per_micro_batch(strategy):
     """dp and cp are manual for the step (every strategy runs its collectives directly inside):
     the gradient is all-reduced over (dp, cp) once, with the loss, not once per micro-batch."""
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
 
     mesh = cp_mesh(2, dp=2, tp=2)
     rows = collectives_by_axis(train_run(dp=2, cp=2, tp=2, strategy=strategy)[2], dict(mesh.shape))

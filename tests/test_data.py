@@ -1,4 +1,4 @@
-"""Tests for pjax/data.py (tokenizer, sources, token cache) and pjax/batches.py (windows, order, sharding)."""
+"""Tests for pjax/data/text.py (tokenizer, sources, token cache) and pjax/data/batches.py (windows, order, sharding)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,9 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
-from pjax import assets, data
-from pjax.batches import DataIterator, epoch_order
+from pjax import assets
+from pjax.data import build_data, text as data
+from pjax.data.batches import DataIterator, epoch_order
 from pjax.config import DataConfig, TrainConfig
 
 SEQ = 32
@@ -239,7 +240,7 @@ def test_batch_not_divisible_by_grad_accum_times_dp_raises_config_error(tokens):
 
 def test_build_data_gives_sharded_train_batches_and_the_held_out_tail(tmp_path):
     mesh = make_mesh(MeshConfig(dp=2, cp=2, tp=2))
-    train_iter, held, tok = data.build_data(DataConfig(cache_dir=str(tmp_path)),
+    train_iter, held, tok = build_data(DataConfig(cache_dir=str(tmp_path)),
                                             TrainConfig(seq_len=SEQ, batch_size=8, grad_accum=2), mesh)
     batch = next(train_iter)
     assert batch["inputs"].shape == (2, 4, SEQ) and batch["inputs"].sharding.mesh.shape[DP] == 2
@@ -305,7 +306,7 @@ def stream_iter(path, tokenizer, counter=None, eval_stride=0, **kw):
             if counter is not None:
                 counter.append(start)
             yield doc
-    from pjax.data_stream import StreamIterator
+    from pjax.data.stream import StreamIterator
 
     return StreamIterator(open_documents, tokenizer, SEQ, 8, 2, eval_stride=eval_stride, **kw)
 
@@ -379,7 +380,7 @@ def test_streaming_holds_out_every_kth_document_and_trains_on_the_others(tokeniz
 # -- prefetch -----------------------------------------------------------------------------------
 
 def test_prefetched_batches_and_positions_equal_the_iterator_s(tokens):
-    from pjax.prefetch import Prefetcher
+    from pjax.data.prefetch import Prefetcher
 
     plain, ahead = make_iter(tokens), Prefetcher(make_iter(tokens), depth=3)
     for _ in range(6):
@@ -392,7 +393,7 @@ def test_prefetched_batches_and_positions_equal_the_iterator_s(tokens):
 
 
 def test_a_fault_in_the_prefetch_thread_is_raised_by_the_next_that_needs_that_batch(tokens):
-    from pjax.prefetch import Prefetcher
+    from pjax.data.prefetch import Prefetcher
 
     class Failing:
         def __init__(self):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from pjax.checkpoint import Checkpointer
+from pjax.checkpoint.checkpointer import Checkpointer
 from pjax.config_io import load_config
 from pjax.divergence import Diverged, DivergenceGuard
 from pjax.train import train

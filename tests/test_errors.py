@@ -19,7 +19,7 @@ from pjax import export as pjax_export
 from pjax import plot as pjax_plot
 from pjax import train as pjax_train
 from pjax.config_io import load_config
-from pjax.dirlock import DirectoryLock
+from pjax.checkpoint.dirlock import DirectoryLock
 
 SMALL = ["mesh.dp=1", "mesh.tp=1", "train.batch_size=8", "train.seq_len=64", "log.every=1", "log.eval_every=0"]
 MAINS = {"train": pjax_train.main, "eval": pjax_eval.main, "export": pjax_export.main, "plot": pjax_plot.main}

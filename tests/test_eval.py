@@ -17,7 +17,7 @@ from hf_helpers import random_hf_llama, short_text, transformers_mean_loss
 from mesh import ConfigError, MeshConfig, make_mesh
 from pjax import eval as pjax_eval
 from pjax.config_io import load_config
-from pjax.data import load_tokenizer
+from pjax.data.text import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = "data/tokenizer/bpe4096"

@@ -15,7 +15,7 @@ from mesh.validate import fit_mesh
 from pjax import eval as pjax_eval
 from pjax import train as pjax_train
 from pjax.config_io import named_keys
-from pjax.data import load_tokenizer
+from pjax.data.text import load_tokenizer
 from pjax.fit import names_a_mesh
 
 @pytest.mark.parametrize("kv_heads,devices,per_host,vocab,want", [

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mesh import MeshConfig, make_mesh
-from pjax.hlo import collective_stats, shape_bytes
+from pjax.observe.hlo import collective_stats, shape_bytes
 
 
 def test_shape_bytes_of_arrays_and_tuples():
@@ -36,7 +36,7 @@ def test_collectives_inside_a_scan_count_once_per_iteration():
 
 
 def test_device_groups_read_all_three_spellings_of_replica_groups():
-    from pjax.hlo import device_groups
+    from pjax.observe.hlo import device_groups
 
     assert device_groups("replica_groups={{0,4},{1,5}}, x", 8) == [[0, 4], [1, 5]]
     assert device_groups("source_target_pairs={{0,2},{2,0}}", 8) == [[0, 2], [2, 0]]
@@ -51,7 +51,7 @@ def test_device_groups_read_all_three_spellings_of_replica_groups():
 
 
 def test_collectives_by_axis_names_the_axes_and_counts_ring_link_bytes():
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
 
     mesh = make_mesh(MeshConfig(dp=2, tp=4))
 
@@ -99,7 +99,7 @@ ENTRY %main (p: f32[8], q: f32[8]) -> f32[8] {
 
 
 def test_async_overlap_counts_collectives_with_work_scheduled_inside_them():
-    from pjax.hlo import async_overlap
+    from pjax.observe.hlo import async_overlap
 
     # Three sites: one asynchronous with a fusion between its start and done, one asynchronous
     # with nothing between (`.1`, whose name extends the first one's), one synchronous.

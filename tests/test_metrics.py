@@ -6,7 +6,7 @@ import pytest
 
 from models.moe import MoeConfig
 from pjax.config_io import load_config
-from pjax.metrics import model_flops_per_token, routing_group_tokens
+from pjax.observe.metrics import model_flops_per_token, routing_group_tokens
 from pjax.plan.estimate import per_device, predict
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES

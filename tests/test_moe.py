@@ -14,7 +14,7 @@ from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama, moe
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
-from pjax.hlo import collective_stats
+from pjax.observe.hlo import collective_stats
 from pjax.parallel.context.zigzag import zigzag_layout
 from pjax.step import add_positions, build_trainer
 
@@ -229,7 +229,7 @@ def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_
     gradient a device holds, once, plus the router statistics' few floats per layer and
     micro-batch (or pipeline tick). Expert gradients arrive at their owner by the all_to_all's
     backward and are not reduced (294,912 bytes here, against 92,800 dense)."""
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
     from pjax.parallel.data_parallel import is_expert
 
     names = jax.tree.leaves(llama.param_logical_axes(MOE_CFG), is_leaf=lambda x: isinstance(x, tuple))
@@ -263,7 +263,7 @@ def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():
 def test_moe_checkpoint_restores_onto_another_expert_layout(tmp_path):
     """Saved with 4 experts per device (dp=2), restored with 2 per device under tp=2 (dp=4 x tp=2):
     every leaf equal and on its new sharding, and the next step's loss the same."""
-    from pjax.checkpoint import Checkpointer
+    from pjax.checkpoint.checkpointer import Checkpointer
     from pjax.config import Config
 
     config = Config(model=MOE_CFG, train=MOE_TC)

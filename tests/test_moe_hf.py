@@ -16,7 +16,7 @@ from models.hf import load_hf, save_hf
 from models.moe import aux_losses
 from hf_helpers import short_text, transformers_mean_loss
 from pjax import eval as pjax_eval
-from pjax.data import load_tokenizer
+from pjax.data.text import load_tokenizer
 from pjax.parallel.data_parallel import param_shardings
 
 SHAPE = dict(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

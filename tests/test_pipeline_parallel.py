@@ -25,7 +25,7 @@ from pjax.parallel.pipeline import step as pipeline_parallel
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.context.zigzag import zigzag_layout
-from pjax.pictures import plot_schedule
+from pjax.observe.pictures import plot_schedule
 from pjax.spec import StepSpec
 from pjax.step import add_positions, build_trainer
 
@@ -304,7 +304,7 @@ def test_pipeline_reduces_gradients_over_the_data_axes_once_per_step(schedule, l
     """dp (and cp) are manual in the executor: each device accumulates its own partial gradients
     through every tick and they are reduced after the scan. Reduced per tick, as XLA does when dp
     is left to it, the HLO would show the reduction inside the tick loop: ticks x layers ops."""
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
 
     ref_loss, ref_grads, _ = run(4)
     loss, grads, _, hlo = run(4, pp=2, schedule=schedule, hlo=True, **layout)

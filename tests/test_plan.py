@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pjax.config_io import load_config
-from pjax.metrics import model_flops_per_token
+from pjax.observe.metrics import model_flops_per_token
 from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline.schedules import one_f_one_b
@@ -149,7 +149,7 @@ def test_analytic_link_bytes_of_cp_strategies_and_sequence_parallelism_are_the_c
     import jax
 
     from mesh import make_mesh
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
     from pjax.plan.estimate import analytic_comm
     from pjax.step import build_trainer
 
@@ -171,7 +171,7 @@ def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(n
     import jax
 
     from mesh import make_mesh
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
     from pjax.plan.estimate import analytic_comm
     from pjax.plan.inspect import step_collectives
     from pjax.step import build_trainer

@@ -1,10 +1,10 @@
-"""pjax/profiling.py on its own: which steps a run traces, and a trace cut short still written.
+"""pjax/observe/profiling.py on its own: which steps a run traces, and a trace cut short still written.
 (The end-to-end check, a training run's trace and unchanged losses, is in test_train.py.)"""
 import jax.numpy as jnp
 import pytest
 
 from mesh.errors import ConfigError
-from pjax.profiling import StepProfiler, check_profile_steps
+from pjax.observe.profiling import StepProfiler, check_profile_steps
 
 
 def profiler(tmp_path, profile_steps, first_step):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mesh import ConfigError, MeshConfig, make_mesh
-from pjax.hlo import collective_stats, collectives_by_axis, device_groups, shape_bytes
+from pjax.observe.hlo import collective_stats, collectives_by_axis, device_groups, shape_bytes
 from pjax.step import build_trainer
 from test_step import CFG, TC, assert_grads_close, loss_and_grads, make_batch
 

@@ -16,7 +16,7 @@ import pytest
 from mesh import ConfigError, MeshConfig, make_mesh
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
-from pjax.hlo import collective_stats
+from pjax.observe.hlo import collective_stats
 from pjax.step import add_positions, build_trainer
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -241,7 +241,7 @@ def test_tensor_parallel_reduces_each_input_gradient_once():
     summed in one dot and all-reduced once (Megatron's `f`), not once per projection. Per
     micro-batch and layer 2 activation all-reduces forward and 2 backward, plus the embedding's
     and the output layer's: 2 x (4 x 2 + 2) = 20 for this model's 2 layers and 2 micro-batches."""
-    from pjax.hlo import collective_stats
+    from pjax.observe.hlo import collective_stats
 
     act = f"f32[{TC.batch_size // 2 // 2 * TC.seq_len},{CFG.hidden_size}]"  # one micro-batch's rows on one dp replica
 
@@ -256,7 +256,7 @@ def test_tensor_parallel_reduces_each_input_gradient_once():
 def test_data_parallel_gradients_are_reduced_once_per_step_not_per_micro_batch():
     """dp=8 with 2 micro-batches: one all-reduce of the gradient bytes per step (plus the loss and
     token count riding along), where XLA alone would reduce after every micro-batch."""
-    from pjax.hlo import collective_stats
+    from pjax.observe.hlo import collective_stats
 
     stats = collective_stats(trainer(dp=8).compile_step().as_text())
     grad_bytes = 4 * CFG.num_params
@@ -279,7 +279,7 @@ def test_chunked_attention_step_on_dp2_tp2_equals_one_device():
 def test_zero1_reduce_scatters_gradients_without_gathering_tp():
     """ZeRO-1 reduce-scatters each gradient over dp to its moment slice, in a shard_map nested
     manual over tp: left to XLA, every tp-split gradient was all-gathered over tp first."""
-    from pjax.hlo import collectives_by_axis
+    from pjax.observe.hlo import collectives_by_axis
 
     rows = collectives_by_axis(trainer(dp=2, tp=2, zero=1).compile_step().as_text(), dict(dp=2, pp=1, cp=1, tp=2))
     assert "reduce-scatter" in rows["dp"]["kinds"], rows["dp"]

@@ -51,7 +51,7 @@ def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
 
 
 def test_memory_comes_from_the_allocator_where_the_backend_keeps_statistics():
-    from pjax.metrics import memory_per_device
+    from pjax.observe.metrics import memory_per_device
 
     class Device:
         def __init__(self, stats):
@@ -133,9 +133,9 @@ def test_held_out_split_too_small_fails_before_training(tmp_path):
 
 def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkeypatch):
     """GPUs report a per-device limit (CPUs do not): a step that needs more is refused up front."""
-    import pjax.memory
+    import pjax.observe.memory
 
-    monkeypatch.setattr(pjax.memory, "device_memory_limit", lambda device: 2**20)
+    monkeypatch.setattr(pjax.observe.memory, "device_memory_limit", lambda device: 2**20)
     cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"])
     with pytest.raises(ConfigError, match=r"needs \d+ MiB per device and a device has 1 MiB; lower the rows"):
         train(cfg, progress=False, devices=jax.devices()[:1])
@@ -145,7 +145,7 @@ def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkey
 def test_memory_error_on_gpu_names_jax_preallocation_fraction(monkeypatch):
     """Found on an H100: a step needing 59.5 GiB was refused on an 80 GB card, whose JAX limit is
     75% of it; the error says how to raise that share (nothing to say on CPU)."""
-    from pjax.memory import preallocation_hint
+    from pjax.observe.memory import preallocation_hint
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)

@@ -39,7 +39,7 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
     import jax
 
     from mesh.mesh import make_mesh
-    from pjax.memory import step_memory_bytes
+    from pjax.observe.memory import step_memory_bytes
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)

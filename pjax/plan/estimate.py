@@ -13,7 +13,7 @@ from typing import Any
 
 from models.config import LlamaConfig
 from pjax.config import Config
-from pjax.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
+from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
 from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 
 from pjax.config import Config
-from pjax.hlo import collectives_by_axis
-from pjax.memory import step_memory_bytes
+from pjax.observe.hlo import collectives_by_axis
+from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import tick_runs
 from pjax.plan.layouts import Layout, check, planned_config, state_bytes
 

@@ -174,7 +174,7 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
 
 
 def tick_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool) -> Callable[[str, str], float]:
-    """For `pjax.hlo.collective_stats(scale=...)`: runs per tick of an HLO instruction, by the innermost
+    """For `pjax.observe.hlo.collective_stats(scale=...)`: runs per tick of an HLO instruction, by the innermost
     executor scope in its op name (1 outside them)."""
     sched = make_schedule(pipeline, pp, grad_accum, lockstep)
     weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}

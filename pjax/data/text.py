@@ -2,7 +2,7 @@
 
 A corpus is tokenized once into a flat binary file of token ids (uint16 when the vocabulary
 fits, else uint32) and memory-mapped from then on, so start-up after the first run costs
-milliseconds. Batching (windows, order, sharding) lives in `pjax/batches.py`.
+milliseconds. Batching (windows, order, sharding) lives in `pjax/data/batches.py`.
 """
 from __future__ import annotations
 
@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
-from jax.sharding import Mesh
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from mesh.errors import ConfigError, first_line
 from pjax import assets
-from pjax.batches import DataIterator
-from pjax.config import DataConfig, TrainConfig
-from pjax.data_hub import hub_documents, is_saved_dataset
+from pjax.config import DataConfig
+from pjax.data.hub import hub_documents, is_saved_dataset
 
 SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_FORMAT = 1  # bump when the cache layout or the tokenization procedure changes
@@ -91,7 +89,7 @@ def eos_id(tokenizer: Any) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 def saved_dataset(spec: str) -> Path | None:
-    """The folder `data.path` names if `save_to_disk` wrote it (read by pjax/data_hub.py)."""
+    """The folder `data.path` names if `save_to_disk` wrote it (read by pjax/data/hub.py)."""
     path = _local_path(spec)
     return path if path is not None and is_saved_dataset(path) else None
 
@@ -292,23 +290,3 @@ def split_eval(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np
         raise ConfigError(f"data.eval_fraction={eval_fraction} is out of range; use a value in [0, 1).")
     n_eval = int(round(len(tokens) * eval_fraction))
     return tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
-
-
-def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, mesh: Mesh | None,
-               **iterator_kwargs: Any) -> tuple[Any, np.ndarray | None, Any]:
-    """(train iterator, held-out tokens, tokenizer) for a run; extra kwargs go to the iterator
-    (e.g. `sequence_layout`). With data.streaming the iterator is a StreamIterator, and the
-    held-out documents are read by it (None here)."""
-    tokenizer = load_tokenizer(data_cfg.tokenizer)
-    if data_cfg.streaming:
-        from pjax.data_stream import StreamIterator
-
-        def open_documents(start: int) -> Iterator[str]:
-            return documents(data_cfg.path, split=data_cfg.split, column=data_cfg.column, start=start, streaming=True)
-
-        return StreamIterator(open_documents, tokenizer, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum,
-                              mesh, eval_stride=data_cfg.eval_stride, **iterator_kwargs), None, tokenizer
-    train_tokens, eval_tokens = split_eval(load_tokens(data_cfg, tokenizer), data_cfg.eval_fraction)
-    train_iter = DataIterator(train_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum,
-                              train_cfg.seed, mesh, eval_tokens=eval_tokens, **iterator_kwargs)
-    return train_iter, eval_tokens, tokenizer

@@ -4,7 +4,7 @@ Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]: neighbours share one bo
 every token is predicted once per epoch and nothing is padded. Epoch e's order is a permutation by
 (seed, epoch), the remainder dropped, never dependent on the mesh (ARCHITECTURE.md, "Data order from
 the seed alone"). A batch [grad_accum, batch_size // grad_accum, seq_len] is sharded P(None, dp, cp)
-and each process reads only what its devices hold (`BatchLayout`, shared with `data_stream.py`).
+and each process reads only what its devices hold (`BatchLayout`, shared with `stream.py`).
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mesh.errors import ConfigError
-from pjax.batches import Batch, BatchLayout, SequenceLayout, identity_layout
-from pjax.data import eos_id, encode_documents
+from pjax.data.batches import Batch, BatchLayout, SequenceLayout, identity_layout
+from pjax.data.text import eos_id, encode_documents
 
 CHUNK_CHARS = 1 << 16  # small enough not to read ahead, big enough to use every core
 OpenDocuments = Callable[[int], Iterator[str]]  # documents from index `start` on, in a fixed order

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 
 from mesh.errors import ConfigError
-from pjax.checkpoint import Checkpointer, check_compatible
+from pjax.checkpoint.checkpointer import Checkpointer, check_compatible
 from pjax.config import Config
 from pjax.config_io import dump_config
 from pjax.parallel.pipeline.layout import layer_order

@@ -25,10 +25,10 @@ from mesh.errors import ConfigError, first_line
 from mesh.mesh import PP
 from models import llama
 from models.config import LlamaConfig, shape_keys
-from pjax import save_faults
+from pjax.checkpoint import save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
-from pjax.dirlock import take_run_lock
+from pjax.checkpoint.dirlock import take_run_lock
 from pjax.parallel.pipeline.layout import layer_order
 from pjax.step import TrainState, Trainer
 
