@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from mesh import MeshConfig, make_mesh
+from models import llama
 from models.config import LlamaConfig
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.spec import StepSpec
 from pjax.step import add_positions, build_trainer
 
-CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
 TC = TrainConfig(seq_len=8, batch_size=4, grad_accum=2, dtype="float32", steps=10, warmup_steps=2)
 
@@ -34,16 +35,18 @@ def with_policy(spec: StepSpec) -> Bf16Embedding:
 
 @functools.cache
 def losses(pp: int) -> tuple[float, float]:
-    """(loss as built, loss under the policy) of one batch on 1 device or a 2-stage 1F1B pipeline."""
+    """(loss as built, loss under the policy) of one batch on 1 device or a 2-stage pipeline (its
+    forwards-only evaluation table: the cheapest compile that runs the strategy's stages)."""
     mesh = make_mesh(MeshConfig(pp=pp), jax.devices()[:pp])
     trainer = build_trainer(mesh, CFG, TC, PipelineConfig())
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 9)).astype(np.int32)
     batch = add_positions({"inputs": jnp.asarray(tokens[..., :-1]), "labels": jnp.asarray(tokens[..., 1:])})
-    params = trainer.init(jax.random.key(0)).params  # with one chunk per device, the pipeline's order is the model's
+    # With one chunk per device the pipeline's layer order is the model's.
+    params = jax.device_put(llama.init_params(CFG, jax.random.key(0)), trainer.state_sharding.params)
     batch = jax.device_put(batch, trainer.batch_sharding)
     policy = dataclasses.replace(trainer.strategy, spec=with_policy(trainer.strategy.spec))
     with jax.set_mesh(mesh):
-        return tuple(float(jax.jit(s.loss_and_grads)(params, batch)[0]) for s in (trainer.strategy, policy))
+        return tuple(float(jax.jit(s.mean_loss)(params, batch)) for s in (trainer.strategy, policy))
 
 
 def test_a_precision_policy_is_one_object_that_every_strategy_runs():
