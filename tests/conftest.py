@@ -13,16 +13,3 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 assert jax.device_count() == 8, f"tests need 8 forced CPU devices, got {jax.device_count()}"
-
-# The two xdist workers take whole files in this order (pyproject: `--dist loadfile
-# --no-loadscope-reorder`): the longest files first, so that the short ones fill the gaps at the
-# end instead of a long one starting last (xdist's own order is by test count, which put the
-# notebooks, nine tests and five minutes, at the end of the run).
-LONGEST_FIRST = ("test_pipeline_parallel.py", "test_moe.py", "test_notebooks.py", "test_checkpoint.py",
-                 "test_train.py", "test_zero_bubble.py", "test_context_parallel.py", "test_plan.py",
-                 "test_pipeline_stress.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
