@@ -1,6 +1,5 @@
-"""Logical axis names -> mesh axes: the one table that says where every tensor lives; changing the
-parallel layout means changing this table, never the model (ARCHITECTURE.md, "One table of logical rules").
-"""
+"""Logical axis names -> mesh axes: the one table that says where every tensor lives, never the model
+(ARCHITECTURE.md, "One table of logical rules")."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -80,9 +79,8 @@ def manual_size(mesh, axis: str) -> int:
 
 
 def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """`fn` on each device's blocks along the automatic axes its specs name, for hand-written
-    collectives; as it is when none is left. The context mesh where there is one: inside another
-    shard_map, shard_map insists on the mesh that knows which axes are manual."""
+    """`fn` on each device's blocks along the automatic axes its specs name, for hand-written collectives;
+    on the context mesh where there is one (it knows which axes an enclosing shard_map made manual)."""
     context = jax.sharding.get_abstract_mesh()
     ref = mesh if context.empty else context
     is_spec = lambda x: isinstance(x, P)  # noqa: E731

@@ -14,8 +14,7 @@ _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word
                 "initializer_range": 0.02}
 
 
-# The keys that fix the parameters' shapes or their meaning: a checkpoint and the run reading it
-# must agree on all of them.
+# The keys that fix the parameters' shapes or meaning: a checkpoint and the run reading it must agree.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rope_type", "rope_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings", "rms_norm_eps",
@@ -181,8 +180,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
-        """Build from a HuggingFace `config.json` dict (unknown HF keys are ignored; absent optional
-        keys take HF's LlamaConfig defaults). Errors name the config.json key."""
+        """Build from a HuggingFace `config.json` dict (unknown keys ignored, absent ones HF's defaults)."""
         if not isinstance(hf, dict):
             raise ConfigError("config.json must hold a JSON object of model settings.")
         model_type = hf.get("model_type", "llama")
@@ -239,15 +237,13 @@ class LlamaConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Rows of the embedding and columns of the output layer: vocab_size rounded up to a
-        multiple of make_vocab_size_divisible_by (GPT-2's 50,257 -> 50,304 at 128)."""
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by (GPT-2's 50,257 -> 50,304 at 128)."""
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
 
     @property
     def num_params(self) -> int:
-        """Total parameter count of the model (embedding and output layer counted once each, unless
-        tied; the real vocabulary, as HF counts it, not the padded rows)."""
+        """Total parameter count as HF counts it (the real vocabulary, not the padded rows)."""
         d, f, l, v = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         hd, h, kv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         experts = self.num_local_experts

@@ -1,12 +1,8 @@
 """Causal attention in query blocks with a hand-written backward: the formulation XLA:CPU runs fast.
 
-XLA:CPU has no fused attention, and the [T, T] form computes the masked upper triangle and runs
-its softmax through generic fusions (benchmarks/README.md has the figures). Here: query block i
-attends only to keys [0, (i+1)*b), so only the diagonal tile needs a mask; GQA groups the query
-heads per kv-head; layouts are made head-major once per call, so every block is a plain batched
-matmul; and a `custom_vjp` keeps each block's probabilities and writes the backward as matmuls.
-Assumes the standard layout (positions 0..T-1 in order); context parallelism handles permuted ones.
-"""
+The [T, T] form computes the masked upper triangle (benchmarks/README.md). Here query block i attends only
+to keys [0, (i+1)*b), only the diagonal tile masked, every block a plain batched matmul, and a `custom_vjp`
+writes the backward as matmuls. Assumes positions 0..T-1 in order."""
 from __future__ import annotations
 
 import functools
@@ -86,7 +82,6 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: ja
     """Causal GQA attention for the standard layout (positions not read). q: [B, T, H, D]; k, v: [B, T, KV, D]."""
     b, t, h, d = q.shape
     kv = k.shape[2]
-    # The largest block <= `block` that divides T.
     block = max(n for n in range(1, min(block, t) + 1) if t % n == 0)
     if block < min(16, t):
         return reference_attention(q, k, v, q_pos, kv_pos)

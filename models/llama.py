@@ -1,9 +1,7 @@
 """LLaMA in Flax (Linen): RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings.
 
-Each parameter is declared once with its logical axis names (`mesh.rules` maps them to mesh axes);
-the layers are stacked along 'layers' and scanned; matmul activations are 2-D [B*T, D]; the
-vocabulary is padded to split over tp, its padded logits masked. ARCHITECTURE.md says why of each.
-"""
+Parameters declared once with logical axis names, layers stacked and scanned, 2-D activations [B*T, D],
+a vocabulary padded to split over tp: ARCHITECTURE.md says why of each."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -44,7 +42,7 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     attention_fn: Callable[..., jax.Array] = reference_attention
     project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
-    moe: MoeConfig = MoeConfig()  # how MoE layers route (when cfg.num_local_experts > 0)
+    moe: MoeConfig = MoeConfig()
     sequence_parallel: bool = False  # the residual stream split over tp too (models/sequence_parallel.py)
 
     @nn.compact
@@ -177,8 +175,7 @@ def init_params(cfg: LlamaConfig, rng: jax.Array) -> Params:
 
 def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32,
           sequence_parallel: bool = False) -> jax.Array:
-    """Token ids [B, T] -> 2-D activations [B*T, D] (`flatten_tokens` order) in the compute dtype;
-    with `sequence_parallel` (and tp > 1) their tokens split over tp too."""
+    """Token ids [B, T] -> 2-D activations [B*T, D] in the compute dtype (tokens over tp too under SP)."""
     ids = flatten_tokens(tokens)
     if seqpar.active(sequence_parallel):
         return constrain(seqpar.lookup(params["embed"]["embedding"], ids, dtype), ("sp_tokens", "embed"))
@@ -257,8 +254,7 @@ def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
 
 def logits(params: Params, tokens: jax.Array, cfg: LlamaConfig, positions: jax.Array | None = None,
            **kw) -> jax.Array:
-    """Full-vocabulary logits [B, T, V] in fp32, the padding cut off (for evaluation and tests;
-    training uses the fused loss)."""
+    """Full-vocabulary logits [B, T, V] in fp32, the padding cut off (evaluation and tests)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,9 +1,7 @@
-"""Mixture of Experts: top-k routing (weights renormalised over the k, Mixtral's rule), three ways
-to run the experts, equal when nothing is dropped: `dense` (every expert on every token, the tests'
-reference), `dropless` (sorted by expert, `lax.ragged_dot`; XLA:CPU lowers it as a masked dense
-product) and `capacity` (at most C assignments per expert, fixed [E, C, D] shapes for the
-all-to-all; a token whose every choice is dropped passes through the residual unchanged).
-Expert parallelism over dp and the router losses: ARCHITECTURE.md, "Mixture of Experts"."""
+"""Mixture of Experts: top-k routing (renormalised over the k, Mixtral's rule), three ways to run the
+experts, equal when nothing is dropped: `dense` (the tests' reference), `dropless` (`lax.ragged_dot`) and
+`capacity` (fixed [E, C, D] shapes for the all-to-all; a token with every choice dropped passes through
+the residual). Expert parallelism and the router losses: ARCHITECTURE.md, "Mixture of Experts"."""
 from __future__ import annotations
 
 import dataclasses
@@ -196,8 +194,7 @@ def _sharded(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Calla
 
 
 def _differentiated_inside(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
-    """`_sharded(local)` differentiated per device inside a shard_map of its own, rerunning the forward:
-    JAX 0.10 gives a shard_map nested in a pipeline's residual specs over pp, which fail verification
+    """`_sharded(local)` differentiated per device inside a shard_map of its own, rerunning the forward
     (ARCHITECTURE.md, "MoE in a pipeline")."""
     forward = _sharded(local, token_axes, specs)
 

@@ -1,12 +1,8 @@
 """Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022; `train.sequence_parallel`).
 
-Between the tensor-parallel regions the tokens are split over tp ([N/tp, D] per device): column-parallel
-matmuls all-gather their input first, row-parallel ones reduce-scatter their partial sums. The
-backward gathers the column-parallel input again rather than keep it, which is what makes the
-memory saving real. Each op is a `custom_vjp` around a shard_map with its backward written out
-(a nested shard_map differentiated fails Shardy's verifier); why, and why manual over dp, cp and
-size-1 axes too: ARCHITECTURE.md, "Sequence parallelism by hand".
-"""
+Between the tensor-parallel regions the tokens are split over tp: column-parallel matmuls all-gather their
+input first (and again in the backward, rather than keep it), row-parallel ones reduce-scatter their sums.
+Each op is a `custom_vjp` around a shard_map (ARCHITECTURE.md, "Sequence parallelism by hand")."""
 from __future__ import annotations
 
 import functools
@@ -136,9 +132,8 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def check_run(run) -> None:
-    """With train.sequence_parallel and tp > 1: each device's tokens of a micro-batch split over tp,
-    and the loss is not chunked (its fused blocks would all-reduce their input gradients over tp).
-    `run`: a `pjax.validate.Run`."""
+    """With train.sequence_parallel and tp > 1: tokens split over tp, and the loss not chunked (its fused
+    blocks would all-reduce their input gradients over tp)."""
     mc, tc = run.mesh, run.train
     if not (tc.sequence_parallel and mc.tp > 1):
         return

@@ -1,12 +1,8 @@
 """Reading and writing run configs: YAML files plus `section.key=value` command-line overrides.
 
-`load_config("picotron-cpu", ["mesh.tp=2", "train.lr=3e-4"])` reads the shipped
-`pjax/assets/configs/picotron-cpu.yaml` (package data, found after any install), applies the
-overrides, checks every value's type against the dataclass field it lands in, and builds a
-`Config` (whose own `__post_init__` checks reject impossible values). A YAML file may be
-partial: missing keys keep their dataclass defaults. `dump_config` writes the fully resolved
-config back out, so a run directory records exactly what ran and `load_config` can replay it.
-"""
+`load_config("picotron-cpu", ["mesh.tp=2"])` reads the shipped YAML, applies the overrides and checks each
+value's type against its dataclass field (missing keys keep their defaults). `dump_config` writes the resolved
+config back, so a run directory records exactly what ran and `load_config` can replay it."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,11 +28,8 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that `3e-4` is a float.
-
-    PyYAML implements YAML 1.1, whose float pattern needs a '.' and a signed exponent, so
-    `lr: 3e-4` would arrive as the string '3e-4'. YAML 1.2 (and every user) reads it as a number.
-    """
+    """PyYAML's safe loader, except that `3e-4` is a float (YAML 1.1's pattern needs a '.'; YAML 1.2 and
+    every user read it as a number)."""
 
 
 _Loader.add_implicit_resolver(
@@ -52,8 +45,7 @@ def available_configs() -> list[str]:
 
 
 def resolve_config_path(path: str | None) -> Path:
-    """A config file for `path`: a file from the working directory or among the shipped ones
-    (`configs/debug.yaml`), or a bare name of a shipped config ('picotron-cpu')."""
+    """A config file for `path`: a file here or among the shipped ones, or a shipped config's bare name."""
     if path is None:
         return CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml"
     given = Path(path)
@@ -124,9 +116,8 @@ def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str =
 
 
 def named_keys(path: str | None, overrides: Sequence[str] = ()) -> set[str]:
-    """The 'section.key's the user chose: those of the config file they named (not the default
-    config's) and of their overrides. Lets a run tell "tp=2 because you asked" from "tp=2
-    because the default config says so" (`pjax.fit` adapts the latter to the model)."""
+    """The 'section.key's the user chose (their config file's and overrides), which `pjax.fit` leaves alone
+    where it adapts the default config's to the model."""
     keys = set()
     if path is not None:
         document = yaml.load(_read_text(resolve_config_path(path)), Loader=_Loader)  # valid: load_config read it
@@ -158,8 +149,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """The config as nested plain dicts (section -> key -> value), every field resolved; a tuple
-    (`log.profile_steps`) becomes a list, which YAML's safe dumper and JSON both write."""
+    """The config as nested plain dicts, every field resolved, tuples as lists (YAML's safe dumper and JSON)."""
     return {section: {key: list(value) if isinstance(value, tuple) else value for key, value in body.items()}
             for section, body in dataclasses.asdict(cfg).items()}
 
@@ -192,13 +182,12 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
         return None
     if typing.get_origin(base) is tuple:  # a YAML list: `profile_steps: [3, 5]`, `remat_names: [q_proj, k_proj]`
         items = typing.get_args(base)
-        any_length = items[-1] is Ellipsis  # tuple[str, ...]
+        any_length = items[-1] is Ellipsis
         if isinstance(value, (list, tuple)) and (any_length or len(value) == len(items)):
             kinds = [items[0]] * len(value) if any_length else items
             converted = tuple(_scalar(name, kind, item, source) for kind, item in zip(kinds, value))
             if _WRONG not in converted:
                 return converted
-        # pjax's tuples hold one type
         wanted = (f"a list of {_PLURAL[items[0]]} such as [a, b]" if any_length
                   else f"a list of {len(items)} {_PLURAL[items[0]]}")
         raise ConfigError(f"{name} must be {wanted}{' or null' if optional else ''}, got {_show(value)} (in {source}).")

@@ -1,13 +1,9 @@
 """Checkpoints on Orbax: async saves of the whole run, exact resume, restore onto any mesh.
 
-`<checkpoint.dir>/<step>/` holds four items: params and opt_state (global arrays via tensorstore),
-meta ({"format", "step", "data", "rng"}) and the resolved config (JSON): loading never unpickles.
-Arrays are stored in one canonical layout and restored onto the new run's shardings; only an
-interleaved pipeline's layer order is moved (`layer_rows`). Orbax commits a step by renaming its
-temporary directory, so a killed save is never read. ARCHITECTURE.md gives the reasons:
-"Checkpoints in one canonical layout", "Unreadable checkpoint steps are passed over, never
-deleted", "One writer per checkpoint directory", "A full disk is a fault, not a traceback".
-"""
+`<checkpoint.dir>/<step>/` holds params, opt_state (tensorstore), meta and the resolved config (JSON):
+loading never unpickles. ARCHITECTURE.md gives the reasons: "Checkpoints in one canonical layout",
+"Unreadable checkpoint steps are passed over, never deleted", "One writer per checkpoint directory",
+"A full disk is a fault, not a traceback"."""
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +39,7 @@ class Restored(NamedTuple):
     state: TrainState
     data: dict[str, Any]  # DataIterator.state()
     rng: jax.Array
-    config: Config  # the one the checkpoint was written under
+    config: Config
 
 
 class Checkpointer:
@@ -149,8 +145,7 @@ class Checkpointer:
         return step, cfg, params
 
     def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
-        """The whole training state on `trainer`'s mesh, saved under any layout; `cfg` must describe the same
-        model and optimizer state."""
+        """The whole training state on `trainer`'s mesh, saved under any layout of the same model and optimizer."""
         step, restored = self.readable(lambda s: self._restore(trainer, cfg, s), step)
         self.last_saved = step
         return restored
@@ -174,8 +169,7 @@ class Checkpointer:
         return Restored(state, meta["data"], rng, saved_cfg)
 
     def set_aside_unreadable(self, after: int) -> None:
-        """Rename the unreadable steps newer than `after` to `<step>.unreadable`, so the run can save those
-        step numbers again."""
+        """Rename the unreadable steps newer than `after` to `<step>.unreadable`, so their numbers can be saved again."""
         moved = [s for s in self.unreadable if s > after]
         if jax.process_index() == 0:
             for s in moved:

@@ -1,9 +1,7 @@
 """Text in, token stream out: tokenizer loading, text sources, and the on-disk token cache.
 
-A corpus is tokenized once into a flat binary file of token ids (uint16 when the vocabulary
-fits, else uint32) and memory-mapped from then on, so start-up after the first run costs
-milliseconds. Batching (windows, order, sharding) lives in `pjax/data/batches.py`.
-"""
+A corpus is tokenized once into a flat file of token ids and memory-mapped from then on, so
+start-up after the first run costs milliseconds. Batching lives in `pjax/data/batches.py`."""
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +28,7 @@ _BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
 
 
 def _local_path(spec: str) -> Path | None:
-    """The existing file or folder `spec` names: relative to the working directory, else among
-    the files pjax ships (so the default text and tokenizer are found after any install)."""
+    """The existing file or folder `spec` names: relative to the working directory, else among pjax's files."""
     return assets.locate(spec)
 
 
@@ -40,13 +37,10 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or Path(spec).suffix in (".json", *SOURCE_SUFFIXES)
 
 
-# ---------------------------------------------------------------------------------------------
 # Tokenizer
-# ---------------------------------------------------------------------------------------------
 
 def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
-    """A tokenizer from a `tokenizer.json`, a folder holding one (or GPT-2's `vocab.json` +
-    `merges.txt`), or a HuggingFace hub name."""
+    """A tokenizer from a `tokenizer.json`, a folder holding one (or `vocab.json` + `merges.txt`), or a hub name."""
     path = _local_path(spec)
     if path is not None and path.is_dir():
         if (path / "tokenizer.json").is_file():
@@ -63,7 +57,7 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
     if path is not None:
         try:
             return Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        except Exception as e:
             raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({first_line(e)}); "
                               f"point it at one.") from None
     if _looks_like_path(spec):
@@ -84,9 +78,7 @@ def eos_id(tokenizer: Any) -> int | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
 # Text sources: each yields documents (one per .txt file, JSON line, parquet row, dataset row)
-# ---------------------------------------------------------------------------------------------
 
 def saved_dataset(spec: str) -> Path | None:
     """The folder `data.path` names if `save_to_disk` wrote it (read by pjax/data/hub.py)."""
@@ -95,8 +87,7 @@ def saved_dataset(spec: str) -> Path | None:
 
 
 def source_files(spec: str) -> list[Path] | None:
-    """The text files behind `data.path` (a file, or a folder's files sorted), or None for a
-    HuggingFace dataset (a hub name or a saved folder)."""
+    """The text files behind `data.path` (a folder's sorted), or None for a HuggingFace dataset."""
     path = _local_path(spec)
     if path is None:
         if _looks_like_path(spec):
@@ -182,8 +173,7 @@ def _parquet_documents(path: Path, column: str) -> Iterator[str]:
 
 def documents(spec: str, *, split: str = "train", column: str = "text", start: int = 0,
               streaming: bool = False) -> Iterator[str]:
-    """Every document of `data.path` from document `start` on, in a fixed order; `streaming`
-    reads a HuggingFace dataset as a stream (local files are always read lazily)."""
+    """Every document of `data.path` from document `start` on, in a fixed order (local files read lazily)."""
     files = source_files(spec)
     if files is None:
         rows = hub_documents(spec, saved_dataset(spec), split, column, start, streaming)
@@ -196,14 +186,11 @@ def documents(spec: str, *, split: str = "train", column: str = "text", start: i
     yield from islice((doc for path in files for doc in _file_documents(path, column)), start, None)
 
 
-# ---------------------------------------------------------------------------------------------
 # Tokenization and cache
-# ---------------------------------------------------------------------------------------------
 
 def _pieces(text: str) -> list[str]:
-    # Cut just before a newline that precedes a non-space: byte-level BPE's pre-tokenizer always
-    # starts a new word there, so the pieces tokenize exactly as the whole text (checked on the
-    # GPT-2 and SmolLM2 tokenizers); encode_batch then tokenizes them on all cores.
+    # Cut before a newline that precedes a non-space, where byte-level BPE always starts a word: the pieces
+    # tokenize exactly as the whole text (GPT-2, SmolLM2), and encode_batch runs them on all cores.
     return [p for p in re.split(r"(?=\n\S)", text) if p]
 
 
@@ -246,8 +233,7 @@ def token_dtype(vocab_size: int) -> type:
 
 
 def cache_key(spec: str, tokenizer: Any, split: str = "train", column: str = "text") -> str:
-    """A hash of the sources (paths, sizes, mtimes; a split and column other than the defaults)
-    and the tokenizer's full definition."""
+    """A hash of the sources (paths, sizes, mtimes, split, column) and the tokenizer's full definition."""
     files, saved = source_files(spec), saved_dataset(spec)
     if saved is not None:
         files = sorted(p for p in saved.rglob("*") if p.is_file())
@@ -268,8 +254,7 @@ def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
     path = cache_dir / f"tokens-{key}-{dtype.name}.bin"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        # Write under a unique name and rename: a crash leaves no half-written cache, and several
-        # processes (multi-host, shared file system) can race safely, the last rename wins.
+        # A unique name, then rename: no half-written cache, and processes sharing a file system race safely.
         tmp = cache_dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with tmp.open("wb") as f:

@@ -1,9 +1,7 @@
 """Model FLOPs, MFU, and the metrics a run writes (metrics.jsonl and TensorBoard events).
 
-Model FLOPs count causal attention once (PaLM's formula counts the masked half too) and no remat.
-An MoE layer counts its router and top-k experts, or under capacity routing the whole [E, C] buffer
-(the model's choice); dropless routing's excess is the implementation's, and MFU should show it.
-"""
+Model FLOPs count causal attention once and no remat; an MoE layer its router and top-k experts, or under
+capacity routing the whole [E, C] buffer (the model's choice; dropless's excess should show in MFU)."""
 from __future__ import annotations
 
 import json

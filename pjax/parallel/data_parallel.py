@@ -1,8 +1,7 @@
 """Data parallelism and ZeRO: where parameters, gradients and optimizer state live over `dp`.
 
-zero=1 splits the Adam moments over dp by 'embed', zero=3 (FSDP) the parameters too. Why zero < 3
-reduces once per step and ZeRO-3 per micro-batch: ARCHITECTURE.md, "Gradients reduced once per step".
-"""
+zero=1 splits the Adam moments over dp by 'embed', zero=3 (FSDP) the parameters too; when each reduces:
+ARCHITECTURE.md, "Gradients reduced once per step"."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,10 +1,6 @@
 """The planner's roofline: a layout's step time from its FLOPs, its collectives and its pipeline bubble
-(ARCHITECTURE.md, "The planner compiles, it does not guess"). Compute is model FLOPs at the profile's
-measured efficiency; the bubble is the table's span over its busy time; each set of mesh axes costs
-latency plus link bytes over NVLink or inter-host bandwidth, dp traffic hidden behind compute where
-XLA overlaps it. The collectives come from the compiled step or, before a compile, `analytic_comm`;
-`analytic_memory` only chooses what to compile, XLA's figure decides what fits.
-"""
+(ARCHITECTURE.md, "The planner compiles, it does not guess"). The collectives come from the compiled
+step or, before a compile, `analytic_comm`; `analytic_memory` only chooses what to compile."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +21,7 @@ DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     step_s: float
-    terms: dict[str, float]  # seconds: compute, bubble, and one entry per set of mesh axes
+    terms: dict[str, float]  # seconds: compute, bubble, one per set of mesh axes
     limit: str
     tokens_per_s: float
     mfu: float
@@ -76,12 +72,9 @@ def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
 
 def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[str, float]:
     """The least each mechanism must move per device per step, in bytes arriving on a device (what
-    `benchmarks/comm.py` holds XLA against). dp: one reduction of the fp32 gradient P (experts left
-    out), ZeRO-1 + P/dp + P, ZeRO-3 k P/dp + 2 k P per-micro-batch gathers. tp: 4 all-reduces per
-    layer plus the embedding's and output layer's (2 / pp); under SP each a gather and a scatter,
-    plus the backward's second gather (6 and 4 per layer, 3 / pp and 2 / pp). pp: each activation
-    across the pp v - 1 boundaries and back, and one reduction of the shared weights, which every
-    stage holds."""
+    `benchmarks/comm.py` holds XLA against). tp: 4 all-reduces per layer plus the embedding's and output
+    layer's; under SP each a gather and a scatter, plus the backward's second gather. pp: each activation
+    across the boundaries and back, and one reduction of the shared weights, which every stage holds."""
     mc, tc = config.model, config.train
     k, dp, pp, cp, tp = layout.grad_accum, layout.dp, layout.pp, layout.cp, layout.tp
     tokens = tc.batch_size // k // dp * tc.seq_len // cp
@@ -106,9 +99,7 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
 
 def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
     """(payload, link bytes, collectives) per device, micro-batch and layer of `layout.context`; a block
-    is one device's K or V, dK and dV in fp32. ring: K, V passed cp - 1 times each way, dK, dV cp
-    times. all_gather: K, V gathered forward and backward, dK, dV reduce-scattered. ulysses: q, k, v
-    and the output all-to-all each way, kv-heads repeated up to cp."""
+    is one device's K or V, dK and dV in fp32; ulysses repeats kv-heads up to cp."""
     mc, cp, tp = config.model, layout.cp, layout.tp
     kv_tp = mc.num_key_value_heads // tp
     elements = tokens * kv_tp * mc.head_dim
@@ -173,8 +164,7 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
             for axes, (count, link) in rows.items()}
 
 
-# Bytes XLA keeps per activation element without remat, fitted to compiled steps: only the order
-# of magnitude matters, XLA's own figure decides.
+# Bytes XLA keeps per activation element without remat, fitted to compiled steps (an order of magnitude).
 _KEPT_PER_ELEMENT = {2: 12, 4: 17}
 
 

@@ -1,13 +1,9 @@
 """Context parallelism by all-gather (`context.strategy=all_gather`): each device gathers every
 key and value over `cp` (kv-heads only) and folds its queries' zigzag pairs into an online softmax.
 
-Device i's early chunk i sees key chunks 0..i-1 whole, its late chunk 2cp-1-i chunks 0..2cp-2-i:
-2cp-1 whole pairs, run by one fixed-length loop (step s: (early, s) while s < i, then (late, s-i)),
-plus the two masked diagonal pairs. The backward recomputes each pair and reduce-scatters the
-whole sequence's fp32 dK/dV home: the gathered order puts device d's chunks at 2d and 2d+1, so a
-tiled `psum_scatter` sends each chunk's gradient to its owner. Costs against the ring:
-ARCHITECTURE.md, "Three context-parallel strategies on one layout".
-"""
+2cp-1 whole pairs run by one fixed-length loop, plus the two masked diagonal pairs; the backward reduce-scatters
+dK/dV home, the gathered order putting device d's chunks at 2d and 2d+1 for a tiled `psum_scatter`
+(ARCHITECTURE.md, "Three context-parallel strategies on one layout")."""
 from __future__ import annotations
 
 import functools

@@ -1,10 +1,7 @@
 """Attention over chunk pairs with an online softmax: the arithmetic the ring and all-gather share.
 
-q is [B, n, c, KV, G, D] (GQA as [kv_heads, group], never repeating K/V), k and v [B, n, c, KV, D].
-The forward folds one (query chunk, key chunk) pair at a time into a running (out, max, sum) and
-ends with the log-sum-exp, from which the backward recomputes each pair. Which pairs, in what
-order and with which mask is the strategy's business; chunk indices may be traced.
-"""
+q is [B, n, c, KV, G, D] (GQA never repeats K/V), k and v [B, n, c, KV, D]. The forward folds one chunk pair
+at a time into a running (out, max, sum); the backward recomputes each pair from the log-sum-exp."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -93,9 +90,8 @@ def fold_grad(grads, q, k, v, do, lse, delta, qh, kh, visible):
 
 
 def recomputing_vjp(forward: Callable, backward: Callable, mesh: Any) -> Callable:
-    """attend(q, k, v, q_pos, kv_pos) -> out from per-device `forward` -> (out, lse) and
-    `backward`(q, k, v, q_pos, kv_pos, out, lse, d_out) -> (dq, dk, dv). The custom_vjp sits outside
-    the shard_maps, so autodiff never transposes a nested one (ARCHITECTURE.md says why)."""
+    """attend(q, k, v, q_pos, kv_pos) -> out from per-device `forward` and `backward`; the custom_vjp sits
+    outside the shard_maps, so autodiff never transposes a nested one (ARCHITECTURE.md says why)."""
     seq = P(None, CP)  # every argument and result is [B, T or chunks, ...] split over cp on axis 1
 
     def run(fn: Callable, out_specs: Any) -> Callable:

@@ -1,10 +1,7 @@
 """Ring attention over `cp`: K/V blocks passed around with `ppermute` (`context.strategy=ring`).
 
-Each device keeps its zigzag queries and folds the pairs of every K/V block it receives into
-their online softmax, holding at most two blocks; only its own block (step 0) needs a mask. K/V
-travel with their kv-heads (queries viewed as [kv_heads, group]). The backward is a second ring
-with dK/dV (fp32) travelling beside their blocks (ARCHITECTURE.md, "Zigzag ring attention").
-"""
+Each device folds every K/V block it receives into its zigzag queries' online softmax, holding at most two
+blocks; the backward is a second ring, dK/dV beside their blocks (ARCHITECTURE.md, "Zigzag ring attention")."""
 from __future__ import annotations
 
 import functools
@@ -41,8 +38,7 @@ def _shift(x: Any, cp: int) -> Any:
 
 
 def _ring_loop(step: Callable, carry: Any, kv: Any, cp: int) -> Any:
-    """carry = step(carry, kv_j, s, first) for s = 0..cp-1, kv_j the K/V of device j = i - s; the
-    next block is sent while the current one is used, so XLA can overlap them."""
+    """carry = step(carry, kv_j, s, first) for s = 0..cp-1, j = i - s; the next block is sent while this one is used."""
     if cp == 1:
         return step(carry, kv, 0, True)
     nxt = _shift(kv, cp)

@@ -1,10 +1,8 @@
 """Context parallelism by all-to-all over heads (DeepSpeed-Ulysses; `context.strategy=ulysses`).
 
-An all-to-all over cp trades each device's T/cp tokens of all heads for all T tokens of 1/cp of
-the heads, the backend's own attention runs on whole sequences, and a second all-to-all trades
-back; the zigzag chunks arrive in device order and are put in order, so the causal mask is the
-plain one. ARCHITECTURE.md, "Three context-parallel strategies on one layout", has the costs.
-"""
+An all-to-all trades T/cp tokens of all heads for all T tokens of 1/cp of the heads, the backend's attention
+runs on whole sequences (zigzag chunks put in order, so the causal mask is the plain one), a second trades back
+(ARCHITECTURE.md, "Three context-parallel strategies on one layout")."""
 from __future__ import annotations
 
 import functools

@@ -1,12 +1,8 @@
 """The pipeline executor: any schedule table run by one `lax.scan` over ticks inside `jax.shard_map`.
 
-AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V are one program with different tables
-(`pipeline/table.py`); a tick is `pipeline/tick.py`. The shard_map is manual over pp, and over dp
-and cp too unless parameters are ZeRO-3 split: then each device accumulates its own rows'
-gradients through every tick and `reduce` sums them once, after the scan (`pipeline/step.py`).
-Device s holds layers [s*L/p, (s+1)*L/p) (`pipeline/layout.py`); the embedding, final norm and
-output layer are replicated over pp, and their gradients summed over pp once, at the end.
-"""
+Every schedule is one program with a different table (`pipeline/table.py`); a tick is `pipeline/tick.py`.
+The shard_map is manual over pp, and over dp and cp too unless ZeRO-3 splits the parameters
+(`pipeline/step.py`); the shared parameters are replicated over pp, their gradients summed once at the end."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,11 +32,8 @@ __all__ = ["Batch", "executor"]
 
 def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
              reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
-    """The shard_map body running `sched`, and the table it reads (`table.executor_table`).
-
-    `lockstep`: every device runs the tick's one kind of op (`ps.lockstep`; cp > 1). `reduce` sums
-    the gradients over the data axes when they are manual (`step._run`); None: a forwards-only
-    table, whose body returns no gradients (`{}`)."""
+    """The shard_map body running `sched`, and the table it reads. `lockstep`: one kind of op per tick (cp > 1);
+    `reduce` sums the gradients over the manual data axes; None: forwards only, no gradients."""
     if sched.split_backward and lockstep:  # tables of your own (the config's: validate_split_backward)
         raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 "
                           f"yet; use pipeline.schedule=1f1b.")
@@ -58,12 +51,10 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
 def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: Batch) -> Plan:
     device = lax.axis_index(PP)
     mesh = jax.sharding.get_abstract_mesh()
-    # Cast to pp-varying, else a replicated weight's gradient would psum inside the loops. Under
-    # ZeRO the shared parameters are gathered over dp here, once per step: whole ticks use them
-    # (and their dp split left to XLA inside the ticks trips its SPMD partitioner).
+    # Cast to pp-varying, else a replicated weight's gradient would psum inside the loops. ZeRO's shared
+    # parameters are gathered over dp here, once per step: left to XLA inside the ticks, they trip its partitioner.
     shared, batch = _unzero(stage, varying({k: a for k, a in params.items() if k != "layers"})), varying(batch)
-    # [v * layers per chunk, ...] -> [v, layers per chunk, ...], cast once per step outside the
-    # VJP, so that the residuals never hold per-micro-batch copies of the weights.
+    # Cast once per step outside the VJP, so that the residuals never hold per-micro-batch copies of the weights.
     layers = jax.tree.map(lambda a: varying(a.reshape(sched.v, -1, *a.shape[1:]).astype(stage.dtype)),
                           params["layers"])
     _, b, t = batch["inputs"].shape
@@ -82,10 +73,8 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
 
 
 def _slot_pool(stage: Stage, layout: VjpLayout, w0: Any, nothing: Activation, batch: Batch, taps: tuple) -> SlotPool:
-    """A slot holds a forward's residuals (kind 0) until its backward, then (zero-bubble) the taps'
-    (x, g) per layer (kind 1) until its W; the x's B passes through stay where the forward put
-    them (`pipeline/slots.py`). With tp > 1 each leaf has a buffer as split as the leaf
-    (`pipeline/slot_splits.py`)."""
+    """A slot holds a forward's residuals (kind 0), then the taps' (x, g) until W (kind 1)
+    (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
     kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if taps else ()
     stash = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(taps))
     pool = SlotPool((layout.stored, stash), kept, separate=auto_size(jax.sharding.get_abstract_mesh(), TP) > 1)
@@ -109,8 +98,7 @@ def _start(plan: Plan, slots: int) -> Buffers:
 def _totals(plan: Plan, end: Buffers) -> tuple[jax.Array, dict]:
     """The loss and the router metrics' mean over micro-batches, summed over pp and the manual data axes."""
     data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
-    # The metrics are the whole batch's on every data device: summed over those too and divided,
-    # they are unchanged and invariant there.
+    # The metrics are the whole batch's on every data device: summed there too and divided, they are invariant.
     copies = plan.batch["inputs"].shape[0] * math.prod(lax.axis_size(a) for a in data)
     router = jax.tree.map(lambda r: r / copies, lax.psum(end.router, (PP, *data)))
     return lax.psum(end.loss, (PP, *data)), router

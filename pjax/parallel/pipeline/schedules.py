@@ -1,10 +1,7 @@
 """Pipeline schedules as data: tables of (tick x device) -> forward / backward / weight / idle.
 
-Each device gets its program order (AFAB, 1F1B, interleaved 1F1B, zero-bubble in
-`zero_bubble.py`); `_timeline` places every item at the earliest tick its inputs are ready, one per
-device per tick, a transfer ending each tick. A tick of one SPMD program costs its slowest item
-(`Schedule.span`; ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program").
-"""
+`_timeline` places each device's program order at the earliest ticks its inputs allow, one item per device
+per tick (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +46,7 @@ class Schedule:
         return bool(np.any(self.op == WEIGHT))
 
     def span(self, forward: float = 1.0, backward: float = 2.0, weight: float | None = None) -> float:
-        """Time of the table when every tick lasts its slowest item, as in one SPMD program; `weight`
-        is W's share of a backward."""
+        """Time of the table when every tick lasts its slowest item; `weight` is W's share of a backward."""
         weight = backward / 2 if weight is None else weight
         cost = np.array([0.0, forward, backward - weight, weight] if self.split_backward
                         else [0.0, forward, backward, 0.0])
@@ -77,8 +73,7 @@ class Schedule:
 
 def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alternate: bool = False,
               vshape: bool = False) -> Schedule:
-    """Each device's program order as early as the dependencies allow; `alternate`: forwards on even
-    ticks, backwards on odd ones (all-idle ticks left out)."""
+    """Each device's program order as early as the dependencies allow; `alternate`: forwards on even ticks."""
     done: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
     pos, rows, t, skipped = [0] * p, [], 0, 0
     last = p * v - 1
@@ -141,9 +136,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def one_f_one_b_lockstep(p: int, m: int) -> Schedule:
-    """1F1B with 2(p - s - 1) warm-up forwards and all devices forwarding on the same ticks: AFAB's
-    time, 2p - 1 in flight, one kind of op per tick as ring attention needs (ARCHITECTURE.md,
-    "Pipeline schedules as data")."""
+    """1F1B with 2(p - s - 1) warm-up forwards and all devices forwarding on the same ticks
+    (ARCHITECTURE.md, "Pipeline schedules as data")."""
     order = [(i, 0) for i in range(m)]
     return _timeline("1f1b_lockstep", p, m, 1, [_one_f_one_b_order(order, order, 2 * (p - s - 1)) for s in range(p)],
                      alternate=True)
@@ -170,8 +164,7 @@ def forward_only(p: int, m: int, v: int = 1, vshape: bool = False) -> Schedule:
 
 
 def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]], vshape: bool = False) -> Schedule:
-    """A table from your own program orders, each item once per device (W items for every backward or
-    none), placed as early as the dependencies allow."""
+    """A table from your own program orders, each item once per device (W items for every backward or none)."""
     if len(orders) != p:
         raise ValueError(f"schedule {name}: {len(orders)} program orders for p={p} devices; give one per device.")
     split = any(int(item[0]) == WEIGHT for order in orders for item in order)
@@ -189,9 +182,8 @@ def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]], vsh
 
 
 def lockstep(sched: Schedule) -> Schedule:
-    """The schedule with each mixed tick split into its forwards, then its backwards, for context
-    parallelism (ring attention's transfers sit inside the ops); interleaved 1F1B's steady state then
-    takes nearly twice the ticks."""
+    """The schedule with each mixed tick split into its forwards, then its backwards, for ring attention,
+    whose transfers sit inside the ops."""
     if all(len(set(row.tolist()) - {IDLE}) <= 1 for row in sched.op):
         return sched
     rows = []

@@ -1,13 +1,9 @@
 """Slots that hold one of several kinds of per-micro-batch state: a forward's residuals, then what B
 leaves W (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W").
 
-JAX arrays cannot share memory, so with two kinds the slots are flat, per dtype one [slots, width]
-buffer, width the larger kind's, each kind laid out from offset 0, written and read in place. With
-one kind each leaf keeps a buffer of its own (the flat layout costs XLA:CPU temporaries there), and
-so with tp > 1 (`separate`): a flat row has no tp layout, so kind 1 instead takes over a kind-0
-buffer of the same shape, dtype and XLA split (`reused`). A projection input B passes through
-unchanged is `kept`: kind 1 reads it where kind 0 wrote it.
-"""
+JAX arrays cannot share memory, so with two kinds the slots are flat, per dtype one [slots, width] buffer,
+each kind from offset 0. With one kind, or tp > 1 (`separate`: a flat row has no tp layout), each leaf keeps
+a buffer of its own, and kind 1 takes over a kind-0 buffer of the same shape, dtype and split (`reused`)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,9 +1,7 @@
 """What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots.
 
-The activation passed between stages is the hidden states and, for MoE, the router statistics so
-far (ARCHITECTURE.md, "MoE in a pipeline: the router statistics travel with the activations");
-a dense model's statistics are `()`, so the same code moves nothing more.
-"""
+The activation between stages is the hidden states and the router statistics so far, `()` when dense
+(ARCHITECTURE.md, "MoE in a pipeline: the router statistics travel with the activations")."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,12 +37,12 @@ class Stage(NamedTuple):
     no_stats: Callable[[], Any]
     layers: Callable[..., Activation]  # (chunk weights, activation, positions[, taps: models/deferred_grads.py])
     loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
-    head_keys: tuple[str, ...]  # the shared parameters the loss reads
+    head_keys: tuple[str, ...]
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
     weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
     scan: bool = True  # unrolled, `layers` takes per-layer lists (`per_layer`)
-    layer_specs: Any = None  # one layer's weights' specs (its 'layers' dim dropped), like its weights
+    layer_specs: Any = None  # one layer's weights' specs (its 'layers' dim dropped)
 
     def per_layer(self, tree: Any) -> Any:
         """Stacked weights (or taps) as the VJP takes them; unrolled, per-layer slices taken outside
@@ -147,7 +145,7 @@ class VjpLayout:
             if eqn is None or eqn.primitive.name != "scan":
                 return None
             body, consts, carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
-            if k < carry:  # a carry, not a stacked output
+            if k < carry:
                 return None
             j = next((i for i, u in enumerate(body.invars) if u is body.outvars[k]), None)
             # A stacked output that is the body's slice of a stacked input is that input.

@@ -24,12 +24,12 @@ class Buffers(NamedTuple):
     """What the scan over ticks carries on one device (S: the schedule's slots)."""
 
     inbox: Activation         # arriving activations by slot, [S + 1, ...]: row S is "nothing came"
-    cotangents: Activation    # arriving cotangents by slot, the same shapes
+    cotangents: Activation
     slots: dict               # by slot, a forward's VJP residuals, then what B leaves W (`pipeline/slots.py`)
-    grad_layers: Any          # fp32 [v, layers per chunk, ...]: this device's layer gradients
-    grad_head: Any            # fp32: the final norm and output layer gradients (the last stage's)
+    grad_layers: Any          # fp32 [v, layers per chunk, ...]
+    grad_head: Any
     loss: jax.Array
-    router: dict              # MoE: the router metrics of the micro-batches whose loss ran here, summed
+    router: dict
     d_embedded: jax.Array     # [m + 1, B*T, D]: the embedding's cotangent per micro-batch (+ a discard row)
 
 
@@ -39,17 +39,17 @@ class Plan:
 
     stage: Stage
     stage_of: np.ndarray      # [device, chunk] -> model stage
-    stages: int               # model stages, p * v
+    stages: int
     device: jax.Array
     batch: Batch
-    shared: dict              # the embedding, final norm and output layer, whole
-    layers: Any               # [v, layers per chunk, ...] in the compute dtype
+    shared: dict
+    layers: Any
     nothing: Activation       # zeros: what a device sends on a tick without that op
     taps: tuple               # zero-bubble: (the zero taps of a chunk's layers,); else ()
     layout: VjpLayout
     pool: SlotPool
     x_sets: list              # per lane, the sets of (sender, receiver) pairs an activation goes by
-    dy_sets: list             # and a cotangent
+    dy_sets: list
     lockstep: bool            # one kind of op per tick on every device, for ring attention's permutes (`Row.keep`)
     ordered: bool             # the tick's compute holds collectives: transfers one at a time, after it
 
@@ -82,10 +82,10 @@ class Row(NamedTuple):
     slot: jax.Array
     active: jax.Array         # 0: a lockstep device without work, running the op on the discard slot
     lanes: jax.Array
-    first: jax.Array          # the chunk is the first / the last model stage
+    first: jax.Array
     last: jax.Array
     micro: Batch
-    w: Any                    # the chunk's weights, as the stage's VJP takes them
+    w: Any
     lockstep: bool
 
     def keep(self, d: jax.Array) -> jax.Array:
@@ -105,10 +105,8 @@ def tick(plan: Plan, buf: Buffers, entry: jax.Array) -> tuple[Buffers, None]:
 
 
 def _run_if(pred: jax.Array, fn: Callable[[Any], Any], state: Any) -> Any:
-    """`fn(state)` where `pred` holds, else `state`: a while loop of 0 or 1 trips, not `lax.cond`.
-    XLA gives a conditional's results buffers of their own and copies into them every buffer a
-    branch passes through or updates (the slots, the gradient accumulators), where a while loop
-    updates its carry in place."""
+    """`fn(state)` where `pred` holds, else `state`: a while loop of 0 or 1 trips, which updates its carry
+    in place where `lax.cond` copies (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
     def body(carry):
         _, state = carry
         return jnp.zeros_like(pred), fn(state)
@@ -136,9 +134,8 @@ def forward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
 
 
 def loss(plan: Plan, row: Row, buf: Buffers, x: Activation) -> tuple[Buffers, Activation]:
-    """The last stage's head after its forward: the loss, the head's gradients, and the cotangent
-    B will read from the slot. In a loop of its own: nested in the forward's, XLA can run it
-    before the residual writes, and the logits are alive beside those residuals."""
+    """The last stage's head after its forward: loss, head gradients, and the cotangent B reads from the
+    slot. In a loop of its own, not the forward's (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
     def run(state):
         cotangents, grad_head, total, router, act = state
         fn = lambda head, act: plan.stage.loss({**plan.shared, **head}, act, row.micro["labels"])
@@ -152,9 +149,8 @@ def loss(plan: Plan, row: Row, buf: Buffers, x: Activation) -> tuple[Buffers, Ac
 
 
 def backward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
-    """B: adds the chunk's weight gradients; returns the activation's cotangent (stage 0 keeps it:
-    the embedding is differentiated once, after the scan). Reads the slots as the forward's loop
-    left them (never what it wrote: a tick runs one op); from before it, XLA copies every slot."""
+    """B: adds the chunk's weight gradients; returns the activation's cotangent (stage 0 keeps it for the
+    embedding, differentiated after the scan). Reads the slots as the forward's loop left them, else XLA copies them."""
     def run(state):
         grad_layers, d_embedded, pooled, _ = state
         dw, dact, *dtaps = plan.layout.unpack(row.w, plan.pool.read(pooled, row.slot, 0))(_at(buf.cotangents, row.slot))
@@ -171,8 +167,7 @@ def backward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
 
 
 def _leave_for_weight(plan: Plan, row: Row, pooled: dict, dw: Any, dact: Activation, dtaps: list) -> dict:
-    """Zero-bubble: B's `dw` holds zeros for the projections; B leaves W the taps' cotangents
-    instead, written over the residuals it has just read (`_finite_start`)."""
+    """Zero-bubble: B leaves W the taps' cotangents, written over the residuals it has just read (`_finite_start`)."""
     if not plan.split:
         return pooled
     gs = [jax.tree.leaves(dtaps[0])[i] for i in plan.pool.written(1)]
@@ -180,16 +175,14 @@ def _leave_for_weight(plan: Plan, row: Row, pooled: dict, dw: Any, dact: Activat
 
 
 def _finite_start(*trees: Any) -> jax.Array:
-    """Whether every leaf's first element is a number (false only where the gradients are NaN anyway).
-    B's writes over the residuals it has read run in a loop of this many trips: XLA runs a loop
-    after what its trip count depends on, so they follow every read (else XLA copies the slots)."""
+    """Whether every leaf's first element is a number: the trip count that orders B's writes after its reads
+    (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
     firsts = [jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(trees)]
     return ~jnp.isnan(sum(firsts))
 
 
 def weight(plan: Plan, row: Row, buf: Buffers, sends: list) -> tuple[Buffers, list]:
-    """W: the projections' weight gradients from the taps' (x, g) B left in the slot. With
-    `plan.ordered`, what the tick sends rides through its loop (see `send`)."""
+    """W: the projections' weight gradients from the (x, g) B left; with `plan.ordered` the sends ride its loop."""
     if not plan.split:
         return buf, sends
 
@@ -205,11 +198,9 @@ def weight(plan: Plan, row: Row, buf: Buffers, sends: list) -> tuple[Buffers, li
 
 
 def send(plan: Plan, row: Row, buf: Buffers, sends: list) -> Buffers:
-    """Per lane, the activation `sends[0]` to the next stage's device and the cotangent `sends[1]` to
-    the previous stage's (a device nothing reaches receives into the "nothing came" slot). After
-    the compute: a collective in a loop completes only where every device of its group runs the
-    loop. The tp/dp ones of a forward or backward do (their groups share a pp index), ring
-    attention's cp permutes do in lockstep, a pp permute would not."""
+    """Per lane, the activation `sends[0]` to the next stage and the cotangent `sends[1]` to the previous.
+    After the compute: a collective in a loop completes only where every device of its group runs the loop,
+    which a pp permute's group would not (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
     inbox, cotangents = buf.inbox, buf.cotangents
     for lane, (recv_x, recv_dy, send_x, send_dy) in enumerate(row.lanes):
         sends, got_x = _permute(plan, sends, 0, send_x, plan.x_sets[lane], "x", lane)
@@ -220,8 +211,7 @@ def send(plan: Plan, row: Row, buf: Buffers, sends: list) -> Buffers:
 
 def _permute(plan: Plan, sends: list, i: int, which: jax.Array, sets: list, kind: str, lane: int) -> tuple[list, Any]:
     """`sends[i]` sent by the permute of set `which` (0: none) of this lane's `sets`: (sends, arrived).
-    `plan.ordered`: all sent and received so far rides through each permute's loop, so a device
-    waits in one collective at a time (ARCHITECTURE.md, "Pipelines on forced CPU devices")."""
+    `plan.ordered`: one collective at a time (ARCHITECTURE.md, "Pipelines on forced CPU devices")."""
     state = [*sends, sends[i]] if plan.ordered else [sends[i]]
     for k, pairs in enumerate(sets, 1):
         state = _run_if(which == k, _scoped(send_scope(kind, lane, k), _send_at(len(state) - 1, pairs)), state)
