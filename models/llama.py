@@ -68,15 +68,7 @@ class DecoderLayer(nn.Module):
         cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
-        if sp and taps is not None:
-            column = lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site])
-            row = lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site])
-        elif sp:
-            column, row = (lambda y, ws, site: seqpar.column(y, ws)), (lambda y, w, site: seqpar.row(y, w))
-        else:
-            column = ((lambda y, ws, site: self.project_fn(y, ws)) if taps is None
-                      else (lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])))
-            row = lambda y, w, site: column(y, [w], site)[0]
+        column, row = self._projections(sp, taps)
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
@@ -110,6 +102,19 @@ class DecoderLayer(nn.Module):
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
         down = row(gated, cast(w_down), "down")
         return x + constrain(down, residual), None
+
+
+    def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
+        """(column, row): the column- and row-parallel matmuls by site, in the form sequence
+        parallelism and zero-bubble taps ask for (`models/deferred_grads.py`)."""
+        if sp and taps is not None:
+            return (lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site]),
+                    lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site]))
+        if sp:
+            return (lambda y, ws, site: seqpar.column(y, ws)), (lambda y, w, site: seqpar.row(y, w))
+        column = ((lambda y, ws, site: self.project_fn(y, ws)) if taps is None
+                  else (lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])))
+        return column, (lambda y, w, site: column(y, [w], site)[0])
 
 
 class Embed(nn.Module):
