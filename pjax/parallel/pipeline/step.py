@@ -52,10 +52,7 @@ class Pipelined:
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict]:
         """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
         lockstep = needs_lockstep()
-        sched = self._table(batch["inputs"].shape[0], lockstep)
-        once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero)
-        stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
-        loss, grads, router = _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero)
+        loss, grads, router = self._execute(self._table(batch["inputs"].shape[0], lockstep), params, batch, lockstep)
         if self.grad_sharding is not None:  # ZeRO: gradients live in slices
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router
@@ -64,10 +61,14 @@ class Pipelined:
         """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""
         pp, v = jax.sharding.get_abstract_mesh().shape[PP], self.pipeline.virtual_stages
         sched = ps.forward_only(pp, batch["inputs"].shape[0], v, self.pipeline.vshape)
+        return self._execute(sched, params, batch, needs_lockstep(), with_grads=False)[0]
+
+    def _execute(self, sched: ps.Schedule, params: Any, batch: Batch, lockstep: bool, with_grads: bool = True
+                 ) -> tuple[jax.Array, Any, dict]:
+        """`sched` run on this spec's stage (scaled to the batch's mean), gradients reduced once when they can be."""
         once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero)
         stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
-        return _run(sched, stage, params, batch, needs_lockstep(), once, self.spec.cfg, self.zero,
-                    with_grads=False)[0]
+        return _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero, with_grads)
 
     def _table(self, m: int, lockstep: bool) -> ps.Schedule:
         """`pipeline.schedule`'s table for m micro-batches, or `schedule` once checked against it."""
