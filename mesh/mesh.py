@@ -19,6 +19,12 @@ TP = "tp"
 AXES: tuple[str, ...] = (DP, PP, CP, TP)
 
 
+def current() -> jax.sharding.AbstractMesh:
+    """The ambient mesh (`jax.set_mesh`): the one way code under jit learns the layout, manual axes
+    included (host code holds a `Mesh` to place arrays; validation sees a `MeshConfig`'s sizes)."""
+    return jax.sharding.get_abstract_mesh()
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the four mesh axes. `dp=-1` means "every device the other axes leave"."""

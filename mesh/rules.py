@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from mesh.mesh import CP, DP, PP, TP
+from mesh.mesh import CP, DP, PP, TP, current
 
 # Megatron's column/row/vocab-parallel TP falls out of splitting 'heads', 'kv_heads', 'mlp', 'vocab'.
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -50,7 +50,7 @@ def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical names, leaving out manual axes (ARCHITECTURE.md,
     "Activations are pinned, or FSDP does not happen"); a no-op without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     if mesh.empty:
         return x
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
@@ -78,11 +78,10 @@ def manual_size(mesh, axis: str) -> int:
     return mesh.shape[axis] // auto_size(mesh, axis)
 
 
-def per_device(fn: Callable, mesh, in_specs: Any, out_specs: Any) -> Callable:
+def per_device(fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
     """`fn` on each device's blocks along the automatic axes its specs name, for hand-written collectives;
-    on the context mesh where there is one (it knows which axes an enclosing shard_map made manual)."""
-    context = jax.sharding.get_abstract_mesh()
-    ref = mesh if context.empty else context
+    on the ambient mesh (it knows which axes an enclosing shard_map made manual)."""
+    ref = current()
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def named(spec: P) -> list[str]:
@@ -107,7 +106,7 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
     """[B, T, ...] -> [B*T, ...] in (dp, cp) block order, so that the merge moves nothing between
     devices (ARCHITECTURE.md, "Block-order token flattening")."""
     b, t, *rest = x.shape
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b * t, *rest)
@@ -118,7 +117,7 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
 def unflatten_tokens(x: jax.Array, b: int, t: int) -> jax.Array:
     """The inverse of `flatten_tokens`: [B*T, ...] -> [B, T, ...]."""
     rest = x.shape[1:]
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b, t, *rest)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mesh.mesh import DP
+from mesh.mesh import DP, current
 from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
 from models import deferred_grads
 from models import sequence_parallel as seqpar
@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
         mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
         # MoE: in a shard_map manual over dp, this device's E/dp experts
-        e = (c.num_local_experts // manual_size(jax.sharding.get_abstract_mesh(), DP),) if c.num_local_experts else ()
+        e = (c.num_local_experts // manual_size(current(), DP),) if c.num_local_experts else ()
         experts = ("experts",) if e else ()
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)

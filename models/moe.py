@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP
+from mesh.mesh import CP, DP, PP, current
 from mesh.rules import logical_to_spec
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -167,7 +167,7 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     dp > 1. Inside a shard_map manual over dp already, x and p are this device's."""
     if routing not in ROUTINGS:
         raise ConfigError(f"moe.routing={routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     dp = 1 if mesh.empty or DP not in mesh.shape else mesh.shape[DP]
     num_experts = p["router"].shape[-1]
     if dp == 1:

@@ -11,14 +11,14 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from mesh.mesh import TP
+from mesh.mesh import TP, current
 from mesh.rules import auto_size
 
 ProjectFn = Callable[[jax.Array, Sequence[jax.Array]], tuple[jax.Array, ...]]
 
 
 def _tp() -> int:
-    return auto_size(jax.sharding.get_abstract_mesh(), TP)
+    return auto_size(current(), TP)
 
 
 def merge_over_tp(arrays: Sequence[jax.Array], tp: int) -> jax.Array:

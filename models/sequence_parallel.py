@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import TP
+from mesh.mesh import TP, current
 from mesh.rules import auto_size, logical_to_spec, per_device
 from models.projection import weight_grads
 
@@ -23,7 +23,7 @@ TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",)
 
 def active(enabled: bool) -> bool:
     """Sequence parallelism is on and tp splits something here."""
-    return enabled and auto_size(jax.sharding.get_abstract_mesh(), TP) > 1
+    return enabled and auto_size(current(), TP) > 1
 
 
 def residual_axis(enabled: bool) -> str:
@@ -32,7 +32,7 @@ def residual_axis(enabled: bool) -> str:
 
 
 def _per_device(fn, in_specs, out_specs):
-    return per_device(fn, jax.sharding.get_abstract_mesh(), in_specs, out_specs)
+    return per_device(fn, in_specs, out_specs)
 
 
 def gather(x: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP, MeshConfig
+from mesh.mesh import CP, DP, MeshConfig, PP, current
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
@@ -70,7 +70,7 @@ class Accumulation:
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
         """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
         local = functools.partial(accumulate, spec=self.spec)
-        if data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero):
+        if data_parallel.can_reduce_once(current(), self.zero):
             return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero)
 
         def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
@@ -173,7 +173,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
     attention_fn = None
     if mesh.shape[CP] > 1:
-        attention_fn = context_strategy.context_attention(mesh, context.strategy, select_attention(tc.attention))
+        attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
     spec = StepSpec.build(cfg, tc, moe, attention_fn)
     if mc.pp > 1:
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline)

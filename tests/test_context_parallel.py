@@ -66,7 +66,7 @@ def test_ring_attention_and_its_gradients_equal_full_causal_attention(cp, layout
     perm = zigzag_layout(cp)(np.arange(T)) if layout == "zigzag" else np.arange(T)
     mesh = cp_mesh(cp)
     with jax.set_mesh(mesh):
-        (_, out), grads = value_and_grads(ring_attention(mesh, layout))(q[:, perm], k[:, perm], v[:, perm], pos[:, perm])
+        (_, out), grads = value_and_grads(ring_attention(layout))(q[:, perm], k[:, perm], v[:, perm], pos[:, perm])
     assert_close(out, ref_out[:, perm])
     for g, ref in zip(grads, ref_grads):
         assert_close(g, np.asarray(ref)[:, perm])
@@ -85,7 +85,7 @@ def test_other_strategies_and_their_gradients_equal_full_causal_attention(strate
     (_, ref_out), ref_grads = value_and_grads(reference_attention)(q, k, v, pos)
     perm = zigzag_layout(cp)(np.arange(T))
     mesh = cp_mesh(cp, tp=tp)
-    attention = context_attention(mesh, strategy, select_attention("blocked"))
+    attention = context_attention(strategy, select_attention("blocked"))
     with jax.set_mesh(mesh):
         (_, out), grads = value_and_grads(attention)(q[:, perm], k[:, perm], v[:, perm], pos[:, perm])
     assert_close(out, ref_out[:, perm])
@@ -98,7 +98,7 @@ def test_ring_attention_differentiates_inside_a_pipeline_stage():
     mesh = make_mesh(MeshConfig(dp=1, pp=2, cp=2, tp=2))
     q, k, v, pos = qkv()
     perm = zigzag_layout(2)(np.arange(T))
-    ring = ring_attention(mesh)
+    ring = ring_attention()
     stage = jax.shard_map(lambda q, k, v, p: ring(q[0], k[0], v[0], p, p)[None], mesh=mesh,
                           in_specs=(P(PP), P(PP), P(PP), P()), out_specs=P(PP), axis_names={PP})
     stacked = [np.stack([x[:, perm], 2 * x[:, perm]]) for x in (q, k, v)]  # a different input per stage
@@ -246,7 +246,7 @@ def step_temp_bytes(cp: int, per_device_seq: int = 32) -> int:
 def attention_grad_temp_bytes(cp: int, custom_backward: bool, per_device_seq: int = 64) -> int:
     mesh = cp_mesh(cp)
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in qkv(per_device_seq * cp)]
-    attention = ring_attention(mesh, custom_backward=custom_backward)
+    attention = ring_attention(custom_backward=custom_backward)
     grad = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(attention(q, k, v, p, p)), argnums=(0, 1, 2)))
     with jax.set_mesh(mesh):
         return temp_bytes(grad, *args)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax import lax
 
 from mesh import rules
-from mesh.mesh import CP, DP, PP, TP
+from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
@@ -98,7 +98,7 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
 def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
     """Sum the partial gradients over the manual data axes once; experts over cp only (the
     all_to_all's backward brought them to their owner)."""
-    axes = data_axes(jax.sharding.get_abstract_mesh())
+    axes = data_axes(current())
     leaves, treedef = jax.tree.flatten(grads)
     names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
     dense = [i for i, n in enumerate(names) if not is_expert(n)]
@@ -121,13 +121,13 @@ def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     gathers the operand over tp first)."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
     scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
-    return rules.per_device(scatter, jax.sharding.get_abstract_mesh(), tp_only, tp_only)(g)
+    return rules.per_device(scatter, tp_only, tp_only)(g)
 
 
 def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int) -> tuple[jax.Array, Any, Any]:
     """Mean loss, gradients and router metrics with one reduction over the data axes per step;
     `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs per device."""
-    axes = data_axes(jax.sharding.get_abstract_mesh())
+    axes = data_axes(current())
     split_dp = zero == 1 and DP in axes
 
     def body(params, batch):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP
+from mesh.mesh import CP, DP, current
 from mesh.rules import auto_size, constrain
 from models import sequence_parallel as seqpar
 from models.llama import mask_padded_vocab
@@ -30,7 +30,7 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
     n = hidden.shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     sp = seqpar.active(sequence_parallel)
     shares = auto_size(mesh, DP) * auto_size(mesh, CP)
     if 0 < chunk < n // shares:

@@ -12,11 +12,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mesh import rules
 from mesh.errors import ConfigError
-from mesh.mesh import CP, TP
+from mesh.mesh import CP, TP, current
 from models.attention import AttentionFn
 from pjax.parallel.context.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp,
                                                   softmax_delta, split, start)
@@ -39,25 +39,25 @@ def _diagonal(i: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> list[tuple[i
     return [(h, 2 * i + h, causal(qp, kp, h, h)) for h in (0, 1)]
 
 
-def _over_tp(collective: Callable, mesh: Mesh) -> Callable:
+def _over_tp(collective: Callable) -> Callable:
     """`collective` ([B, n, c, KV, D] -> ...) manual over tp too (left automatic, XLA gathers the
     kv-heads over tp first); it holds the collective alone, so autodiff never looks inside."""
     heads = P(None, None, None, TP)
-    return lambda x: rules.per_device(collective, mesh, heads, heads)(x)
+    return lambda x: rules.per_device(collective, heads, heads)(x)
 
 
-def _gather(x: jax.Array, mesh: Mesh) -> jax.Array:
-    return _over_tp(lambda y: lax.all_gather(y, CP, axis=1, tiled=True), mesh)(x)
+def _gather(x: jax.Array) -> jax.Array:
+    return _over_tp(lambda y: lax.all_gather(y, CP, axis=1, tiled=True))(x)
 
 
-def _scatter(x: jax.Array, mesh: Mesh) -> jax.Array:
-    return _over_tp(lambda y: lax.psum_scatter(y, CP, scatter_dimension=1, tiled=True), mesh)(x)
+def _scatter(x: jax.Array) -> jax.Array:
+    return _over_tp(lambda y: lax.psum_scatter(y, CP, scatter_dimension=1, tiled=True))(x)
 
 
-def _forward(q, k, v, q_pos, kv_pos, cp: int, mesh: Mesh):
+def _forward(q, k, v, q_pos, kv_pos, cp: int):
     """Per-device forward: (out [B, T_l, H, D], lse [B, 2, c, KV, G] fp32)."""
     i = lax.axis_index(CP)
-    qs, kg, vg = split(q, 2, k.shape[2]), _gather(split(k, 2), mesh), _gather(split(v, 2), mesh)
+    qs, kg, vg = split(q, 2, k.shape[2]), _gather(split(k, 2)), _gather(split(v, 2))
 
     def whole(s, acc):
         return fold(acc, qs, kg, vg, *_whole_pair(s, i, cp), None)
@@ -68,11 +68,11 @@ def _forward(q, k, v, q_pos, kv_pos, cp: int, mesh: Mesh):
     return finish(acc, q)
 
 
-def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, mesh: Mesh):
+def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int):
     """Per-device backward: the pairs again; dK/dV of the whole sequence reduce-scattered home."""
     i, kvh = lax.axis_index(CP), k.shape[2]
     qs, dos = split(q, 2, kvh), split(g.astype(q.dtype), 2, kvh)
-    kg, vg = _gather(split(k, 2), mesh), _gather(split(v, 2), mesh)
+    kg, vg = _gather(split(k, 2)), _gather(split(v, 2))
     delta = softmax_delta(g, out, 2, kvh)
 
     def whole(s, grads):
@@ -83,19 +83,17 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, mesh: Mesh):
     for qh, kh, visible in _diagonal(i, q_pos, kv_pos):
         grads = fold_grad(grads, qs, kg, vg, dos, lse, delta, qh, kh, visible)
     dq, dkg, dvg = grads
-    dk, dv = (_scatter(d, mesh).astype(k.dtype).reshape(k.shape) for d in (dkg, dvg))
+    dk, dv = (_scatter(d).astype(k.dtype).reshape(k.shape) for d in (dkg, dvg))
     return dq.astype(q.dtype).reshape(q.shape), dk, dv
 
 
-def all_gather_attention(mesh: Mesh) -> AttentionFn:
-    """An `AttentionFn` for sequences split over `cp` in the zigzag layout, by all-gathered K/V."""
-    cp = mesh.shape[CP]
-    attend = recomputing_vjp(functools.partial(_forward, cp=cp, mesh=mesh),
-                             functools.partial(_backward, cp=cp, mesh=mesh), mesh)
-
+def all_gather_attention() -> AttentionFn:
+    """An `AttentionFn` for sequences split over the ambient mesh's `cp` (zigzag), by all-gathered K/V."""
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+        cp = current().shape[CP]
         if q.shape[1] % (2 * cp):
             raise ConfigError(f"sequence length {q.shape[1]} is not divisible by 2*mesh.cp = {2 * cp}, the "
                               f"number of zigzag chunks; change train.seq_len.")
+        attend = recomputing_vjp(functools.partial(_forward, cp=cp), functools.partial(_backward, cp=cp))
         return attend(q, k, v, q_pos, kv_pos)
     return attention

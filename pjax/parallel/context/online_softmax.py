@@ -89,13 +89,13 @@ def fold_grad(grads, q, k, v, do, lse, delta, qh, kh, visible):
     return dq, dk, dv
 
 
-def recomputing_vjp(forward: Callable, backward: Callable, mesh: Any) -> Callable:
+def recomputing_vjp(forward: Callable, backward: Callable) -> Callable:
     """attend(q, k, v, q_pos, kv_pos) -> out from per-device `forward` and `backward`; the custom_vjp sits
     outside the shard_maps, so autodiff never transposes a nested one (ARCHITECTURE.md says why)."""
     seq = P(None, CP)  # every argument and result is [B, T or chunks, ...] split over cp on axis 1
 
     def run(fn: Callable, out_specs: Any) -> Callable:
-        return rules.per_device(fn, mesh, seq, out_specs)
+        return rules.per_device(fn, seq, out_specs)
 
     @jax.custom_vjp
     def attend(q, k, v, q_pos, kv_pos):

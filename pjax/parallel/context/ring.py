@@ -10,11 +10,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mesh import rules
 from mesh.errors import ConfigError
-from mesh.mesh import CP
+from mesh.mesh import CP, current
 from models.attention import AttentionFn
 from pjax.parallel.context.online_softmax import (F32, causal, finish, fold, fold_grad, recomputing_vjp,
                                                   softmax_delta, split, start)
@@ -94,24 +94,22 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, g, cp: int, layout: str):
     return dq.astype(q.dtype).reshape(q.shape), dk, dv
 
 
-def ring_attention(mesh: Mesh, layout: str = "zigzag", custom_backward: bool = True) -> AttentionFn:
-    """An `AttentionFn` for sequences split over `cp` in `layout`; `custom_backward=False` lets
-    autodiff differentiate the forward ring (storing every block), to measure what the custom one saves."""
+def ring_attention(layout: str = "zigzag", custom_backward: bool = True) -> AttentionFn:
+    """An `AttentionFn` for sequences split over the ambient mesh's `cp` in `layout`; `custom_backward=False`
+    lets autodiff differentiate the forward ring (storing every block), to measure what the custom one saves."""
     if layout not in LAYOUTS:
         raise ConfigError(f"context-parallel layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}.")
-    cp = mesh.shape[CP]
-    chunks = 2 * cp if layout == "zigzag" else cp
-    seq = P(None, CP)
-
-    forward, backward = (functools.partial(f, cp=cp, layout=layout) for f in (_forward, _backward))
-    ring = recomputing_vjp(forward, backward, mesh)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+        cp = current().shape[CP]
+        chunks = 2 * cp if layout == "zigzag" else cp
         if q.shape[1] % chunks:
             raise ConfigError(f"sequence length {q.shape[1]} is not divisible by {chunks}, the number of "
                               f"{layout} chunks for mesh.cp={cp}; change train.seq_len.")
+        forward, backward = (functools.partial(f, cp=cp, layout=layout) for f in (_forward, _backward))
         if custom_backward:
-            return ring(q, k, v, q_pos, kv_pos)
-        return rules.per_device(lambda *a: forward(*a)[0], mesh, seq, seq)(q, k, v, q_pos, kv_pos)
+            return recomputing_vjp(forward, backward)(q, k, v, q_pos, kv_pos)
+        seq = P(None, CP)
+        return rules.per_device(lambda *a: forward(*a)[0], seq, seq)(q, k, v, q_pos, kv_pos)
     return attention
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jax.sharding import Mesh
-
 from mesh.errors import ConfigError, require_choice
 from models.attention import AttentionFn
 from pjax.parallel.context.all_gather import all_gather_attention
@@ -46,13 +44,13 @@ def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> 
         validate_heads(num_heads, kv_heads, mc.cp, mc.tp)
 
 
-def context_attention(mesh: Mesh, strategy: str, local: AttentionFn) -> AttentionFn:
+def context_attention(strategy: str, local: AttentionFn) -> AttentionFn:
     """The `AttentionFn` of `context.strategy` for sequences split over cp in the zigzag layout;
     'ulysses' runs `local`, the backend's own attention, on its heads."""
     if strategy == "ring":
-        return ring_attention(mesh)
+        return ring_attention()
     if strategy == "all_gather":
-        return all_gather_attention(mesh)
+        return all_gather_attention()
     if strategy == "ulysses":
-        return ulysses_attention(mesh, local)
+        return ulysses_attention(local)
     raise ConfigError(f"context.strategy={strategy!r} is unknown; choose ring, all_gather or ulysses.")

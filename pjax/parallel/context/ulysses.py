@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mesh import rules
 from mesh.errors import ConfigError
-from mesh.mesh import CP, TP
+from mesh.mesh import CP, TP, current
 from models.attention import AttentionFn
 from pjax.parallel.context.zigzag import zigzag_chunks
 
@@ -75,19 +75,20 @@ def _gather_positions(q_pos: jax.Array, cp: int) -> jax.Array:
     return _reorder(lax.all_gather(q_pos, CP, axis=1, tiled=True), np.argsort(_device_order(cp)))[None]
 
 
-def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
-    """An `AttentionFn` for sequences split over `cp` (zigzag), attending with `local` per head group."""
-    cp, tp = mesh.shape[CP], mesh.shape[TP]
+def ulysses_attention(local: AttentionFn) -> AttentionFn:
+    """An `AttentionFn` for sequences split over the ambient mesh's `cp` (zigzag), attending with `local`
+    per head group."""
     # Between the exchanges a leading axis holds one head group per cp device, so attention runs
     # outside any shard_map; the exchanges are manual over tp and carry their own transposes.
     seq, heads, group, group_heads = P(None, CP), P(None, CP, TP), P(CP), P(CP, None, None, TP)
 
-    def exchanges(g: int) -> tuple[Callable, Callable]:
-        there = rules.per_device(functools.partial(_to_heads, cp=cp), mesh, heads, group_heads)
-        back = rules.per_device(functools.partial(_to_sequence, cp=cp, g=g), mesh, group_heads, heads)
+    def exchanges(g: int, cp: int) -> tuple[Callable, Callable]:
+        there = rules.per_device(functools.partial(_to_heads, cp=cp), heads, group_heads)
+        back = rules.per_device(functools.partial(_to_sequence, cp=cp, g=g), group_heads, heads)
         return _with_transpose(there, back), _with_transpose(back, there)
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+        cp, tp = current().shape[CP], current().shape[TP]
         if q.shape[1] % (2 * cp):
             raise ConfigError(f"sequence length {q.shape[1]} is not divisible by 2*mesh.cp = {2 * cp}, the "
                               f"number of zigzag chunks; change train.seq_len.")
@@ -100,10 +101,10 @@ def ulysses_attention(mesh: Mesh, local: AttentionFn) -> AttentionFn:
         # Heads as [kv/cp, cp, group], tp on the first: the exchange never crosses tp devices, and a
         # query head shares its kv-head's (kv/cp, cp) indices, so devices get whole GQA groups.
         a = kv // cp
-        q_heads, q_back = exchanges(h // kv)
-        kv_heads = exchanges(1)[0]
+        q_heads, q_back = exchanges(h // kv, cp)
+        kv_heads = exchanges(1, cp)[0]
         groups = [q_heads(q.reshape(b, t, a, cp, -1, d))] + [kv_heads(x.reshape(b, t, a, cp, 1, d)) for x in (k, v)]
-        pos = rules.per_device(functools.partial(_gather_positions, cp=cp), mesh, seq, group)(q_pos)
+        pos = rules.per_device(functools.partial(_gather_positions, cp=cp), seq, group)(q_pos)
         rows = [x.reshape(-1, *x.shape[2:]) for x in (*groups, pos)]  # [cp * B, T, ...]: head groups as rows
         out = local(*rows[:3], rows[3], rows[3]).reshape(groups[0].shape)
         return q_back(out).reshape(b, t, h, d)

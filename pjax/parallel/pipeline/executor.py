@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP, TP
+from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import auto_size, constrain
 from models.moe import ROUTER_METRICS
 from pjax.parallel.pipeline import schedules as ps
@@ -50,7 +50,7 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
 
 def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: Batch) -> Plan:
     device = lax.axis_index(PP)
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     # Cast to pp-varying, else a replicated weight's gradient would psum inside the loops. ZeRO's shared
     # parameters are gathered over dp here, once per step: left to XLA inside the ticks, they trip its partitioner.
     shared, batch = _unzero(stage, varying({k: a for k, a in params.items() if k != "layers"})), varying(batch)
@@ -77,7 +77,7 @@ def _slot_pool(stage: Stage, layout: VjpLayout, w0: Any, nothing: Activation, ba
     (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
     kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if taps else ()
     stash = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(taps))
-    pool = SlotPool((layout.stored, stash), kept, separate=auto_size(jax.sharding.get_abstract_mesh(), TP) > 1)
+    pool = SlotPool((layout.stored, stash), kept, separate=auto_size(current(), TP) > 1)
     if taps and pool.separate:
         pool = dataclasses.replace(pool, splits=slot_splits(stage, pool, w0, nothing, batch["positions"][0], taps[0]))
     return pool
@@ -97,7 +97,7 @@ def _start(plan: Plan, slots: int) -> Buffers:
 
 def _totals(plan: Plan, end: Buffers) -> tuple[jax.Array, dict]:
     """The loss and the router metrics' mean over micro-batches, summed over pp and the manual data axes."""
-    data = tuple(a for a in (DP, CP) if a in jax.sharding.get_abstract_mesh().manual_axes)
+    data = tuple(a for a in (DP, CP) if a in current().manual_axes)
     # The metrics are the whole batch's on every data device: summed there too and divided, they are invariant.
     copies = plan.batch["inputs"].shape[0] * math.prod(lax.axis_size(a) for a in data)
     router = jax.tree.map(lambda r: r / copies, lax.psum(end.router, (PP, *data)))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh.mesh import TP
+from mesh.mesh import TP, current
 from mesh.rules import logical_to_spec
 from pjax.parallel.pipeline.stage import VjpLayout
 
@@ -26,7 +26,7 @@ def only_tp(spec: P, ndim: int) -> tuple:
 def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtypeStruct, Split]]:
     """Per output leaf of `fn(*args)`: (shape, split over tp) as XLA compiles it, on the enclosing mesh's
     shape with every axis automatic (under `jax.jit` no other size can be entered); no device runs."""
-    outer = jax.sharding.get_abstract_mesh()
+    outer = current()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:outer.size]).reshape(outer.axis_sizes), outer.axis_names)
     over_tp = lambda a, s: NamedSharding(mesh, P(*only_tp(s, a.ndim)))
     shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=over_tp(a, s)), args, in_specs)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh.mesh import CP, DP
+from mesh.mesh import CP, DP, current
 from mesh.rules import logical_to_spec
 from models import deferred_grads, llama
 from models import sequence_parallel as seqpar
@@ -21,7 +21,7 @@ Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: Rou
 
 def varying(x: Any) -> Any:
     """`x` (an array or a tree) cast to varying over every manual axis of the enclosing shard_map."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
+    manual = current().manual_axes
 
     def cast(a):
         missing = tuple(ax for ax in manual if ax not in jax.typeof(a).manual_axis_type.varying)
@@ -60,7 +60,7 @@ def scan_lowers(experts: int, data_manual: bool) -> bool:
     """Whether a layer scan lowers inside the pipeline's shard_map. A shard_map in a scan in it
     does not: ring attention's fails Shardy's verifier ("manual axis cp after free axis pp"), and an
     MoE dispatch's backward hoists constants out of the scan with a spec over pp. Unrolled, both lower."""
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = current()
     return data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1))
 
 

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import DP, PP
+from mesh.mesh import DP, PP, current
 from models.config import LlamaConfig
 from pjax.parallel import data_parallel
 from pjax.parallel.pipeline import schedules as ps
@@ -27,7 +27,7 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
          zero: int, with_grads: bool = True) -> tuple[jax.Array, Any, dict]:
     """The executor in a shard_map over pp, and with `once` over the data axes too, reducing the
     gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step")."""
-    data = data_parallel.data_axes(jax.sharding.get_abstract_mesh()) if once else ()
+    data = data_parallel.data_axes(current()) if once else ()
     split = zero == 1 and DP in data
     reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
     body, table = executor(sched, stage, lockstep, reduce if with_grads else None)
@@ -59,20 +59,20 @@ class Pipelined:
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""
-        pp, v = jax.sharding.get_abstract_mesh().shape[PP], self.pipeline.virtual_stages
+        pp, v = current().shape[PP], self.pipeline.virtual_stages
         sched = ps.forward_only(pp, batch["inputs"].shape[0], v, self.pipeline.vshape)
         return self._execute(sched, params, batch, needs_lockstep(), with_grads=False)[0]
 
     def _execute(self, sched: ps.Schedule, params: Any, batch: Batch, lockstep: bool, with_grads: bool = True
                  ) -> tuple[jax.Array, Any, dict]:
         """`sched` run on this spec's stage (scaled to the batch's mean), gradients reduced once when they can be."""
-        once = data_parallel.can_reduce_once(jax.sharding.get_abstract_mesh(), self.zero)
+        once = data_parallel.can_reduce_once(current(), self.zero)
         stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
         return _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero, with_grads)
 
     def _table(self, m: int, lockstep: bool) -> ps.Schedule:
         """`pipeline.schedule`'s table for m micro-batches, or `schedule` once checked against it."""
-        sched = make_schedule(self.pipeline, jax.sharding.get_abstract_mesh().shape[PP], m, lockstep)
+        sched = make_schedule(self.pipeline, current().shape[PP], m, lockstep)
         mine = self.schedule
         if mine is None:
             return sched

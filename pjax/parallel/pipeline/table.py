@@ -13,11 +13,10 @@ import dataclasses
 import re
 from typing import Callable
 
-import jax
 import numpy as np
 
 from mesh.errors import ConfigError, require, require_choice
-from mesh.mesh import CP, MeshConfig
+from mesh.mesh import CP, MeshConfig, current
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.pipeline.zero_bubble import zb_h1, zb_v
@@ -109,7 +108,7 @@ def make_schedule(pipeline: PipelineConfig, pp: int, m: int, lockstep: bool = Fa
 
 def needs_lockstep() -> bool:
     """cp > 1: the ops hold ring-attention transfers, so every device runs one kind of op per tick."""
-    return jax.sharding.get_abstract_mesh().shape[CP] > 1
+    return current().shape[CP] > 1
 
 
 def executor_table(sched: ps.Schedule, lockstep: bool = False) -> np.ndarray:
