@@ -1,6 +1,5 @@
 """What every entry point shares: a user's mistake ends as one `error:` line and exit status 2, and
-every directory a run will write to is checked before any work, so a wrong path loses nothing.
-"""
+every directory a run will write to is checked before any work, so a wrong path loses nothing."""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,6 @@
-"""Reading and writing run configs: YAML files plus `section.key=value` command-line overrides.
-
-`load_config("picotron-cpu", ["mesh.tp=2"])` reads the shipped YAML, applies the overrides and checks each
-value's type against its dataclass field (missing keys keep their defaults). `dump_config` writes the resolved
-config back, so a run directory records exactly what ran and `load_config` can replay it."""
+"""Reading and writing run configs: YAML files plus `section.key=value` command-line overrides, each value
+checked against its dataclass field's type. `dump_config` writes the resolved config back, so a run
+directory records exactly what ran and `load_config` can replay it."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +26,7 @@ SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that `3e-4` is a float (YAML 1.1's pattern needs a '.'; YAML 1.2 and
-    every user read it as a number)."""
+    """PyYAML's safe loader, except that `3e-4` is a float (YAML 1.1 wants a '.'; YAML 1.2 and users don't)."""
 
 
 _Loader.add_implicit_resolver(
@@ -116,8 +113,7 @@ def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str =
 
 
 def named_keys(path: str | None, overrides: Sequence[str] = ()) -> set[str]:
-    """The 'section.key's the user chose (their config file's and overrides), which `pjax.fit` leaves alone
-    where it adapts the default config's to the model."""
+    """The 'section.key's the user chose (config file and overrides): `pjax.fit` adapts only the others."""
     keys = set()
     if path is not None:
         document = yaml.load(_read_text(resolve_config_path(path)), Loader=_Loader)  # valid: load_config read it
@@ -167,7 +163,7 @@ def _section(name: Any, source: str) -> type:
 
 
 def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
-    """`value` checked against (and, for int->float and integral float->int, converted to) the field type."""
+    """`value` checked against, and converted to (`_scalar`), the type of field `cls.key`."""
     hints = typing.get_type_hints(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     if key not in fields:

@@ -1,15 +1,8 @@
 """Evaluate a LLaMA checkpoint on a text (loss and perplexity), or continue a prompt greedily.
 
-    python -m pjax.eval --hf DIR [--text FILE] [--tokenizer PATH] [--batch_size N] [key=value ...]
-    python -m pjax.eval --hf DIR --generate "It is a truth" [--max_new_tokens N]
-    python -m pjax.eval --checkpoint DIR ...  (a pjax checkpoint: its newest readable step; the model
-                                               shape and default tokenizer come from its stored config)
-
-Every token after the first is predicted exactly once, in training's windows with the last,
-partial one kept; padding carries weight 0, so one compiled function serves every batch. With no
-mesh.* key the mesh is fitted to the model (`pjax.fit`). There is no pipelined or ring-attention
-forward here: with pp > 1 or cp > 1 XLA gathers the weights or keys and values it needs.
-"""
+Every prediction counts once, in training's windows; padding carries weight 0, so one compiled function
+serves every batch. With no mesh.* key the mesh is fitted to the model (`pjax.fit`). There is no pipelined
+or ring-attention forward: with pp > 1 or cp > 1 XLA gathers the weights or keys and values it needs."""
 from __future__ import annotations
 
 import argparse
@@ -156,8 +149,7 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
         for start in range(0, total, rows):
             batch = {k: put_rows(v[start:start + rows], sharding) for k, v in data.items()}
             sums.append(step(params, batch))
-            # One batch in flight at a time: with ~200 queued executions XLA:CPU's in-process
-            # collectives deadlocked here (rendezvous timeout, abort) on a 2-core host.
+            # One batch in flight at a time: a long queue of executions deadlocks XLA:CPU's collectives on few cores.
             sums[-1].block_until_ready()
     n_pred = len(tokens) - 1
     loss = math.fsum(float(s) for s in sums) / n_pred

@@ -1,9 +1,7 @@
 """`python -m pjax.export --checkpoint DIR [--step N] --out HF_DIR`: a pjax checkpoint -> HuggingFace LLaMA.
 
-The parameters alone, onto the host CPU whatever the run's mesh, written as config.json +
-model.safetensors with the real vocabulary, and the run's tokenizer.json when it has one.
-Fine-tune from it with `python -m pjax.train train.init_from=HF_DIR`.
-"""
+The parameters alone, on the host CPU whatever the run's mesh, as config.json + model.safetensors with the
+real vocabulary, and the run's tokenizer.json; fine-tune from it with `pjax.train train.init_from=HF_DIR`."""
 from __future__ import annotations
 
 import shutil

@@ -1,7 +1,5 @@
-"""A run fitted to a model it did not define (`pjax.eval --hf/--checkpoint`, `train.init_from`): the
-shape from the checkpoint, a mesh that splits it (ARCHITECTURE.md, "A mesh for a model the user did
-not define").
-"""
+"""A run fitted to a model it did not define (`pjax.eval --hf/--checkpoint`, `train.init_from`): the shape
+from the checkpoint, a mesh that splits it (ARCHITECTURE.md, "A mesh for a model the user did not define")."""
 from __future__ import annotations
 
 import dataclasses

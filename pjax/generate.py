@@ -1,10 +1,7 @@
 """Greedy continuation of a prompt on the mesh (`pjax.eval --generate`).
 
-No KV cache: each new token re-runs the whole fixed-length sequence, so one compiled function
-serves every step and the model code is the training model's. Causal attention makes the
-not-yet-written tail invisible to the position being read, and the padded vocabulary's logits
-are masked, so argmax only ever picks a real token.
-"""
+No KV cache: each new token re-runs the whole fixed-length sequence, so one compiled function serves every
+step with the training model's code; causal attention hides the not-yet-written tail from the position read."""
 from __future__ import annotations
 
 import functools
@@ -27,8 +24,7 @@ Params = dict[str, Any]
 
 
 def put_rows(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array onto the mesh. Every process holds the whole array, so each device's slice is
-    cut from it (multi-host safe)."""
+    """A host array onto the mesh, each device's slice cut from it: every process holds the whole array."""
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 

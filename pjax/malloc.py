@@ -1,7 +1,6 @@
 """XLA:CPU's per-run buffers on transparent huge pages: glibc's `malloc.hugetlb` tunable, which glibc
 reads only at process start, hence a restart (ARCHITECTURE.md, "XLA:CPU's buffers on huge pages";
-figures in benchmarks/README.md). Standard library only: this runs before JAX is imported.
-"""
+figures in benchmarks/README.md). Standard library only: this runs before JAX is imported."""
 from __future__ import annotations
 
 import importlib.metadata

@@ -1,12 +1,4 @@
-"""Plot a run's metrics: loss (train and eval) and throughput against the step.
-
-    python -m pjax.plot RUN_DIR [--out PNG]
-
-Reads `RUN_DIR/metrics.jsonl` (one JSON object per line: training records carry `loss` and
-`tokens_per_sec`, evaluation records `eval_loss`) and writes a two-panel PNG, by default
-`RUN_DIR/metrics.png`. It works on a run that is still going: a last line caught half-written
-is skipped.
-"""
+"""Plot a run's metrics.jsonl: loss (train and eval) and throughput against the step, as a two-panel PNG."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,7 @@
 """`python -m pjax.train [--config NAME|FILE] [section.key=value ...]`: the whole training loop.
 
-Top to bottom: config -> devices and mesh -> data -> sharded state -> compiled step -> loop
-(progress bar, metrics.jsonl, TensorBoard, held-out loss). With no arguments it trains the
-tiny LLaMA of the shipped debug config on the shipped Pride and Prejudice text, on forced CPU
-devices when no accelerator is present.
-"""
+With no arguments it trains the shipped debug config's tiny LLaMA on the shipped Pride and Prejudice
+text, on forced CPU devices when no accelerator is present."""
 from __future__ import annotations
 
 if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables only at process start
@@ -79,10 +76,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = None) -> list[dict[str, Any]]:
-    """Train for `cfg.train.steps` steps; returns the logged records (also in metrics.jsonl).
-
-    `devices` defaults to all devices; tests pass a subset to run several layouts in one process.
-    """
+    """Train `cfg.train.steps` steps; returns metrics.jsonl's records (`devices`: all, or a subset in tests)."""
     from pjax.observe.profiling import check_profile_steps
     from pjax.checkpoint.resume import open_run
 
@@ -126,23 +120,20 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
 
     tc, mc = cfg.train, cfg.model
     if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
-        # RoPE computes any position, so the run works; but the model then claims (in its config and
-        # an HF export) a context shorter than the one it was trained on.
+        # Only a warning: RoPE computes any position, but the saved model claims the shorter context.
         print(f"warning: train.seq_len={tc.seq_len} is longer than model.max_position_embeddings="
               f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
               f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
               file=sys.stderr, flush=True)
     mesh = make_mesh(cfg.mesh, devices)
     trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context)
-    # Context parallelism's load-balanced layout (the identity when cp = 1); positions follow it.
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
     if cfg.log.eval_every:
         train_iter.num_eval_batches(cfg.log.eval_batches)  # a held-out split too small for one batch fails now
-    # Compiled from shapes before anything is allocated (the step's first call reuses it), so a
-    # step that cannot fit in device memory is a one-line error here, not an allocator failure later.
+    # Compiled from shapes before any allocation (the first step reuses it): a step that cannot fit fails here.
     compiled = trainer.compile_step()
     check_fits(compiled, mesh)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -189,9 +180,8 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 state, metrics = trainer.step(state, next(train_iter))
             profiler.stop_if_due(step, (state, metrics))
-            # The previous step is (nearly) done: reading its flags now costs no extra wait, and
-            # keeps at most two steps in flight (an unbounded queue of dispatched steps can
-            # deadlock XLA:CPU's in-process collectives on few cores).
+            # Reading the previous step's flags now costs no wait and keeps at most two steps in flight
+            # (an unbounded queue of dispatched steps can deadlock XLA:CPU's collectives on few cores).
             if pending is not None:
                 report.check(*pending)
             pending, report.steps_since = (step, metrics), report.steps_since + 1
@@ -206,8 +196,7 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
                 report.log(step, host)
             if eval_now:
                 report.evaluate(step, state)
-            # `stop.requested` again: a signal that came after save_now was decided (while this step
-            # was logged or evaluated) must still leave its checkpoint behind.
+            # `stop.requested` again: a signal that came while this step was logged or evaluated still saves it.
             if ckpt is not None and (save_now or stop.requested):
                 ckpt.save(step, state, data=train_iter.state(), rng=run.rng, config=cfg)
             if stop.requested:

@@ -1,9 +1,8 @@
 """Whether a run splits over its mesh: one pass over the rules each part of pjax contributes.
 
-A rule takes the run (`Run`) and raises the one-line ConfigError that says what to change; each
-lives next to what it protects, and a new strategy adds its rule to `RULES`. Values wrong whatever
-the mesh are refused earlier, by the config dataclasses' `__post_init__`.
-"""
+A rule takes the run (`Run`) and raises the one-line ConfigError that says what to change; each lives next
+to what it protects, and a new strategy adds its rule to `RULES`. Values wrong whatever the mesh are
+refused earlier, by the config dataclasses' `__post_init__`."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -52,8 +51,7 @@ RULES = (model_splits, batch_splits, pipeline_table.check_run, context_strategy.
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),
                  context: ContextConfig = ContextConfig()) -> None:
-    """A one-line ConfigError unless the model, batch, pipeline schedule, context strategy and
-    sequence parallelism all split over `mc`: the first rule that fails says what to change."""
+    """A one-line ConfigError, from the first of `RULES` that fails, unless the run splits over `mc`."""
     run = Run(mc, cfg, tc, pipeline, context)
     for rule in RULES:
         rule(run)

@@ -1,9 +1,7 @@
 """Checkpoints on Orbax: async saves of the whole run, exact resume, restore onto any mesh.
 
 `<checkpoint.dir>/<step>/` holds params, opt_state (tensorstore), meta and the resolved config (JSON):
-loading never unpickles. ARCHITECTURE.md gives the reasons: "Checkpoints in one canonical layout",
-"Unreadable checkpoint steps are passed over, never deleted", "One writer per checkpoint directory",
-"A full disk is a fault, not a traceback"."""
+loading never unpickles. ARCHITECTURE.md's checkpoint sections give the reasons."""
 from __future__ import annotations
 
 import contextlib

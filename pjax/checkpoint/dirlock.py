@@ -1,7 +1,6 @@
 """One writer per checkpoint directory: an `fcntl.flock` on `<dir>/.pjax-lock` held for a training run's
 whole life (ARCHITECTURE.md, "One writer per checkpoint directory"). The file is never deleted
-(unlinking a lock file races with a run opening it); it holds the holder's pid and host for the error.
-"""
+(unlinking a lock file races with a run opening it); it holds the holder's pid and host for the error."""
 from __future__ import annotations
 
 import errno

@@ -1,7 +1,5 @@
 """How a training run takes up its checkpoint directory before any work: open it, refuse one it cannot
-continue, and keep the saved learning-rate schedule's length, so "train 5 steps, then continue to 10"
-is one run.
-"""
+continue, keep the saved schedule's length ("train 5 steps, then continue to 10" is one run)."""
 from __future__ import annotations
 
 import dataclasses

@@ -51,10 +51,8 @@ def size_text(num_bytes: float) -> str:
 
 
 def quiet_abandoned_io() -> None:
-    """Keep a failed read's or write's leftovers off the terminal: when Orbax abandons a step's other
-    reads (writes) and closes its asyncio loop, tensorstore completes them anyway, and each reports
-    "Event loop is closed", "Task exception was never retrieved" or a coroutine never awaited.
-    Only those three are dropped."""
+    """Drop what tensorstore reports ("Event loop is closed", "Task exception was never retrieved", a coroutine
+    never awaited) as it finishes the reads or writes Orbax abandoned with a failed step and its asyncio loop."""
     if getattr(sys.unraisablehook, "pjax_quiet", False):
         return
     previous = sys.unraisablehook

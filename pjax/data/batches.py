@@ -1,11 +1,8 @@
 """Token stream -> training batches: packed windows, a shuffled order per epoch, sharded arrays.
 
-Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]: neighbours share one boundary token, so
-every token is predicted once per epoch and nothing is padded. Epoch e's order is a permutation by
-(seed, epoch), the remainder dropped, never dependent on the mesh (ARCHITECTURE.md, "Data order from
-the seed alone"). A batch [grad_accum, batch_size // grad_accum, seq_len] is sharded P(None, dp, cp)
-and each process reads only what its devices hold (`BatchLayout`, shared with `stream.py`).
-"""
+Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]: neighbours share one boundary token, so every
+token is predicted once per epoch and nothing is padded. Epoch e's order is a permutation by (seed, epoch),
+the remainder dropped, never dependent on the mesh (ARCHITECTURE.md, "Data order from the seed alone")."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
@@ -54,13 +51,12 @@ def window_arrays(windows: np.ndarray, columns: np.ndarray) -> dict[str, np.ndar
 
 
 def batch_arrays(tokens: np.ndarray, ids: np.ndarray, seq_len: int, columns: np.ndarray) -> dict[str, np.ndarray]:
-    """inputs/labels/positions for windows `ids`, at the (laid-out) sequence positions `columns`."""
+    """`window_arrays` of the windows `ids`."""
     return window_arrays(read_windows(tokens, ids, seq_len), columns)
 
 
 def process_local_indices(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Per dimension, the global indices this process's devices hold, in the order
-    `jax.make_array_from_process_local_data` reads them."""
+    """Per dimension, the global indices this process's devices hold, in `make_array_from_process_local_data` order."""
     index_map = sharding.addressable_devices_indices_map(global_shape)
     indices = []
     for dim, size in enumerate(global_shape):
@@ -101,8 +97,7 @@ class BatchLayout:
 
 
 class DataIterator:
-    """Endless, resumable iterator of global batches {'inputs', 'labels', 'positions'}, each
-    int32 [grad_accum, batch_size // grad_accum, seq_len]."""
+    """Endless, resumable iterator of global batches {inputs, labels, positions}, int32 [grad_accum, micro, seq_len]."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, grad_accum: int, seed: int,
                  mesh: Mesh | None = None, *, eval_tokens: np.ndarray | None = None,

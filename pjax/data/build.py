@@ -14,9 +14,8 @@ from pjax.data.text import documents, load_tokenizer, load_tokens, split_eval
 
 def build_data(data_cfg: DataConfig, train_cfg: TrainConfig, mesh: Mesh | None,
                **iterator_kwargs: Any) -> tuple[Any, np.ndarray | None, Any]:
-    """(train iterator, held-out tokens, tokenizer) for a run; extra kwargs go to the iterator
-    (e.g. `sequence_layout`). With data.streaming the iterator is a StreamIterator, and the
-    held-out documents are read by it (None here)."""
+    """(train iterator, held-out tokens, tokenizer); extra kwargs go to the iterator (`sequence_layout`).
+    With data.streaming the iterator is a StreamIterator, which reads the held-out documents (None here)."""
     tokenizer = load_tokenizer(data_cfg.tokenizer)
     if data_cfg.streaming:
         def open_documents(start: int) -> Iterator[str]:

@@ -1,7 +1,6 @@
 """HuggingFace `datasets` as a text source (the optional `hub` extra, imported only here): a hub name or
 a `save_to_disk` folder, one split and text column, memory-mapped whole or streamed as training
-consumes it, never held in memory or tokenized ahead.
-"""
+consumes it, never held in memory or tokenized ahead."""
 from __future__ import annotations
 
 from pathlib import Path

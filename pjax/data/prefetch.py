@@ -1,8 +1,6 @@
-"""`data.prefetch`: the next batches built by a background thread while the step runs; a thread is
-enough, as numpy, the host-to-device copy and the tokenizer release the GIL. Each batch and each
-failure travel with the iterator's position, so `state()` and errors are those of the batches the
-loop took (ARCHITECTURE.md, "The next batch off the loop's thread").
-"""
+"""`data.prefetch`: a thread builds the next batches while the step runs (numpy, the host-to-device copy and
+the tokenizer release the GIL). Each batch and failure travels with the iterator's position, so `state()`
+and errors are those of the batches the loop took (ARCHITECTURE.md, "The next batch off the loop's thread")."""
 from __future__ import annotations
 
 import queue

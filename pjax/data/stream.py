@@ -1,9 +1,7 @@
-"""`data.streaming=true`: documents read, tokenized and packed as training consumes them, no token cache
-and no read-ahead. Each document ends with the end-of-text id, so the first epoch equals the token
-cache's stream as long as both last. Windows are packed as in `batches.py` but in stream order (no
-length to permute: shuffle a streamed corpus beforehand). The position, held-out split and exact
-resume: ARCHITECTURE.md, "Streaming keeps a token position, not a window index".
-"""
+"""`data.streaming=true`: documents read, tokenized and packed as training consumes them (no token cache,
+no read-ahead). Each document ends with EOS, so the first epoch equals the cached stream. Windows pack as in
+`batches.py` but in stream order: shuffle a streamed corpus beforehand. Position, held-out split and resume:
+ARCHITECTURE.md, "Streaming keeps a token position, not a window index"."""
 from __future__ import annotations
 
 from collections import deque
@@ -118,8 +116,7 @@ def _windows(flat: np.ndarray, n: int, seq_len: int) -> np.ndarray:
 
 
 class StreamIterator:
-    """Endless, resumable iterator of global batches read from a document stream; the same
-    interface as `DataIterator` (state, restore, eval batches)."""
+    """`DataIterator`'s interface (state, restore, eval batches) over a document stream."""
 
     def __init__(self, open_documents: OpenDocuments, tokenizer: Any, seq_len: int, batch_size: int,
                  grad_accum: int, mesh: Mesh | None = None, *, eval_stride: int = 0,

@@ -1,7 +1,5 @@
-"""Text in, token stream out: tokenizer loading, text sources, and the on-disk token cache.
-
-A corpus is tokenized once into a flat file of token ids and memory-mapped from then on, so
-start-up after the first run costs milliseconds. Batching lives in `pjax/data/batches.py`."""
+"""Text in, token stream out: tokenizer loading, text sources, and the on-disk token cache (a corpus is
+tokenized once into a flat file of token ids, memory-mapped from then on)."""
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +26,6 @@ _BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
 
 
 def _local_path(spec: str) -> Path | None:
-    """The existing file or folder `spec` names: relative to the working directory, else among pjax's files."""
     return assets.locate(spec)
 
 

@@ -1,11 +1,7 @@
 """Collectives in a compiled program: how many run per step and how many bytes they move.
 
-`as_text()` lists a scan body once, so this walks the call graph from the entry and multiplies by
-each while loop's `known_trip_count`. Bytes are per device, from each op's result shape (async pairs
-counted at `-start`). `collectives_by_axis` reads each op's mesh axes from its device groups, and its
-ring "link bytes": an all-reduce of S over n sends 2(n-1)/n S, an all-gather or all-to-all
-(n-1)/n S, a reduce-scatter of an s slice (n-1) s, a permute S.
-"""
+`as_text()` lists a scan body once, so this walks the call graph from the entry, multiplying by each while
+loop's `known_trip_count`. Bytes are per device, from each op's result shape (async pairs at `-start`)."""
 from __future__ import annotations
 
 import collections
@@ -110,8 +106,7 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
 
 
 def device_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of one collective's HLO line (a permute's (source, target) pairs); one
-    group of every device when the op names none."""
+    """The device groups of one collective's HLO line (a permute's pairs); all devices when it names none."""
     m = _GROUPS_MESH.search(line)
     if m:  # mesh['a'=2,'b'=4], device_ids=([..]T(..)) {'b'}: groups vary over the named axes
         names = re.findall(r"'([^']+)'=(\d+)", m.group(1))

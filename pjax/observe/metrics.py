@@ -1,7 +1,4 @@
-"""Model FLOPs, MFU, and the metrics a run writes (metrics.jsonl and TensorBoard events).
-
-Model FLOPs count causal attention once and no remat; an MoE layer its router and top-k experts, or under
-capacity routing the whole [E, C] buffer (the model's choice; dropless's excess should show in MFU)."""
+"""Model FLOPs, MFU, and the metrics a run writes (metrics.jsonl and TensorBoard events)."""
 from __future__ import annotations
 
 import json
@@ -33,7 +30,8 @@ PEAK_BF16: tuple[tuple[str, float], ...] = (
 
 
 def expert_mlps_per_token(cfg: LlamaConfig, moe: MoeConfig | None = None, group_tokens: int | None = None) -> float:
-    """SwiGLU MLPs a token's FLOPs pay for in one layer: 1 dense, top-k, or under capacity routing E x C / tokens."""
+    """SwiGLU MLPs a token's FLOPs pay for in one layer: 1 dense, top-k, or under capacity routing E x C / tokens
+    (the [E, C] buffer is the model's choice; dropless's excess should show in MFU)."""
     e, k = cfg.num_local_experts, cfg.num_experts_per_tok
     if not e:
         return 1.0
@@ -50,7 +48,7 @@ def routing_group_tokens(batch_size: int, grad_accum: int, seq_len: int, dp: int
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int, moe: MoeConfig | None = None,
                           group_tokens: int | None = None) -> float:
-    """Training FLOPs per token: 6 x the matmul parameters a token runs through + causal attention."""
+    """Training FLOPs per token: 6 x the matmul parameters a token runs through + causal attention, no remat."""
     d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     h, kv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     mlp = expert_mlps_per_token(cfg, moe, group_tokens) * 3 * d * f + d * cfg.num_local_experts  # + the router

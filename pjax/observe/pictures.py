@@ -1,9 +1,5 @@
-"""Pictures of layouts: which device holds which block of a tensor, and pipeline schedule tables.
-
-Both draw on a matplotlib `Axes` (a new figure when none is given) and return the figure, so a
-notebook shows them inline and a script saves them (`save`). matplotlib is imported when a
-picture is drawn, never when pjax is.
-"""
+"""Pictures of layouts and pipeline tables, drawn on a matplotlib `Axes` (a new figure when none is given)
+and returned as the figure; matplotlib is imported when a picture is drawn, never when pjax is."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -61,9 +57,8 @@ def draw_sharding(sharding: Any, shape: Sequence[int], title: str = "", ax: Any 
 
 
 def draw_schedule(sched: Any, ax: Any = None) -> Any:
-    """Draw a pipeline table: devices top to bottom, ticks left to right, one box per item
-    (blue forward, green backward, orange weight gradients when split from it, darker = later
-    chunk), the micro-batch written in it."""
+    """Draw a pipeline table: devices down, ticks across, one box per item with its micro-batch (blue
+    forward, green backward, orange weight gradients when split from it, darker = later chunk)."""
     import matplotlib.pyplot as plt
 
     fig, ax = _axes(ax, (max(6.0, 0.32 * sched.ticks), 0.5 * sched.p + 1.0))

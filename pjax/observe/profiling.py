@@ -1,10 +1,7 @@
 """`log.profile_steps=[start, count]`: a `jax.profiler` trace of `count` training steps from step `start`.
 
-Written to `<log.dir>/profile` for TensorBoard's profile plugin, with a perfetto_trace.json.gz. The
-loop keeps two steps in flight, so the trace waits for the step before `start` and for its last step:
-it holds those steps' device work and no other's. The waits change when the host dispatches, never
-what a step computes.
-"""
+With two steps in flight, the trace waits for the step before `start` and for its last step, so it holds
+only those steps' device work; the waits change when the host dispatches, never what a step computes."""
 from __future__ import annotations
 
 from pathlib import Path

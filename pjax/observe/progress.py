@@ -1,5 +1,4 @@
-"""What a training run shows and obeys while it runs: the progress bar (or log lines) and the
-SIGTERM/SIGINT flag that ends it cleanly after the current step."""
+"""What a training run shows and obeys while it runs: the progress bar (or log lines) and the stop flag."""
 from __future__ import annotations
 
 import signal
@@ -24,8 +23,7 @@ class StopFlag:
 
 
 class ProgressBar:
-    """tqdm with loss, tokens/s, MFU and memory per device (in use / peak) in the postfix ('bar'), plain log lines ('lines'), or nothing
-    ('off': processes other than 0)."""
+    """tqdm with loss, tok/s, MFU and memory in use/peak ('bar'), log lines ('lines'), or nothing ('off')."""
 
     def __init__(self, total: int, mode: str, initial: int = 0) -> None:
         self._bar, self._quiet = None, mode == "off"

@@ -1,5 +1,4 @@
-"""What a run reports as it trains: each step's flags to the divergence guard, metrics.jsonl and
-TensorBoard records, held-out losses, the progress bar."""
+"""What a run reports as it trains: flags to the divergence guard, metrics records, held-out losses, the bar."""
 from __future__ import annotations
 
 import time

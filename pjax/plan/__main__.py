@@ -1,11 +1,7 @@
 """`python -m pjax.plan --config NAME|FILE --devices N [--device-kind h100] [--hosts H] [key=value ...]`
 
-Which layout of a config fits on N devices, and which is fastest: every layout pjax accepts
-is scored with a roofline, the best are compiled ahead of time on N fake CPU devices (nothing
-is allocated, no accelerator is needed), and XLA's own memory and collective figures rank them.
-Prints a table (or `--json`) and the winning layout as overrides for `pjax.train`.
-`--explain LAYOUT` shows one layout's parameters, shardings, memory and collectives instead.
-"""
+Prints the layouts `search.plan` ranks (a table, or `--json`) and the winner as `pjax.train` overrides;
+`--explain LAYOUT` shows one layout's parameters, shardings, memory and collectives instead."""
 from __future__ import annotations
 
 import os

@@ -1,17 +1,9 @@
 """Compile candidate layouts' training steps ahead of time on fake CPU devices, in a process pool, with a cache.
 
-Nothing is allocated: each step is lowered from `ShapeDtypeStruct`s (`Trainer.compile_step`)
-on as many CPU devices as the layout has (`jax_num_cpu_devices`), and XLA's own figures are
-read back: the memory per device (`memory_analysis`) and the collectives per set of mesh axes
-(`inspect.step_collectives`: a pipeline's per-tick ops as often as its table runs them). For a
-GPU profile the step is compiled in the GPU's compute dtype (bf16) with
-`train.attention=chunked`, whose memory is that of cuDNN's fused kernel; the rest of the
-program is the one `pjax.train` runs.
-
-A result is cached on disk under a key made of the config, the layout, the profile, the device
-count, the JAX version and the source of pjax itself, so a repeated plan (or one with a larger
-`--max-candidates`) compiles only what it has not seen, and a code change invalidates it.
-"""
+Nothing is allocated: each step (the program `pjax.train` runs, in the profile's dtype and attention) is lowered
+from `ShapeDtypeStruct`s, and XLA's memory per device and collectives per set of mesh axes are read back. A
+result is cached under a key of config, layout, profile, device count, JAX version and pjax's source, so a
+repeated plan compiles only what it has not seen."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -34,8 +26,7 @@ _SOURCE_DIRS = ("pjax", "models", "mesh")
 
 
 def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
-    """Compile one layout's step in this process (its backend must have enough CPU devices) and
-    return {'memory': {argument, output, alias, temp, total}, 'comm': per axes, 'compile_s'}."""
+    """Compile one layout's step in this process (its backend needs enough CPU devices): {memory, comm, compile_s}."""
     import jax
 
     from mesh.mesh import make_mesh
@@ -72,8 +63,7 @@ def _init_worker(devices: int) -> None:
 
 @dataclasses.dataclass
 class Compiler:
-    """Compiles layouts (all with `devices` devices) through a cache directory and `workers` processes
-    (0: in this process, whose backend must already have `devices` CPU devices)."""
+    """Compiles layouts on `devices` devices through a cache directory and `workers` processes (0: in this one)."""
 
     profile: Profile
     devices: int

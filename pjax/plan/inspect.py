@@ -1,8 +1,5 @@
-"""The sharding inspector: where every parameter lives, what a device holds, and what a step communicates.
-
-`python -m pjax.plan --explain LAYOUT` prints it for any layout (compiled on fake CPU devices),
-and `pjax.train` prints the memory and collective part for its own run with `log.inspect=true`.
-"""
+"""The sharding inspector: where every parameter lives, what a device holds, and what a step communicates
+(`python -m pjax.plan --explain LAYOUT` for any layout, `log.inspect=true` for a training run's own)."""
 from __future__ import annotations
 
 import math
@@ -27,8 +24,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def parameter_table(params: Any, logical_axes: Any) -> str:
-    """Parameter, shape, logical axes, PartitionSpec, and bytes per device (arrays or sharded
-    ShapeDtypeStructs; the fp32 parameters as stored)."""
+    """Parameter, shape, logical axes, PartitionSpec and bytes per device as stored (arrays or ShapeDtypeStructs)."""
     rows = [("parameter", "shape", "logical axes", "sharding", "per device")]
     flat_axes = dict(jax.tree_util.tree_leaves_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple)))
     for path, p in jax.tree_util.tree_leaves_with_path(params):
@@ -46,16 +42,14 @@ def _count(n: float) -> str:
 
 def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, devices_per_host: int
                      ) -> dict[str, dict[str, Any]]:
-    """`collectives_by_axis` of a compiled step, a pipeline's per-tick ops counted as often as its
-    table runs them (`pipeline.table.tick_runs`), not once per tick."""
+    """`collectives_by_axis` of a compiled step, a pipeline's per-tick ops counted as often as its table runs them."""
     pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
     scale = tick_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
     return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)
 
 
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
-    """Per-device memory of the compiled step (state, gradient, temporaries) and its collectives per
-    mesh axes (`comm`, read from the compiled HLO unless the caller already has it)."""
+    """Per-device memory of the compiled step and its collectives per mesh axes (`comm`: from its HLO if None)."""
     layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero,
                     sequence_parallel=config.train.sequence_parallel)
     state = state_bytes(config, layout)
@@ -83,8 +77,7 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
 
 
 def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int) -> str:
-    """One layout in full: its parameters' shardings, the compiled step's memory and collectives,
-    and the planner's prediction for it on `profile`."""
+    """One layout in full: parameter shardings, the compiled step's memory and collectives, its prediction."""
     from mesh.mesh import make_mesh
     from models.llama import param_logical_axes
     from pjax.plan.estimate import predict

@@ -1,7 +1,6 @@
 """The planner's search space: the layouts a model and batch divide into on N devices (tp inside one
 host), kept only when pjax's own validators accept them, and the exact training state each holds per
-device, from shard shapes on an `AbstractMesh` (no devices needed).
-"""
+device, from shard shapes on an `AbstractMesh` (no devices needed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,9 +139,8 @@ def micro_batch_counts(config: Config, dp: int) -> list[int]:
 
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
-    """Every layout of `config` on `devices` devices that pjax accepts. cp > 1 keeps the config's
-    context.strategy: the rough memory estimate cannot tell the strategies apart and would rank
-    layouts that do not fit above those that do."""
+    """Every layout of `config` on `devices` devices that pjax accepts. cp > 1 keeps context.strategy: the
+    rough memory estimate cannot tell strategies apart and would rank layouts that do not fit first."""
     remats = tuple(dict.fromkeys((*remats, config.train.remat)))
     found = []
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):

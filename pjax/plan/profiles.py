@@ -1,10 +1,8 @@
 """Device profiles: what the planner's roofline knows about a device kind.
 
 Peaks, memory and links are data-sheet figures, per device and one way (NVLink's "900 GB/s" is both
-directions; one 400 or 200 Gb/s NIC per GPU between hosts); memory is `nvidia-smi`'s total.
-`calibration` is MFU measured on pjax's own step (benchmarks/README.md, "Layout planner"): A100 and
-H200 borrow the H100 curve, and nothing is extrapolated past the widest model measured.
-"""
+directions; one 400 or 200 Gb/s NIC per GPU between hosts); memory is `nvidia-smi`'s total. `calibration`
+is MFU measured on pjax's own step (benchmarks/README.md, "Layout planner"); A100 and H200 borrow H100's."""
 from __future__ import annotations
 
 import dataclasses

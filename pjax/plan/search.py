@@ -1,11 +1,9 @@
 """The planner's search: every layout scored analytically, the most promising compiled, XLA's figures deciding.
 
-Layouts whose exact state alone exceeds a device are dropped; the rest are scored by the roofline.
-Layouts differing only in micro-batch count form a family. Three quarters of the budget compiles each
-best family's best count that fits; then a family whose compile does not fit tries the count its
-temporaries (which scale with the tokens per micro-batch) say should, and the rest goes to the next
-families. The compiled candidates are scored again with XLA's collectives and memory.
-"""
+Layouts whose exact state alone exceeds a device are dropped, the rest scored by the roofline. Layouts that
+differ only in micro-batch count form a family: three quarters of the budget compiles each best family's best
+count that fits, then a family whose compile does not fit retries at `_count_that_fits`, and the rest goes to
+the next families. The compiled candidates are scored again with XLA's collectives and memory."""
 from __future__ import annotations
 
 import dataclasses
