@@ -1,6 +1,5 @@
-"""Process start-up, before the first call that touches devices fixes XLA's device count and the
-process group: multi-host initialisation, forced CPU devices, XLA:CPU's thread pool size.
-"""
+"""Process start-up, before the first call that touches devices fixes XLA's device count and the process group:
+multi-host initialisation, forced CPU devices, XLA:CPU's thread pool size."""
 from __future__ import annotations
 
 import os
@@ -16,8 +15,7 @@ DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> int:
-    """Join a multi-process run (explicit arguments, or an srun step of several tasks), one process per
-    host; the number of processes. Under SLURM explicit arguments must match its task count and index."""
+    """Join a multi-process run (explicit flags or a multi-task srun step), one process per host; the process count."""
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit:
         check_process_flags(coordinator, num_processes, process_id)
@@ -47,8 +45,7 @@ SLURM_BASE_PORT, SLURM_PORTS = 61440, 4096  # JAX's rule: port = 61440 + SLURM_J
 
 
 def slurm_process() -> tuple[str, int, int] | None:
-    """(coordinator host:port, process count, index) in an srun step of several tasks, as JAX's own
-    detection derives them; None outside SLURM or with one task."""
+    """(coordinator host:port, process count, index) of a multi-task srun step, as JAX derives them; else None."""
     if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return None
     tasks, rank = slurm_int("SLURM_NTASKS"), slurm_int("SLURM_PROCID")

@@ -1,6 +1,4 @@
-"""The 4D device mesh: named axes ('dp', 'pp', 'cp', 'tp'), outermost to innermost: tp talks every
-layer, so it gets the fastest links; dp once per step, so it tolerates the slowest.
-"""
+"""The 4D device mesh, axes outermost to innermost: tp talks every layer (fastest links), dp once per step (slowest)."""
 from __future__ import annotations
 
 import dataclasses

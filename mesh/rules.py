@@ -48,8 +48,7 @@ def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's sharding by logical names, leaving out manual axes (ARCHITECTURE.md,
-    "Activations are pinned, or FSDP does not happen"); a no-op without a mesh."""
+    """Pin an activation's sharding by logical names, bar manual axes (ARCHITECTURE.md, "Activations are pinned")."""
     mesh = current()
     if mesh.empty:
         return x

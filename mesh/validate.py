@@ -1,8 +1,5 @@
-"""Checks that a model and a batch fit a mesh, each failing with one sentence that says what to change.
-
-Run these before anything is traced: an indivisible shape would otherwise surface as a
-traceback from deep inside XLA's partitioner, or (worse) as silently uneven padding.
-"""
+"""Checks that a model and a batch fit a mesh, each failing with one sentence that says what to change. Run them before
+anything is traced: an indivisible shape otherwise surfaces deep in XLA's partitioner, or as silently uneven padding."""
 from __future__ import annotations
 
 from mesh.errors import ConfigError
@@ -12,10 +9,7 @@ from mesh.mesh import MeshConfig
 def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
                    hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0,
                    vocab_multiple: int = 1, num_experts: int = 0) -> None:
-    """Check that heads, kv-heads, MLP and vocabulary split over tp, layers over pp, experts over dp.
-
-    The vocabulary is held padded to a multiple of `vocab_multiple` (model.make_vocab_size_divisible_by);
-    it is that padded size which must split over tp."""
+    """Check the tp split (heads, kv-heads, MLP, vocabulary padded to `vocab_multiple`), pp (layers), dp (experts)."""
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"model.num_attention_heads={num_heads} is not divisible by model.num_key_value_heads="
@@ -68,13 +62,9 @@ def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_le
 
 def fit_mesh(num_devices: int, devices_per_host: int, *, num_kv_heads: int, intermediate_size: int,
              padded_vocab_size: int, num_experts: int = 0) -> MeshConfig:
-    """The layout for a model the user gave no mesh for: tp the largest divisor of the kv-heads that
-    also divides one host's devices (tensor parallelism talks every layer: it wants the fastest
-    links), the MLP and the padded vocabulary; dp every device left. Heads follow the kv-heads.
-
-    An MoE model's experts are split over dp, so dp must also divide them: the mesh is then the
-    (dp, tp) that uses the most devices (larger tp first), and may leave some idle: 6 experts and 2
-    kv-heads on 8 devices give dp=2 x tp=2."""
+    """The mesh for a model given none: tp the largest divisor of the kv-heads (so the heads), MLP, padded vocabulary
+    and one host's devices (the fastest links), dp every device left. Experts split over dp, so dp divides them too:
+    the (dp, tp) using most devices (larger tp first), maybe some idle (6 experts, 2 kv-heads, 8 devices: dp=tp=2)."""
     def splits(t: int) -> bool:
         return not (num_kv_heads % t or devices_per_host % t or num_devices % t or intermediate_size % t
                     or padded_vocab_size % t)

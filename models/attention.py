@@ -1,7 +1,5 @@
-"""Causal grouped-query attention: the `AttentionFn` every attention call goes through, and
-`select_attention`, which picks the implementation a run uses. The implementations import nothing
-of this module; context parallelism passes its own `AttentionFn` (pjax/parallel/context/).
-"""
+"""Causal grouped-query attention: the `AttentionFn` every call goes through, and `select_attention`, which picks the
+implementation (they import nothing of this module; context parallelism passes its own: pjax/parallel/context/)."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,6 @@
-"""Causal attention in query blocks with a hand-written backward: the formulation XLA:CPU runs fast.
-
-The [T, T] form computes the masked upper triangle (benchmarks/README.md). Here query block i attends only
-to keys [0, (i+1)*b), only the diagonal tile masked, every block a plain batched matmul, and a `custom_vjp`
-writes the backward as matmuls. Assumes positions 0..T-1 in order."""
+"""Causal attention in query blocks with a hand-written backward, the formulation XLA:CPU runs fast: where the [T, T]
+form computes the masked upper triangle, query block i attends only to keys [0, (i+1)*b), only the diagonal tile masked,
+and a `custom_vjp` writes the backward as plain matmuls. Assumes positions 0..T-1 in order."""
 from __future__ import annotations
 
 import functools

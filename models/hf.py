@@ -1,12 +1,8 @@
 """HuggingFace LLaMA and Mixtral checkpoints (config.json + safetensors) <-> pjax parameters.
 
-HF stores one tensor per layer (and expert), Linear weights as (out, in); pjax stacks the layers
-and stores kernels as (in, out) with the head dimensions split out, so `x @ W` and sharding by head
-are direct (`_tensors` is the mapping). Loading zero-pads the vocabulary, saving cuts it off. HF's
-q/k rows are already in rotate-half RoPE order, so nothing is permuted (unlike Meta's checkpoints).
-Loading memory-maps the files (a small reader: bf16 needs no torch) and each device reads only its
-slice: no full fp32 copy of the model is built on the host.
-"""
+HF stores one tensor per layer (and expert), Linear weights as (out, in); pjax stacks the layers and stores kernels as
+(in, out), head dimensions split out, so `x @ W` and sharding by head are direct. HF's q/k rows are in rotate-half
+order already (unlike Meta's). Loading memory-maps the files (bf16 needs no torch); each device reads only its slice."""
 from __future__ import annotations
 
 import dataclasses
@@ -124,7 +120,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
                 raise ConfigError(f"{path} is truncated (tensor {name!r} ends past the end of the file); "
                                   f"copy or download it again.")
             out[name] = buf[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # ConfigError passes through
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{path} is not a valid safetensors file ({first_line(e)}); re-save or re-download "
@@ -147,7 +143,7 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
         raise ConfigError(f"{index} is not a valid safetensors index ({first_line(e)}); copy the whole checkpoint "
                           f"again.") from None
     tensors: dict[str, np.ndarray] = {}
-    for shard in shard_names:  # each shard file is mapped once, whatever it holds
+    for shard in shard_names:
         if not os.path.exists(os.path.join(path, shard)):
             raise ConfigError(f"model.safetensors.index.json in {path} names {shard}, which is missing; "
                               "copy the whole checkpoint.")
@@ -212,7 +208,7 @@ def read_hf_config(path: str) -> LlamaConfig:
     try:
         with open(cfg_file, encoding="utf-8") as fh:
             hf = json.load(fh)
-    except (ValueError, OSError) as e:  # malformed JSON, not UTF-8, unreadable
+    except (ValueError, OSError) as e:
         raise ConfigError(f"{cfg_file} is not a readable JSON file ({first_line(e)}); re-save the "
                           f"checkpoint.") from None
     try:
@@ -223,8 +219,7 @@ def read_hf_config(path: str) -> LlamaConfig:
 
 def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
             make_vocab_size_divisible_by: int = 128) -> tuple[LlamaConfig, Params]:
-    """A HuggingFace LLaMA checkpoint directory as pjax parameters, each device reading only its slice of
-    `shardings`; `dtype=None` keeps the checkpoint's."""
+    """A HuggingFace checkpoint directory: (config, parameters) placed by `shardings`; `dtype=None` keeps its dtype."""
     cfg = dataclasses.replace(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     tensors = _open_checkpoint(path)
     params: Params = {}

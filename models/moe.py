@@ -1,7 +1,6 @@
-"""Mixture of Experts: top-k routing (renormalised over the k, Mixtral's rule), three ways to run the
-experts, equal when nothing is dropped: `dense` (the tests' reference), `dropless` (`lax.ragged_dot`) and
-`capacity` (fixed [E, C, D] shapes for the all-to-all; a token with every choice dropped passes through
-the residual). Expert parallelism and the router losses: ARCHITECTURE.md, "Mixture of Experts"."""
+"""Mixture of Experts: top-k routing (renormalised over the k, Mixtral's rule) and three ways to run the experts, equal
+when nothing is dropped: `dense`, `dropless` and `capacity` (fixed [E, C, D] shapes for the all-to-all; a token
+with every choice dropped passes through the residual). Expert parallelism: ARCHITECTURE.md, "Mixture of Experts"."""
 from __future__ import annotations
 
 import dataclasses
@@ -188,14 +187,12 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
 
 
 def _sharded(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
-    """`local` on every device's tokens: a shard_map manual over the token axes."""
     return jax.shard_map(local, axis_names=set(token_axes), in_specs=(P(token_axes), specs),
                          out_specs=(P(token_axes), RouterStats(*[P()] * 5)))
 
 
 def _differentiated_inside(local: Callable, token_axes: tuple[str, ...], specs: dict) -> Callable:
-    """`_sharded(local)` differentiated per device inside a shard_map of its own, rerunning the forward
-    (ARCHITECTURE.md, "MoE in a pipeline")."""
+    """`_sharded(local)`, differentiated per device in a shard_map of its own (ARCHITECTURE.md, "MoE in a pipeline")."""
     forward = _sharded(local, token_axes, specs)
 
     def differentiable(x, p):  # the counts in the statistics (tokens, assigned, dropped) have no gradient

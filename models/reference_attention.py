@@ -6,8 +6,7 @@ import jax.numpy as jnp
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
-    """Plain causal GQA attention, scores and softmax in fp32; queries viewed as [kv_heads, group]
-    (K/V never repeated). The mask comes from positions, so tokens may come in any order."""
+    """Causal GQA with queries as [kv_heads, group] (K/V never repeated), masked by positions (tokens in any order)."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)

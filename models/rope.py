@@ -29,8 +29,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each position's angles, [B, T, Dh/2] fp32, once per forward pass behind a
-    barrier (ARCHITECTURE.md, "RoPE tables once per forward pass, behind a barrier")."""
+    """cos, sin of the positions' angles, [B, T, Dh/2] fp32 (ARCHITECTURE.md, "RoPE tables once per forward pass")."""
     freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
     return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
 

@@ -1,9 +1,7 @@
-"""Ring collectives written by hand with `lax.ppermute` alone, so the algorithm NCCL runs on a ring is
-visible: all-reduce, reduce-scatter, all-gather, broadcast. `ring_*` and `bucketed_all_reduce` run
-inside a shard_map over one axis; `all_reduce` & co. take a stacked global array (row i: member i's
-value) and run the shard_map themselves; `impl='xla'` runs XLA's own collective, the tests' reference
-and `benchmarks/collectives.py`'s baseline. Sums accumulate in the array's dtype, like NCCL.
-"""
+"""Ring collectives written by hand with `lax.ppermute` alone, so the algorithm NCCL runs on a ring is visible.
+`ring_*` and `bucketed_all_reduce` run inside a shard_map over one axis; `all_reduce` & co. take a stacked global array
+(row i: member i's value) and run the shard_map themselves; `impl='xla'` runs XLA's own collective: the tests'
+reference and the benchmark's baseline. Sums accumulate in the array's dtype, like NCCL."""
 from __future__ import annotations
 
 import functools
@@ -50,13 +48,10 @@ def _row(x: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _as_chunks(x: jax.Array, n: int) -> jax.Array:
-    """x flattened, zero-padded and cut into n rows."""
     flat = x.reshape(-1)
     width = -(-flat.size // n)
     return jnp.pad(flat, (0, n * width - flat.size)).reshape(n, width)
 
-
-# Layer 1: inside a shard_map body
 
 def ring_reduce_scatter(x: jax.Array, axis_name: str, op: Op = "sum") -> jax.Array:
     """`lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`, rows zero-padded to a multiple of n."""
@@ -125,8 +120,7 @@ def ring_broadcast(x: jax.Array, axis_name: str, root: int = 0) -> jax.Array:
 
 def bucketed_all_reduce(tree: Any, axis_name: str, op: Op = "sum",
                         bucket_bytes: int | None = None) -> Any:
-    """One ring all-reduce per bucket of leaves (by dtype, capped at `bucket_bytes`): the per-step latency
-    paid once, not per leaf (DDP's gradient buckets)."""
+    """One ring all-reduce per bucket of leaves (by dtype, up to `bucket_bytes`): latency paid per bucket (DDP's)."""
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     for leaf in leaves:
@@ -153,8 +147,6 @@ def _buckets(leaves: list[jax.Array], bucket_bytes: int | None) -> list[list[int
         bucket.append(j)
     return full + [b for b in open_buckets.values() if b]
 
-
-# XLA's native collectives with the same signatures: the reference and the benchmark baseline
 
 def _xla_all_reduce(x: jax.Array, axis_name: str, op: Op = "sum") -> jax.Array:
     return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}[op](x, axis_name)
@@ -183,8 +175,6 @@ _BODIES: dict[str, dict[str, Callable[..., jax.Array]]] = {
 }
 
 
-# Layer 2: stacked global arrays in (row i: member i's value), stacked results out
-
 def all_reduce(x: jax.Array, mesh: Mesh, axis: str, op: Op = "sum", *, impl: Impl = "ring") -> jax.Array:
     """The reduction in every row."""
     return _run("all_reduce", x, mesh, axis, impl, op=op)
@@ -207,8 +197,7 @@ def broadcast(x: jax.Array, mesh: Mesh, axis: str, root: int = 0, *, impl: Impl 
 
 
 def collective_fn(kind: str, mesh: Mesh, axis: str, impl: Impl = "ring", **options: Any) -> Callable:
-    """The jitted stacked-array collective behind the wrappers, for the benchmark to time; its input
-    must already be placed with `NamedSharding(mesh, P(axis))`."""
+    """The jitted collective behind the wrappers, for timing; its input placed by `NamedSharding(mesh, P(axis))`."""
     if axis not in mesh.axis_names:
         raise ConfigError(f"axis {axis!r} is not in the mesh; valid axes: {', '.join(mesh.axis_names)}.")
     if impl not in _BODIES:

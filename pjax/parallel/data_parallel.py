@@ -1,7 +1,5 @@
-"""Data parallelism and ZeRO: where parameters, gradients and optimizer state live over `dp`.
-
-zero=1 splits the Adam moments over dp by 'embed', zero=3 (FSDP) the parameters too; when each reduces:
-ARCHITECTURE.md, "Gradients reduced once per step"."""
+"""Data parallelism and ZeRO over `dp`: zero=1 splits the Adam moments by 'embed', zero=3 (FSDP) the parameters too;
+when each reduces: ARCHITECTURE.md, "Gradients reduced once per step"."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,7 +16,7 @@ from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
 
-_is_names = lambda x: isinstance(x, tuple)  # leaves of the logical-axes tree
+_is_names = lambda x: isinstance(x, tuple)
 
 
 def _shardings(mesh: Mesh, cfg: LlamaConfig, zero_sharded: bool) -> Any:
@@ -96,8 +94,7 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
 
 
 def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool) -> Any:
-    """Sum the partial gradients over the manual data axes once; experts over cp only (the
-    all_to_all's backward brought them to their owner)."""
+    """Sum partial gradients over the manual data axes; experts over cp only (all_to_all's backward took them home)."""
     axes = data_axes(current())
     leaves, treedef = jax.tree.flatten(grads)
     names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
@@ -117,8 +114,7 @@ def _psum(xs: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
 
 
 def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Reduce-scatter one gradient over dp by 'embed', nested manual over tp (left automatic, XLA
-    gathers the operand over tp first)."""
+    """Reduce-scatter one gradient over dp by 'embed', manual over tp too (else XLA gathers it over tp first)."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
     scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
     return rules.per_device(scatter, tp_only, tp_only)(g)

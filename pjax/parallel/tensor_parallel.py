@@ -1,11 +1,8 @@
-"""Tensor parallelism (Megatron style) through shardings (`mesh.rules`), and the vocab-parallel
-cross-entropy: only reductions over the vocabulary, so each device keeps its slice of the logits
-(ARCHITECTURE.md, "Vocab-parallel cross-entropy by reductions only").
-
-`chunk` fuses the output layer with the loss over blocks of tokens, so [tokens, vocab] logits never
-exist whole; where the tokens stay split over dp/cp automatically, the kernel's gradient is summed
-per share and reduced once after the blocks (ARCHITECTURE.md, "Fused, chunked output layer + loss").
-"""
+"""Tensor parallelism (Megatron style) through shardings (`mesh.rules`), and the vocab-parallel cross-entropy: only
+reductions over the vocabulary, so each device keeps its slice of the logits (ARCHITECTURE.md, "Vocab-parallel
+cross-entropy by reductions only"). `chunk` fuses the output layer with the loss over blocks of tokens, so [tokens,
+vocab] logits never exist whole; with tokens split over dp/cp automatically, the kernel's gradient is summed per share
+and reduced once after the blocks (ARCHITECTURE.md, "Fused, chunked output layer + loss")."""
 from __future__ import annotations
 
 import functools
@@ -23,9 +20,8 @@ from models.llama import mask_padded_vocab
 def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
                                  chunk: int = 0, vocab_size: int | None = None,
                                  sequence_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token cross-entropy, token count) of hidden [N, D], kernel [D, V], labels [N],
-    in fp32; `vocab_size` masks a padded V. With `sequence_parallel` and `chunk` it is right, but XLA
-    all-reduces each block's input gradient over tp, so `pjax.step` refuses the combination."""
+    """(summed cross-entropy in fp32, token count) of hidden [N, D], kernel [D, V], labels [N]; `vocab_size` masks a
+    padded V. `pjax.step` refuses `sequence_parallel` with `chunk`: XLA all-reduces each block's input grad over tp."""
     vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
@@ -58,8 +54,8 @@ def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, v
 
 
 def output_logits(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-    """fp32 logits [N, V] whose backward takes d(logits) in the operands' dtype (ARCHITECTURE.md, "The
-    output layer's backward in the compute dtype"), on XLA:CPU from a materialised hidden^T."""
+    """fp32 logits [N, V], backward in the operands' dtype (ARCHITECTURE.md, "The output layer's backward in the compute
+    dtype"); on XLA:CPU, d(kernel) from a materialised hidden^T."""
     if hidden.dtype == jnp.float32 and jax.default_backend() != "cpu":
         return jnp.einsum("nd,dv->nv", hidden, kernel, preferred_element_type=jnp.float32)
     return _logits(hidden, kernel)
@@ -96,8 +92,7 @@ def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int, 
 
 
 def _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares):
-    """The loss and both gradients, block by block; block i is tokens [i*chunk, (i+1)*chunk) of each
-    of the `shares` devices' N/shares."""
+    """The loss and both gradients block by block: block i is tokens [i*chunk, (i+1)*chunk) of each share's N/shares."""
     def block(carry, xs):
         loss, d_kernel = carry
         h, y = xs

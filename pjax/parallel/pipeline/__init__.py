@@ -1,6 +1,4 @@
-"""Pipeline parallelism over `pp`: any schedule, as a table, run by one scan over ticks.
-
-Read in this order:
+"""Pipeline parallelism over `pp`: any schedule, as a table, run by one scan over ticks. Read in this order:
     schedules.py    AFAB, 1F1B, lockstep and interleaved 1F1B as tables (tick x device -> op), `from_orders`
     zero_bubble.py  ZB-H1 and ZB-V: backwards split into B (input gradients) and W (weight gradients)
     layout.py       which model stage each chunk of each device holds; the stacked layers' stored order
@@ -8,7 +6,5 @@ Read in this order:
     table.py        schedules by name, the int table the executor reads per tick, validation
     stage.py        what one stage runs (embed / layers / loss from the step specification) and its VJP in slots
     slots.py        the slot buffers; slot_splits.py: how XLA splits their leaves over tp
-    executor.py     the scan over ticks: what every tick reads (`Plan`), the buffers, the gradients after
-    tick.py         one tick: receive and forward, loss, backward, weight, send
-    step.py         `loss_and_grads` / `mean_loss` for pp > 1: the executor in a shard_map
-"""
+    executor.py     the scan over ticks (`Plan`, buffers, gradients after); tick.py: one tick, op by op
+    step.py         `loss_and_grads` / `mean_loss` for pp > 1: the executor in a shard_map"""

@@ -1,7 +1,5 @@
-"""Where a pipeline device keeps each micro-batch in flight (fixed rows, `slots`), and which lane of
-a tick's transfers carries it there: in a V a device may receive two arrivals in one tick, so each
-lane is one partial permutation (ARCHITECTURE.md, "ZB-V"); round-robin tables need one lane.
-"""
+"""Where a pipeline device keeps each micro-batch in flight (`slots`), and which lane of a tick's transfers brings it:
+in a V a device may get two arrivals in one tick, so each lane is one partial permutation (ARCHITECTURE.md, "ZB-V")."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +11,8 @@ from pjax.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 
 @dataclasses.dataclass(frozen=True)
 class BufferPlan:
-    """`slot[t, s]`: device s's slot at tick t (0 when idle: read and written back unchanged).
-    `recv_x`/`recv_dy[t, s, k]`: the slot lane k's arrival goes to, else `slots`, a discard slot
-    (every tick writes its arrivals unconditionally); `from_x`/`from_dy`: its sender, or -1."""
+    """`slot[t, s]`: device s's slot at tick t (0 when idle: read, written back unchanged); `recv_*[t, s, k]`: the slot
+    lane k's arrival goes to, else the discard slot `slots` (arrivals are always written); `from_*`: sender or -1."""
 
     slots: int
     slot: np.ndarray
@@ -30,9 +27,8 @@ class BufferPlan:
 
 
 def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple[dict, int]:
-    """Slots for (device, mb, stage) -> (first, last tick), a slot free again from its last tick
-    (reads come before writes within a tick), and the most any device needs; colouring in order of
-    start is optimal."""
+    """Slots for (device, mb, stage) -> (first, last tick), free again from the last (a tick reads before it writes),
+    and the most any device needs; colouring in order of start is optimal."""
     slot_of, free_at = {}, {s: [] for s in range(p)}
     for key, (start, end) in sorted(lives.items(), key=lambda kv: kv[1]):
         frees = free_at[key[0]]
@@ -43,8 +39,7 @@ def _colour(lives: dict[tuple[int, int, int], tuple[int, int]], p: int) -> tuple
 
 
 def buffer_plan(sched: Schedule) -> BufferPlan:
-    """A slot per (device, micro-batch, chunk) from its input's arrival to its backward (or W), and
-    each tick's arrivals in lanes; `slots` is p for 1F1B and ZB-H1, m for AFAB."""
+    """A slot per (device, micro-batch, chunk) from its input's arrival to its backward (or W); arrivals in lanes."""
     p, last = sched.p, sched.p * sched.v - 1
     tick: dict[tuple[int, int, int], int] = {}
     for t, s in zip(*np.nonzero(sched.op)):

@@ -1,8 +1,5 @@
-"""The pipeline executor: any schedule table run by one `lax.scan` over ticks inside `jax.shard_map`.
-
-Every schedule is one program with a different table (`pipeline/table.py`); a tick is `pipeline/tick.py`.
-The shard_map is manual over pp, and over dp and cp too unless ZeRO-3 splits the parameters
-(`pipeline/step.py`); the shared parameters are replicated over pp, their gradients summed once at the end."""
+"""The pipeline executor: any schedule table run by one `lax.scan` over ticks inside `jax.shard_map`, manual over pp
+(and dp, cp unless ZeRO-3 splits the parameters); the shared parameters' gradients are summed over pp at the end."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,7 +55,7 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
     layers = jax.tree.map(lambda a: varying(a.reshape(sched.v, -1, *a.shape[1:]).astype(stage.dtype)),
                           params["layers"])
     _, b, t = batch["inputs"].shape
-    x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))  # [B*T, D]
+    x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))
     nothing = (x0, stage.no_stats())
     taps = (stage.per_layer(varying(stage.taps(_chunk(layers, 0), b * t))),) if sched.split_backward else ()
     w0 = stage.per_layer(_chunk(layers, 0))
@@ -73,8 +70,7 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
 
 
 def _slot_pool(stage: Stage, layout: VjpLayout, w0: Any, nothing: Activation, batch: Batch, taps: tuple) -> SlotPool:
-    """A slot holds a forward's residuals (kind 0), then the taps' (x, g) until W (kind 1)
-    (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
+    """A slot holds a forward's residuals (kind 0), then the taps' (x, g) until W (kind 1)."""
     kept = layout.passed_through(lambda res: layout.unpack(w0, res)(nothing)[2:]) if taps else ()
     stash = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(taps))
     pool = SlotPool((layout.stored, stash), kept, separate=auto_size(current(), TP) > 1)
@@ -87,7 +83,7 @@ def _start(plan: Plan, slots: int) -> Buffers:
     """Zeros, cast to pp-varying as the ticks' results are: the scan's carry must type alike."""
     x0, stats = plan.nothing
     inbox = lambda: (constrain(_rows(x0, slots + 1), (None, plan.stage.tokens, "embed")), _rows(stats, slots + 1))
-    router = {k: jnp.zeros(()) for k in ROUTER_METRICS} if stats else {}  # MoE
+    router = {k: jnp.zeros(()) for k in ROUTER_METRICS} if stats else {}
     return Buffers(inbox=inbox(), cotangents=inbox(),
                    slots=varying(plan.pool.zeros(slots + 1 if plan.lockstep else slots)),  # lockstep: a discard slot
                    grad_layers=_f32_zeros(plan.layers), grad_head=_f32_zeros(plan.head(plan.shared)),
@@ -105,8 +101,7 @@ def _totals(plan: Plan, end: Buffers) -> tuple[jax.Array, dict]:
 
 
 def _gradients(plan: Plan, end: Buffers) -> dict:
-    """This device's layer gradients, and the shared parameters' summed over pp; the embedding
-    differentiated once, for all micro-batches (zero but on the first stage)."""
+    """This device's layer gradients, shared ones summed over pp; the embedding's by one VJP for all micro-batches."""
     m = plan.batch["inputs"].shape[0]
     embed_all = lambda e: jax.vmap(lambda tokens: plan.stage.embed({"embed": e}, tokens))(plan.batch["inputs"])
     d_embed = jax.vjp(embed_all, plan.shared["embed"])[1](end.d_embedded[:m])[0]

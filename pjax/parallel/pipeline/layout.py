@@ -1,6 +1,5 @@
-"""Which model stage each chunk of each pipeline device holds: round robin (interleaved) or a V
-(zb_v). The stored layer stack is in pipeline order, so nothing is re-laid-out per step; checkpoints store model order.
-"""
+"""Which model stage each chunk of each pipeline device holds: round robin (interleaved) or a V (zb_v).
+The stored layer stack is in pipeline order, so nothing is re-laid-out per step; checkpoints store model order."""
 from __future__ import annotations
 
 from typing import Any

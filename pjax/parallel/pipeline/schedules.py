@@ -1,7 +1,4 @@
-"""Pipeline schedules as data: tables of (tick x device) -> forward / backward / weight / idle.
-
-`_timeline` places each device's program order at the earliest ticks its inputs allow, one item per device
-per tick (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
+"""Pipeline schedules as tick x device op tables (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,7 +70,7 @@ class Schedule:
 
 def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alternate: bool = False,
               vshape: bool = False) -> Schedule:
-    """Each device's program order as early as the dependencies allow; `alternate`: forwards on even ticks."""
+    """Each device's program order, an item a tick, as early as inputs allow; `alternate`: forwards on even ticks."""
     done: dict[tuple[int, int, int], int] = {}  # (op, micro-batch, model stage) -> tick
     pos, rows, t, skipped = [0] * p, [], 0, 0
     last = p * v - 1
@@ -110,8 +107,7 @@ def _timeline(name: str, p: int, m: int, v: int, orders: list[list[Item]], alter
 
 
 def _forward_order(p: int, m: int, v: int) -> list[tuple[int, int]]:
-    """(micro-batch, chunk) forwards in groups of p per chunk (Megatron-LM's order): a group's outputs
-    reach device 0 again just as it needs them."""
+    """(micro-batch, chunk) forwards in groups of p per chunk (Megatron-LM's): a group is back at device 0 in time."""
     return [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
 
 
@@ -136,8 +132,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def one_f_one_b_lockstep(p: int, m: int) -> Schedule:
-    """1F1B with 2(p - s - 1) warm-up forwards and all devices forwarding on the same ticks
-    (ARCHITECTURE.md, "Pipeline schedules as data")."""
+    """1F1B with 2(p - s - 1) warm-up forwards and all devices forwarding on the same ticks."""
     order = [(i, 0) for i in range(m)]
     return _timeline("1f1b_lockstep", p, m, 1, [_one_f_one_b_order(order, order, 2 * (p - s - 1)) for s in range(p)],
                      alternate=True)
@@ -182,8 +177,7 @@ def from_orders(name: str, p: int, m: int, v: int, orders: list[list[Item]], vsh
 
 
 def lockstep(sched: Schedule) -> Schedule:
-    """The schedule with each mixed tick split into its forwards, then its backwards, for ring attention,
-    whose transfers sit inside the ops."""
+    """Each mixed tick split into its forwards, then its backwards: ring attention's transfers sit inside the ops."""
     if all(len(set(row.tolist()) - {IDLE}) <= 1 for row in sched.op):
         return sched
     rows = []

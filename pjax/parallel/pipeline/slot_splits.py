@@ -1,7 +1,5 @@
-"""How XLA splits the slots' leaves over tp, read from a compile of one stage's forward and B: a
-cotangent may take over a residual's buffer only if split alike, and neither shapes nor the trace say
-so (ARCHITECTURE.md, "Zero-bubble memory").
-"""
+"""How XLA splits the slots' leaves over tp, read from compiling one stage's forward and B: a cotangent takes over a
+residual's buffer only if split alike, which neither shapes nor trace show (ARCHITECTURE.md, "Zero-bubble memory")."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -52,8 +50,7 @@ def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtyp
 
 def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, taps: Any
                 ) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
-    """`pool.splits` for a zero-bubble `slots.SlotPool`: the tp split of each residual (kind 0) and each
-    tap cotangent B writes for W (kind 1); arguments as the executor passes them."""
+    """`SlotPool.splits`: the tp split of each residual (kind 0) and each tap cotangent B writes for W (kind 1)."""
     tapped = pool.written(1)
 
     def forward_and_b(w, act, positions, taps):

@@ -1,9 +1,7 @@
-"""Slots that hold one of several kinds of per-micro-batch state: a forward's residuals, then what B
-leaves W (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W").
-
-JAX arrays cannot share memory, so with two kinds the slots are flat, per dtype one [slots, width] buffer,
-each kind from offset 0. With one kind, or tp > 1 (`separate`: a flat row has no tp layout), each leaf keeps
-a buffer of its own, and kind 1 takes over a kind-0 buffer of the same shape, dtype and split (`reused`)."""
+"""Slots that hold one of several kinds of per-micro-batch state: a forward's residuals, then what B leaves W
+(ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W"). JAX arrays cannot share memory, so with two
+kinds the slots are flat: per dtype one [slots, width] buffer, each kind from offset 0. With one kind, or tp > 1
+(`separate`: a flat row has no tp layout), each leaf has a buffer of its own, which kind 1 may take over (`reused`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +18,7 @@ Pool = dict[str, jax.Array]  # flat: dtype name -> [slots, width]; else 'kind:le
 
 @dataclasses.dataclass(frozen=True)
 class SlotPool:
-    """The layout of `kinds`, the leaves one slot holds; `kept`: per leaf of kind 1, the kind-0 leaf whose
-    value it is (never written again), or None."""
+    """The layout of `kinds`, a slot's leaves; `kept`: per kind-1 leaf, the kind-0 leaf with its value, or None."""
 
     kinds: tuple[tuple[jax.ShapeDtypeStruct, ...], ...]
     kept: tuple[int | None, ...] = ()

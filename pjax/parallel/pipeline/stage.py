@@ -1,7 +1,4 @@
-"""What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots.
-
-The activation between stages is the hidden states and the router statistics so far, `()` when dense
-(ARCHITECTURE.md, "MoE in a pipeline: the router statistics travel with the activations")."""
+"""What a pipeline stage runs: the LLaMA cut into embed / layers / loss, and its VJP kept in slots."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +13,7 @@ from mesh.rules import logical_to_spec
 from models import deferred_grads, llama
 from models import sequence_parallel as seqpar
 
-Activation = tuple[jax.Array, Any]  # (x [B*T, D], router statistics so far: RouterStats, or () when dense)
+Activation = tuple[jax.Array, Any]  # (x [B*T, D], router stats so far or (): ARCHITECTURE.md, "MoE in a pipeline")
 
 
 def varying(x: Any) -> Any:
@@ -41,12 +38,11 @@ class Stage(NamedTuple):
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
     taps: Callable[[Any, int], Any] | None = None  # (chunk weights, tokens) -> zero taps of its layers
     weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
-    scan: bool = True  # unrolled, `layers` takes per-layer lists (`per_layer`)
-    layer_specs: Any = None  # one layer's weights' specs (its 'layers' dim dropped)
+    scan: bool = True
+    layer_specs: Any = None
 
     def per_layer(self, tree: Any) -> Any:
-        """Stacked weights (or taps) as the VJP takes them; unrolled, per-layer slices taken outside
-        it, so its residuals hold no per-micro-batch copies of the weights."""
+        """Stacked weights (or taps) as the VJP takes them; unrolled, slices cut outside it, so not in its residuals."""
         if self.scan:
             return tree
         return [jax.tree.map(lambda a: a[i], tree) for i in range(jax.tree.leaves(tree)[0].shape[0])]
@@ -57,16 +53,14 @@ class Stage(NamedTuple):
 
 
 def scan_lowers(experts: int, data_manual: bool) -> bool:
-    """Whether a layer scan lowers inside the pipeline's shard_map. A shard_map in a scan in it
-    does not: ring attention's fails Shardy's verifier ("manual axis cp after free axis pp"), and an
-    MoE dispatch's backward hoists constants out of the scan with a spec over pp. Unrolled, both lower."""
+    """Whether a layer scan lowers inside the pipeline's shard_map: ring attention's shard_map in it fails Shardy's
+    verifier ("manual axis cp after free axis pp"); an MoE dispatch's backward hoists constants with a spec over pp."""
     mesh = current()
     return data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1))
 
 
 def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
-    """A pipeline stage of `spec` (a `pjax.spec.StepSpec`); `scale` (1 / tokens in the global batch)
-    makes the loss a mean; `data_manual`: the executor's shard_map is manual over dp and cp too."""
+    """The stage of a `StepSpec`; `scale`: 1 / the global batch's tokens; `data_manual`: manual over dp and cp too."""
     cfg, experts = spec.cfg, spec.cfg.num_local_experts
     spec = dataclasses.replace(spec, scan=spec.scan and scan_lowers(experts, data_manual))
 
@@ -100,8 +94,7 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
 
 @dataclasses.dataclass(frozen=True)
 class VjpLayout:
-    """How to store a stage's `jax.vjp` function and rebuild it: per leaf, the index of the weight it
-    is (not stored) or None (a residual, stored per micro-batch)."""
+    """How a stage's `jax.vjp` function is stored and rebuilt: per leaf, the weight it is (not stored) or None."""
 
     treedef: Any
     weight_index: tuple[int | None, ...]
@@ -109,8 +102,7 @@ class VjpLayout:
 
     @classmethod
     def trace(cls, fn: Callable, w: Any, *args: Any) -> "VjpLayout":
-        # Traced inside the shard_map body with pp-varying inputs: a treedef traced outside
-        # carries invariant types and fails on the varying cotangent later.
+        # Traced inside the shard_map: a treedef traced outside has invariant types, failing on the varying cotangent.
         _, vjp_fn = jax.vjp(fn, w, *args)
         leaves, treedef = jax.tree.flatten(vjp_fn)
         index = cls.weights_in(vjp_fn, w)
@@ -131,8 +123,7 @@ class VjpLayout:
         return [varying(leaf) for leaf, k in zip(leaves, self.weight_index) if k is None]
 
     def passed_through(self, backward: Callable[[list[jax.Array]], Any]) -> tuple[int | None, ...]:
-        """Per output leaf of `backward(stored residuals)`: the index of the residual it is unchanged
-        (as a projection's input in what B leaves W), also as a layer scan's stack of its slices, or None."""
+        """Per output leaf of `backward(stored)`: the residual it returns unchanged (or a scan restacks), or None."""
         stored = [varying(jnp.zeros(s.shape, s.dtype)) for s in self.stored]
         jaxpr = jax.make_jaxpr(lambda res: jax.tree.leaves(backward(res)))(stored).jaxpr
         index = {id(v): k for k, v in enumerate(jaxpr.invars)}

@@ -1,12 +1,7 @@
-"""What the pipeline executor reads each tick: the schedule as an int table (`executor_table`), and how
-often each conditional part of a tick really runs.
-
-A row holds per device the op, micro-batch, chunk, slot and whether the work is real, and per lane
-the arrival slots and two numbers every device agrees on: which set of sender pairs transfers this
-tick (`send_patterns`). Only a number every device agrees on may choose a collective; one `ppermute`
-per set, so stages with nothing to send send nothing. XLA counts a zero-or-one-trip loop as one trip,
-so `scope_runs`/`tick_runs` weight each named scope's collectives by how often it really runs.
-"""
+"""What the pipeline executor reads each tick: the schedule as an int table (`executor_table`), and how often each
+part of a tick really runs (`scope_runs`: XLA counts a zero-or-one-trip loop as one trip). Per lane, a row names the
+set of sender pairs that transfers this tick (`send_patterns`): only a number every device agrees on may choose a
+collective, and with one `ppermute` per set, stages with nothing to send send nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,8 +107,7 @@ def needs_lockstep() -> bool:
 
 
 def executor_table(sched: ps.Schedule, lockstep: bool = False) -> np.ndarray:
-    """int32 [ticks, p, len(COLUMNS) + lanes * len(LANE_COLUMNS)]; in lockstep a device without work runs
-    the tick's op on the discard slot (`active` = 0)."""
+    """int32 [ticks, p, len(COLUMNS) + lanes * len(LANE_COLUMNS)]; lockstep: `active` 0 runs on the discard slot."""
     plan = buffer_plan(sched)
     active = sched.op != ps.IDLE
     op, slot = sched.op, plan.slot
@@ -173,8 +167,7 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
 
 
 def tick_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool) -> Callable[[str, str], float]:
-    """For `pjax.observe.hlo.collective_stats(scale=...)`: runs per tick of an HLO instruction, by the innermost
-    executor scope in its op name (1 outside them)."""
+    """`pjax.observe.hlo.collective_stats`'s scale: an instruction's runs per tick, by its innermost scope (else 1)."""
     sched = make_schedule(pipeline, pp, grad_accum, lockstep)
     weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
 

@@ -1,5 +1,4 @@
-"""One tick of the pipeline executor on one device: the phases forward, loss, backward, weight and
-send, each on the `Buffers` the scan carries, each run where the table says (`_run_if`)."""
+"""One tick of the pipeline executor on one device: forward, loss, backward, weight, send, each where the table says."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +49,7 @@ class Plan:
     pool: SlotPool
     x_sets: list              # per lane, the sets of (sender, receiver) pairs an activation goes by
     dy_sets: list
-    lockstep: bool            # one kind of op per tick on every device, for ring attention's permutes (`Row.keep`)
+    lockstep: bool
     ordered: bool             # the tick's compute holds collectives: transfers one at a time, after it
 
     @property
@@ -80,7 +79,7 @@ class Row(NamedTuple):
     mb: jax.Array
     chunk: jax.Array
     slot: jax.Array
-    active: jax.Array         # 0: a lockstep device without work, running the op on the discard slot
+    active: jax.Array
     lanes: jax.Array
     first: jax.Array
     last: jax.Array
@@ -175,8 +174,7 @@ def _leave_for_weight(plan: Plan, row: Row, pooled: dict, dw: Any, dact: Activat
 
 
 def _finite_start(*trees: Any) -> jax.Array:
-    """Whether every leaf's first element is a number: the trip count that orders B's writes after its reads
-    (ARCHITECTURE.md, "Zero-bubble memory: one slot from arrival to W")."""
+    """Whether every leaf's first element is a number: a trip count that orders B's writes after its reads."""
     firsts = [jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(trees)]
     return ~jnp.isnan(sum(firsts))
 
@@ -198,9 +196,8 @@ def weight(plan: Plan, row: Row, buf: Buffers, sends: list) -> tuple[Buffers, li
 
 
 def send(plan: Plan, row: Row, buf: Buffers, sends: list) -> Buffers:
-    """Per lane, the activation `sends[0]` to the next stage and the cotangent `sends[1]` to the previous.
-    After the compute: a collective in a loop completes only where every device of its group runs the loop,
-    which a pp permute's group would not (ARCHITECTURE.md, "Pipeline schedules as data, one SPMD program")."""
+    """Per lane, `sends` (activation, cotangent) to the next and previous stage, after the compute: a collective in a
+    loop completes only where its whole group runs the loop, which a pp permute's group would not (see `_run_if`)."""
     inbox, cotangents = buf.inbox, buf.cotangents
     for lane, (recv_x, recv_dy, send_x, send_dy) in enumerate(row.lanes):
         sends, got_x = _permute(plan, sends, 0, send_x, plan.x_sets[lane], "x", lane)

@@ -1,10 +1,7 @@
-"""Zero-bubble schedules (Qi et al., 2024): each backward split into B (the input gradient, which the
-previous stage waits for) and W (the weight gradients, run where a device would idle); what B leaves
-W: `models/deferred_grads.py`. ZB-H1 is 1F1B with W's held back; ZB-V puts two half-stage chunks per
-device in a V and plays the ticks out within 1F1B's memory, reaching the bound 6m + p - 1 for every
-m >= p (ARCHITECTURE.md, "Zero-bubble" and "ZB-V"). A tick lasts its slowest item, and W lacks
-attention's backward, so ZB-H1 can span more than lockstep 1F1B (benchmarks/README.md, "Zero-bubble").
-"""
+"""Zero-bubble schedules (Qi et al., 2024): each backward split into B (the input gradient, which the previous stage
+waits for) and W (the weight gradients, run where a device would idle; what B leaves W: `models/deferred_grads.py`).
+A tick lasts its slowest item and W lacks attention's backward, so ZB-H1 can span more than lockstep 1F1B
+(ARCHITECTURE.md, "Zero-bubble" and "ZB-V"; benchmarks/README.md, "Zero-bubble")."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +11,7 @@ from pjax.parallel.pipeline.schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Sc
 
 
 def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1: 1F1B's order, B and W split, device s holding back s W's for 1F1B's cool-down: 3m + p - 1
-    ticks, 1F1B's memory."""
+    """1F1B's order, B and W split, device s holding back s W's for the cool-down: 3m + p - 1 ticks, 1F1B's memory."""
     orders = []
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -32,8 +28,8 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 
 def zb_v(p: int, m: int) -> Schedule:
-    """ZB-V: two chunks per device in a V, played out tick by tick; of two forwards or two B's the second
-    chunk's runs first (it brings a micro-batch to its loss, or its cotangent down the V, sooner)."""
+    """Two half-stage chunks per device in a V, played tick by tick in 1F1B's memory: 6m + p - 1 ticks for m >= p.
+    Of two forwards or two B's the second chunk's runs first (it brings a loss, or a cotangent down the V, sooner)."""
     play, rows = _VPlay(p, m), []
     while not play.finished():
         t = len(rows)
@@ -45,10 +41,9 @@ def zb_v(p: int, m: int) -> Schedule:
 
 
 class _VPlay:
-    """The state of `zb_v`'s play. `live[d]`: slots held from arrival to W, as `buffer_plan` counts them.
-    `owed[d]`: slots d's micro-batches hold or will hold until their B's (two on arrival, one less per
-    B); a forward brings a micro-batch to d only if d can owe two more, so the slots beyond wait only
-    for W's, which a device can always run: the play never deadlocks."""
+    """The state of `zb_v`'s play. `live[d]`: slots held from arrival to W, as `buffer_plan` counts them. `owed[d]`:
+    slots d's micro-batches hold or will hold until their B's (two on arrival, one less per B); a forward brings a
+    micro-batch to d only if d can owe two more, so slots beyond wait only for W's, which always run: no deadlock."""
 
     ORDER = ((FORWARD, 1), (FORWARD, 0), (BACKWARD, 1), (BACKWARD, 0), (WEIGHT, 0))
 
