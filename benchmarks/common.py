@@ -68,7 +68,7 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     from pjax.step import build_trainer
 
     cfg, mesh = layout_config(config, layout, overrides, devices)
-    kwargs = {k: getattr(cfg, k) for k in ("pipeline", "moe", "context") if k in build_trainer.__code__.co_varnames}
+    kwargs = {k: getattr(cfg, k) for k in ("pipeline", "moe", "context", "precision") if k in build_trainer.__code__.co_varnames}
     trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
     t0 = time.perf_counter()
     compiled = trainer.compile_step()

@@ -77,13 +77,14 @@ def picotron_config(template: dict, cfg, sizes: dict[str, int], model_dir: str, 
 def unsupported(cfg, layout: str) -> str | None:
     """Why Picotron cannot run this config and layout as pjax would, or None."""
     from common import parse_layout
+    from models.precision import PrecisionConfig
 
     sizes, extra = parse_layout(layout)
     mc, tc = cfg.model, cfg.train
     if extra:
         return f"layout {layout!r} sets {' '.join(extra)}; Picotron has only plain dp, tp, pp and cp"
-    if tc.dtype != "float32":
-        return f"train.dtype={tc.dtype}; Picotron on CPU computes in float32"
+    if cfg.precision.resolve(tc.dtype) != PrecisionConfig(preset="fp32").resolve():
+        return "the precision policy is not fp32; Picotron on CPU computes in float32"
     if mc.num_local_experts or mc.tie_word_embeddings or mc.rope_type != "default":
         return "the model has experts, tied embeddings or scaled RoPE; Picotron's LLaMA has none"
     if mc.head_dim != mc.hidden_size // mc.num_attention_heads:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from models import sequence_parallel as seqpar
 from models.config import LlamaConfig
+from models.precision import Precision
 from models.projection import input_grad, plain_projection, weight_grads
 
 Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like x [N, D_in], like each output [N, F_i])
@@ -59,13 +60,14 @@ tapped_column = _tapped(seqpar.column, _column_input_grad)
 tapped_row = _tapped(seqpar.row, _row_input_grad)
 
 
-def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, dtype: Any) -> dict[str, Tap]:
-    """Zero taps for `layers` stacked layers of `tokens` tokens: per site, [layers, tokens, width]."""
+def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, precision: Precision) -> dict[str, Tap]:
+    """Zero taps for `layers` stacked layers of `tokens` tokens: per site, [layers, tokens, width] in its module's dtype."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     widths = {"qkv": (d, (q, kv, kv)), "o": (q, (d,)), "gate_up": (d, (f, f)), "down": (f, (d,))}
-    z = lambda w: jnp.zeros((layers, tokens, w), dtype)
-    return {site: (z(x), tuple(z(w) for w in outs)) for site, (x, outs) in widths.items()}
+    dtypes = {"qkv": precision.attention, "o": precision.attention, "gate_up": precision.mlp, "down": precision.mlp}
+    z = lambda w, site: jnp.zeros((layers, tokens, w), dtypes[site])
+    return {site: (z(x, site), tuple(z(w, site) for w in outs)) for site, (x, outs) in widths.items()}
 
 
 def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence_parallel: bool = False

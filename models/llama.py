@@ -18,6 +18,7 @@ from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, moe_mlp
+from models.precision import Precision
 from models.projection import ProjectFn, plain_projection, select_projection
 from models.remat import DEFAULT_NAMES, policy
 from models.rope import rope, rope_inv_freq, rope_tables  # noqa: F401 (rope_inv_freq: llama's API)
@@ -28,9 +29,9 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in fp32, cast back before the scale multiply (HF's order, which matters in bf16)."""
-    x32 = x.astype(jnp.float32)
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any = jnp.float32) -> jax.Array:
+    """RMSNorm with statistics in `dtype`, cast back before the scale multiply (HF's order, which matters in bf16)."""
+    x32 = x.astype(dtype)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return scale.astype(x.dtype) * y.astype(x.dtype)
 
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
     """One pre-norm LLaMA block: x + attn(norm(x)), then h + mlp(norm(h)). x is [B*T, D]."""
 
     cfg: LlamaConfig
-    dtype: Any = jnp.float32
+    precision: Precision = Precision()
     attention_fn: Callable[..., jax.Array] = reference_attention
     project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
     moe: MoeConfig = MoeConfig()
@@ -65,7 +66,8 @@ class DecoderLayer(nn.Module):
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
-        cast = lambda w: w.astype(self.dtype)  # fp32 master weights, compute in self.dtype
+        p = self.precision  # fp32 master weights, read in their module kind's dtype
+        attn, mlp = (lambda w: w.astype(p.attention)), (lambda w: w.astype(p.mlp))
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
         column, row = self._projections(sp, taps)
@@ -74,8 +76,8 @@ class DecoderLayer(nn.Module):
 
         # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`. checkpoint_name
         # tags (train.remat=names) go on the projections' outputs, outside any custom_vjp form.
-        y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps), "attn_norm")
-        q, k, v = column(y, [cast(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
+        y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps, p.norms), "attn_norm").astype(p.attention)
+        q, k, v = column(y, [attn(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
         q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
@@ -83,25 +85,26 @@ class DecoderLayer(nn.Module):
         q, k = rope(q, tables), rope(k, tables)
         o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
         o = checkpoint_name(o.reshape(o.shape[0], -1), "attn_out")
-        o = checkpoint_name(row(o, cast(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
-        x = x + constrain(o, residual)
+        o = checkpoint_name(row(o, attn(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
+        x = x + constrain(o.astype(x.dtype), residual)
 
-        y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps), "mlp_norm")
+        y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps, p.norms), "mlp_norm").astype(p.mlp)
         if e:
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
                 return x, None
             # Under sequence parallelism the experts see every token of the (dp, cp) block.
             y = constrain(y, ("tokens", "embed"))
-            down, stats = moe_mlp(y, {"router": router, "w_gate": w_gate, "w_up": w_up, "w_down": w_down},
+            weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
+            down, stats = moe_mlp(y, weights,
                                   top_k=c.num_experts_per_tok, routing=self.moe.routing,
                                   capacity_factor=self.moe.capacity_factor)
-            return x + constrain(down, residual), stats
-        gate, up = column(y, [cast(w_gate), cast(w_up)], "gate_up")
+            return x + constrain(down.astype(x.dtype), residual), stats
+        gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
-        down = row(gated, cast(w_down), "down")
-        return x + constrain(down, residual), None
+        down = row(gated, mlp(w_down), "down")
+        return x + constrain(down.astype(x.dtype), residual), None
 
 
     def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
@@ -188,11 +191,11 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
     return constrain(x, ("tokens", "embed"))
 
 
-def decoder_layer(cfg: LlamaConfig, *, dtype=jnp.float32, remat: str = "none",
+def decoder_layer(cfg: LlamaConfig, *, precision: Precision = Precision(), remat: str = "none",
                   attention_fn: Callable[..., jax.Array] = reference_attention, moe: MoeConfig = MoeConfig(),
                   sequence_parallel: bool = False) -> DecoderLayer:
     """The decoder layer module with its choices bound (the matmul form follows `remat`: `select_projection`)."""
-    return DecoderLayer(cfg, dtype=dtype, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
+    return DecoderLayer(cfg, precision=precision, attention_fn=attention_fn, project_fn=select_projection(remat), moe=moe,
                         sequence_parallel=sequence_parallel)
 
 
@@ -228,7 +231,7 @@ def run_layers(layer_params: Params, x: jax.Array, positions: jax.Array, cfg: Ll
                moe: MoeConfig = MoeConfig(), sequence_parallel: bool = False, taps: dict | None = None
                ) -> tuple[jax.Array, RouterStats | None]:
     """`apply_layers` of the `decoder_layer` these options make (the functional form, for tests and notebooks)."""
-    layer = decoder_layer(cfg, dtype=dtype, remat=remat, attention_fn=attention_fn, moe=moe,
+    layer = decoder_layer(cfg, precision=Precision.uniform(dtype), remat=remat, attention_fn=attention_fn, moe=moe,
                           sequence_parallel=sequence_parallel)
     return apply_layers(layer, layer_params, x, positions, remat=remat, remat_names=remat_names, scan=scan, taps=taps)
 

@@ -47,7 +47,7 @@ class RouterStats(NamedTuple):
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, RouterStats]:
     """(weights [N, k] fp32, experts [N, k] int32, stats) for tokens x [N, D]."""
-    logits = jnp.einsum("nd,de->ne", x, w_router.astype(x.dtype), preferred_element_type=F32)
+    logits = jnp.einsum("nd,de->ne", x.astype(w_router.dtype), w_router, preferred_element_type=F32)
     probs = jax.nn.softmax(logits, axis=-1)
     top, experts = lax.top_k(probs, top_k)
     weights = top / jnp.sum(top, axis=-1, keepdims=True)

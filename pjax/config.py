@@ -11,6 +11,7 @@ from mesh.errors import require, require_choice
 from mesh.mesh import MeshConfig
 from models.config import LlamaConfig
 from models.moe import MoeConfig
+from models.precision import PrecisionConfig
 from models.remat import DEFAULT_NAMES as DEFAULT_REMAT_NAMES
 from models.remat import NAMES as REMAT_NAMES
 from pjax.parallel.context.strategy import ContextConfig
@@ -177,3 +178,4 @@ class Config:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)

@@ -28,6 +28,7 @@ from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
 from models.hf import load_hf, read_hf_config
+from models.precision import Precision
 from pjax import assets
 from pjax.checkpoint.checkpointer import Checkpointer
 from pjax.cli import ArgumentParser, run_main
@@ -37,7 +38,7 @@ from pjax.data.text import documents, load_tokenizer, tokenize
 from pjax.fit import describe, fitted_mesh, names_a_mesh
 from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings
-from pjax.spec import StepSpec, compute_dtype
+from pjax.spec import StepSpec
 from pjax.validate import validate_layout
 
 Params = dict[str, Any]
@@ -132,7 +133,7 @@ def _batch_loss(params: Params, batch: dict[str, jax.Array], *, spec: StepSpec) 
 
 
 def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
-             batch_size: int = 8, dtype: Any = jnp.float32, scan: bool = True,
+             batch_size: int = 8, precision: Precision = Precision(), scan: bool = True,
              attention: str = "auto") -> dict[str, float]:
     """{loss, tokens, perplexity} of the model over the token stream (mean nats per predicted token)."""
     data = windows(tokens, seq_len)
@@ -143,7 +144,7 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     total = -(-n // rows) * rows
     data = {k: np.pad(v, ((0, total - n), (0, 0))) for k, v in data.items()}  # padded rows: weight 0
     sharding = NamedSharding(mesh, P(DP, CP))
-    step = functools.partial(_batch_loss, spec=StepSpec(cfg, dtype, select_attention(attention), scan=scan))
+    step = functools.partial(_batch_loss, spec=StepSpec(cfg, precision, select_attention(attention), scan=scan))
     sums = []
     with jax.set_mesh(mesh):
         for start in range(0, total, rows):
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] |
         load = functools.partial(load_hf_on_mesh, args.hf, mesh, cfg.train.zero)
     tokenizer = load_tokenizer(args.tokenizer or default_tokenizer or cfg.data.tokenizer)
     check_vocab(tokenizer, model_cfg)
-    opts = dict(dtype=compute_dtype(cfg.train.dtype), scan=cfg.train.scan_layers, attention=cfg.train.attention)
+    opts = dict(precision=cfg.precision.resolve(cfg.train.dtype), scan=cfg.train.scan_layers, attention=cfg.train.attention)
     is_main = jax.process_index() == 0
 
     if args.generate is not None:

@@ -18,6 +18,7 @@ from mesh.rules import unflatten_tokens
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig
+from models.precision import Precision
 from pjax.spec import StepSpec
 
 Params = dict[str, Any]
@@ -47,7 +48,7 @@ def _greedy(params: Params, tokens: jax.Array, start: jax.Array, stop: jax.Array
 
 
 def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh, *, max_new_tokens: int,
-             dtype: Any = jnp.float32, scan: bool = True, attention: str = "auto") -> list[int]:
+             precision: Precision = Precision(), scan: bool = True, attention: str = "auto") -> list[int]:
     """Greedy continuation of `prompt` (token ids): up to max_new_tokens, within max_position_embeddings."""
     if not prompt:
         raise ConfigError("--generate got a prompt with no tokens; pass some text to continue.")
@@ -65,5 +66,5 @@ def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh
     tokens[:, :len(prompt)] = prompt
     with jax.set_mesh(mesh):
         out = _greedy(params, put_rows(tokens, NamedSharding(mesh, P(DP, CP))), jnp.int32(len(prompt)),
-                      jnp.int32(stop), spec=StepSpec(cfg, dtype, select_attention(attention), scan=scan))
+                      jnp.int32(stop), spec=StepSpec(cfg, precision, select_attention(attention), scan=scan))
     return np.asarray(jax.device_get(out))[0, len(prompt):stop].tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from pjax.config import TrainConfig
@@ -38,10 +39,28 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """The optimizer for a run: clip (if `grad_clip` > 0), then AdamW on the schedule."""
+def make_optimizer(tc: TrainConfig, state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+    """The optimizer for a run: clip (if `grad_clip` > 0), then AdamW on the schedule, its moments
+    stored in `state_dtype` (`precision.optimizer_state`)."""
     adamw = optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps,
                         weight_decay=tc.weight_decay, mask=_decay_mask)
     if tc.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
-    return adamw
+        adamw = optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+    return stored_in(adamw, state_dtype)
+
+
+def stored_in(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """`inner` with its floating-point state kept in `dtype` between steps and updated in fp32: the
+    moments round to nearest once per step (no stochastic rounding, so a moment's change below
+    dtype's resolution is lost: ARCHITECTURE.md, "Precision as a policy")."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return inner
+
+    def cast(tree: Any, to: Any) -> Any:
+        return jax.tree.map(lambda a: a.astype(to) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)

@@ -16,6 +16,7 @@ from models import sequence_parallel as seqpar
 from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
 from models.moe import MoeConfig, RouterStats, router_loss
+from models.precision import Precision, PrecisionConfig
 from models.remat import DEFAULT_NAMES
 from pjax.config import TrainConfig
 from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -23,19 +24,12 @@ from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 Batch = dict[str, jax.Array]
 
 
-def compute_dtype(name: str) -> jnp.dtype:
-    """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """The LLaMA as a step runs it: `embed -> layers -> head`, every model-level choice bound."""
 
     cfg: LlamaConfig
-    dtype: Any = jnp.float32
+    precision: Precision = Precision()
     attention_fn: Callable = reference_attention
     remat: str = "none"
     remat_names: tuple[str, ...] = DEFAULT_NAMES
@@ -46,10 +40,17 @@ class StepSpec:
 
     @classmethod
     def build(cls, cfg: LlamaConfig, tc: TrainConfig, moe: MoeConfig = MoeConfig(),
-              attention_fn: Callable | None = None) -> StepSpec:
-        """The spec of `tc`'s choices; `attention_fn` replaces train.attention's kernel (context parallelism)."""
-        return cls(cfg, compute_dtype(tc.dtype), attention_fn or select_attention(tc.attention), tc.remat,
+              attention_fn: Callable | None = None, precision: Precision | None = None) -> StepSpec:
+        """The spec of `tc`'s choices; `attention_fn` replaces train.attention's kernel (context parallelism),
+        `precision` the policy `train.dtype` alone implies."""
+        precision = precision or PrecisionConfig().resolve(tc.dtype)
+        return cls(cfg, precision, attention_fn or select_attention(tc.attention), tc.remat,
                    tc.saved_names, tc.scan_layers, moe, tc.sequence_parallel, tc.loss_chunk)
+
+    @property
+    def dtype(self) -> Any:
+        """The residual stream's dtype: what each layer takes and returns."""
+        return self.precision.embedding
 
     @property
     def tokens(self) -> str:
@@ -68,7 +69,7 @@ class StepSpec:
 
     def decoder_layer(self) -> llama.DecoderLayer:
         """The decoder layer module with this spec's choices (dtype, attention, matmul form, MoE, sequence parallelism)."""
-        return llama.decoder_layer(self.cfg, dtype=self.dtype, remat=self.remat, attention_fn=self.attention_fn,
+        return llama.decoder_layer(self.cfg, precision=self.precision, remat=self.remat, attention_fn=self.attention_fn,
                                    moe=self.moe, sequence_parallel=self.sequence_parallel)
 
     def no_stats(self) -> RouterStats | tuple:
@@ -82,7 +83,7 @@ class StepSpec:
              ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
         """Summed loss of the last layer's output and (token count, router metrics); MoE router losses
         are added times the count, so dividing by it gives mean cross-entropy + coef * each."""
-        h = llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps)
+        h = self.final_norm(params, x)
         loss, count = vocab_parallel_cross_entropy(h, llama.output_kernel(params, self.cfg), flatten_tokens(labels),
                                                    self.loss_chunk, self.cfg.vocab_size, self.sequence_parallel)
         if not self.cfg.num_local_experts:
@@ -102,4 +103,9 @@ class StepSpec:
     def hidden(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """The final-normed hidden states [B*T, D] (evaluation, generation)."""
         x, _ = self.layers(params["layers"], self.embed(params, tokens), positions)
-        return llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps)
+        return self.final_norm(params, x)
+
+    def final_norm(self, params: Any, x: jax.Array) -> jax.Array:
+        """The final RMSNorm, in the output layer's dtype."""
+        p = self.precision
+        return llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps, p.norms).astype(p.output)

@@ -20,6 +20,7 @@ from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
 from models.moe import MoeConfig
+from models.precision import PrecisionConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
@@ -48,11 +49,11 @@ def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], A
     def micro_step(carry, micro):
         loss_acc, count_acc, grads_acc = carry
         (loss, (count, router)), grads = grad_fn(params, micro)
-        grads_acc = jax.tree.map(jnp.add, grads_acc, pin(grads))
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, pin(grads))
         return (loss_acc + loss, count_acc + count, grads_acc), router
 
     # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
-    zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, spec.precision.grad_accum), params))
     scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
     (loss, count, grads), router = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
     return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)
@@ -94,6 +95,7 @@ def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: opt
     """One optimizer step on a global batch: the new state and {loss, grad_norm, lr, finite} (and an
     MoE model's router metrics), the gradients from `strategy`."""
     loss, grads, router = strategy.loss_and_grads(state.params, batch)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a bf16 accumulator's sum, for fp32 masters
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -152,12 +154,14 @@ class Trainer:
 
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
-                  moe: MoeConfig | None = None, context: ContextConfig | None = None) -> Trainer:
+                  moe: MoeConfig | None = None, context: ContextConfig | None = None,
+                  precision: PrecisionConfig = PrecisionConfig()) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
     validate_run(mc, cfg, tc, pipeline, context)
-    optimizer = make_optimizer(tc)
+    policy = precision.resolve(tc.dtype)
+    optimizer = make_optimizer(tc, policy.optimizer_state)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
@@ -174,7 +178,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     attention_fn = None
     if mesh.shape[CP] > 1:
         attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
-    spec = StepSpec.build(cfg, tc, moe, attention_fn)
+    spec = StepSpec.build(cfg, tc, moe, attention_fn, policy)
     if mc.pp > 1:
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline)
     else:

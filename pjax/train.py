@@ -126,7 +126,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
               f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
               file=sys.stderr, flush=True)
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context)
+    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "

@@ -19,7 +19,7 @@ from pjax.parallel.pipeline.layout import layer_order
 class RunCheckpoints(NamedTuple):
     ckpt: Checkpointer | None
     cfg: Config  # train.schedule_steps resolved
-    note: str | None  # when the schedule is not train.steps long
+    note: str | None  # when the schedule is not train.steps long, or the moments change dtype
 
 
 def open_run(cfg: Config) -> RunCheckpoints:
@@ -31,6 +31,7 @@ def open_run(cfg: Config) -> RunCheckpoints:
             step, saved = ckpt.readable(ckpt.read_config)
             check_compatible(saved, cfg, f"{ckpt.directory}/{step}")
         cfg, note = continue_schedule(cfg, saved)
+        note = "\n".join(n for n in (note, moments_note(cfg, saved)) if n) or None
     except BaseException:
         if ckpt is not None:
             ckpt.close()
@@ -68,6 +69,19 @@ def continue_schedule(cfg: Config, saved: Config | None) -> tuple[Config, str | 
         note = (f"train.steps={tc.steps}, but the checkpoint's learning-rate schedule spans {length} steps: keeping "
                 f"it{after}. Set train.schedule_steps to choose another.")
     return dataclasses.replace(cfg, train=dataclasses.replace(tc, schedule_steps=length)), note
+
+
+def moments_note(cfg: Config, saved: Config | None) -> str | None:
+    """A line when the checkpoint's AdamW moments are in another dtype than precision.optimizer_state:
+    the restore converts them (to bf16: rounded to nearest)."""
+    if saved is None:
+        return None
+    ours = cfg.precision.resolve(cfg.train.dtype).optimizer_state
+    theirs = saved.precision.resolve(saved.train.dtype).optimizer_state
+    if ours == theirs:
+        return None
+    return (f"the checkpoint keeps the optimizer moments in {theirs.name} and this run in {ours.name} "
+            f"(precision.optimizer_state): converting them as they are restored.")
 
 
 def write_config(cfg: Config, directory: str) -> None:

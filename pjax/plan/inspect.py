@@ -92,7 +92,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
     comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
-    head = (f"{layout.name} on {devices} {profile.name} ({cfg.train.dtype} compute, attention {cfg.train.attention}); "
+    head = (f"{layout.name} on {devices} {profile.name} ({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
             f"overrides: {' '.join(layout.overrides())}")
     verdict = (f"predicted {p.step_s * 1e3:,.1f} ms per step ({terms}), {p.tokens_per_s:,.0f} tokens/s, "
                f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "

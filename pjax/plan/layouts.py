@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh, AxisType
 from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
 from models import llama
+from models.precision import Precision, bytes_per
 from pjax.config import Config
 from pjax.parallel.context.strategy import STRATEGIES as CONTEXT_STRATEGIES
 from pjax.parallel.pipeline.table import SCHEDULE_NAMES as SCHEDULES
@@ -118,10 +119,18 @@ def apply(config: Config, layout: Layout) -> Config:
 
 
 def planned_config(config: Config, layout: Layout, profile: Profile) -> Config:
-    """The config the planner compiles for `layout` on `profile` (its compute dtype and attention)."""
+    """The config the planner compiles for `layout` on `profile`: its attention, and its compute dtype
+    unless `precision.preset` names one."""
     config = apply(config, layout)
-    train = dataclasses.replace(config.train, dtype=profile.compute_dtype, attention=profile.attention)
+    dtype = profile.compute_dtype if config.precision.preset == "auto" else "auto"
+    train = dataclasses.replace(config.train, dtype=dtype, attention=profile.attention)
     return dataclasses.replace(config, train=train)
+
+
+def policy(config: Config, profile: Profile) -> Precision:
+    """The precision policy a run of `config` has on `profile`."""
+    dtype = profile.compute_dtype if config.precision.preset == "auto" else "auto"
+    return config.precision.resolve(dtype)
 
 
 def check(config: Config, layout: Layout) -> None:
@@ -166,12 +175,16 @@ def abstract_mesh(layout: Layout) -> AbstractMesh:
 
 
 def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
-    """Bytes per device of the fp32 parameters, gradient and AdamW moments."""
-    return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero))
+    """Bytes per device of the fp32 parameters, the gradient accumulator and the AdamW moments in the
+    dtypes `precision.*` gives them."""
+    p = config.precision.resolve(config.train.dtype)
+    return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero,
+                             bytes_per(p.grad_accum), bytes_per(p.optimizer_state)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int) -> tuple:
+def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int, grad_bytes: int = 4, moment_bytes: int = 4
+                 ) -> tuple:
     layout = Layout(dp, pp, cp, tp, zero)
     mesh = abstract_mesh(layout)
     shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
@@ -180,4 +193,5 @@ def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int) -> tuple:
         for s, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
     params = per_device(data_parallel.param_shardings(mesh, cfg, layout.zero))
     grads = per_device(data_parallel.grad_shardings(mesh, cfg, layout.zero))
-    return (("params", params), ("grads", grads), ("opt_state", 2 * grads), ("total", params + 3 * grads))
+    held, moments = grads * grad_bytes // 4, 2 * grads * moment_bytes // 4
+    return (("params", params), ("grads", held), ("opt_state", moments), ("total", params + held + moments))

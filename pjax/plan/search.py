@@ -10,10 +10,11 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+from models.precision import bytes_per
 from pjax.config import Config
 from pjax.plan.compile import Compiler
 from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, predict, usable_bytes
-from pjax.plan.layouts import Layout, layouts, planned_config, state_bytes
+from pjax.plan.layouts import Layout, layouts, planned_config, policy, state_bytes
 from pjax.plan.profiles import Profile
 
 
@@ -48,7 +49,7 @@ class Plan:
 
 def score(config: Config, layout: Layout, profile: Profile, per_host: int, mem_fraction: float) -> Prediction:
     """The analytic roofline prediction of one layout (collectives and memory from formulas)."""
-    act_bytes = 2 if profile.compute_dtype == "bfloat16" else 4
+    act_bytes = bytes_per(policy(config, profile).embedding)
     comm = analytic_comm(config, layout, act_bytes, per_host)
     memory = analytic_memory(config, layout, act_bytes, profile.attention)
     return predict(config, layout, profile, comm, memory, mem_fraction)

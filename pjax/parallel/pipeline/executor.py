@@ -52,10 +52,10 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
     # parameters are gathered over dp here, once per step: left to XLA inside the ticks, they trip its partitioner.
     shared, batch = _unzero(stage, varying({k: a for k, a in params.items() if k != "layers"})), varying(batch)
     # Cast once per step outside the VJP, so that the residuals never hold per-micro-batch copies of the weights.
-    layers = jax.tree.map(lambda a: varying(a.reshape(sched.v, -1, *a.shape[1:]).astype(stage.dtype)),
-                          params["layers"])
+    layers = varying(stage.precision.cast_layer_weights(
+        {k: a.reshape(sched.v, -1, *a.shape[1:]) for k, a in params["layers"].items()}))
     _, b, t = batch["inputs"].shape
-    x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.dtype))
+    x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.precision.embedding))
     nothing = (x0, stage.no_stats())
     taps = (stage.per_layer(varying(stage.taps(_chunk(layers, 0), b * t))),) if sched.split_backward else ()
     w0 = stage.per_layer(_chunk(layers, 0))
@@ -84,10 +84,11 @@ def _start(plan: Plan, slots: int) -> Buffers:
     x0, stats = plan.nothing
     inbox = lambda: (constrain(_rows(x0, slots + 1), (None, plan.stage.tokens, "embed")), _rows(stats, slots + 1))
     router = {k: jnp.zeros(()) for k in ROUTER_METRICS} if stats else {}
+    acc = plan.stage.precision.grad_accum
     return Buffers(inbox=inbox(), cotangents=inbox(),
                    slots=varying(plan.pool.zeros(slots + 1 if plan.lockstep else slots)),  # lockstep: a discard slot
-                   grad_layers=_f32_zeros(plan.layers), grad_head=_f32_zeros(plan.head(plan.shared)),
-                   loss=varying(jnp.zeros(())), router=_f32_zeros(router),
+                   grad_layers=_zeros(plan.layers, acc), grad_head=_zeros(plan.head(plan.shared), acc),
+                   loss=varying(jnp.zeros(())), router=_zeros(router),
                    d_embedded=_rows(x0, plan.batch["inputs"].shape[0] + 1))
 
 
@@ -124,5 +125,5 @@ def _rows(tree: Any, n: int) -> Any:
     return jax.tree.map(lambda a: varying(jnp.zeros((n, *a.shape), a.dtype)), tree)
 
 
-def _f32_zeros(tree: Any) -> Any:
-    return varying(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))
+def _zeros(tree: Any, dtype: Any = jnp.float32) -> Any:
+    return varying(jax.tree.map(lambda a: jnp.zeros(a.shape, dtype), tree))

@@ -28,7 +28,7 @@ def varying(x: Any) -> Any:
 
 
 class Stage(NamedTuple):
-    dtype: Any
+    precision: Any  # models.precision.Precision
     shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see the executor)
     embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
     no_stats: Callable[[], Any]
@@ -76,7 +76,7 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
     names = {k: axes for k, axes in llama.param_logical_axes(cfg).items() if k != "layers"}
     is_names = lambda x: isinstance(x, tuple)
     return Stage(
-        dtype=spec.dtype,
+        precision=spec.precision,
         shared_specs=jax.tree.map(logical_to_spec, names, is_leaf=is_names),
         embed=spec.embed,
         no_stats=lambda: varying(spec.no_stats()),
@@ -84,7 +84,7 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
         loss=loss,
         head_keys=spec.head_keys(),
         tokens=spec.tokens,
-        taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, spec.dtype),
+        taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, spec.precision),
         weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(spec.sequence_parallel)),
         scan=spec.scan,
         layer_specs=jax.tree.map(lambda n: logical_to_spec(n[1:]), llama.param_logical_axes(cfg)["layers"],

@@ -1,0 +1,110 @@
+"""Precision as a policy: the dtype each module kind computes in, the optimizer state's and the gradient
+accumulator's, by preset or per key (ARCHITECTURE.md, "Precision as a policy"). Parameters are always fp32
+masters; a module casts its weights to its kind's dtype where it reads them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mesh.errors import ConfigError, require_choice
+
+KINDS = ("embedding", "attention", "mlp", "router", "output", "norms")
+DTYPE_NAMES = ("float32", "bfloat16")
+_F32, _BF16 = "float32", "bfloat16"
+# embedding is the residual stream's dtype too: what every layer takes and returns.
+PRESETS: dict[str, dict[str, str]] = {
+    "fp32": {**{k: _F32 for k in KINDS}, "optimizer_state": _F32, "grad_accum": _F32},
+    "bf16": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _F32, "grad_accum": _F32},
+    "bf16-lean": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _BF16, "grad_accum": _BF16},
+}
+# A layer's weights by the kind that reads them (norm scales multiply the residual stream).
+_WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
+                "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "router": "router",
+                "attn_norm": "embedding", "mlp_norm": "embedding"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Resolved dtypes: `embedding` (and the residual stream), `attention` (q/k/v/o projections and the
+    kernel's inputs), `mlp` (dense and expert), `router` (its matmul's operands), `output` (the output
+    projection's operands), `norms` (RMSNorm's statistics); logits, softmax and losses are fp32 always."""
+
+    embedding: Any = jnp.float32
+    attention: Any = jnp.float32
+    mlp: Any = jnp.float32
+    router: Any = jnp.float32
+    output: Any = jnp.float32
+    norms: Any = jnp.float32
+    optimizer_state: Any = jnp.float32
+    grad_accum: Any = jnp.float32
+
+    @classmethod
+    def uniform(cls, dtype: Any) -> Precision:
+        """Every module kind in `dtype`, norms fp32: what `train.dtype` alone meant before the policy."""
+        d = jnp.dtype(dtype)
+        return cls(**{k: (jnp.dtype(jnp.float32) if k == "norms" else d) for k in KINDS})
+
+    @classmethod
+    def of(cls, names: dict[str, str]) -> Precision:
+        return cls(**{k: jnp.dtype(v) for k, v in names.items()})
+
+    def weight_dtype(self, name: str) -> Any:
+        """The dtype a layer weight is read in (by its parameter name)."""
+        return getattr(self, _WEIGHT_KIND[name])
+
+    def cast_layer_weights(self, layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """A stack of layer weights, each cast to the dtype its module reads it in (pipeline stages cast once)."""
+        return {k: w.astype(self.weight_dtype(k)) for k, w in layers.items()}
+
+
+def compute_dtype(name: str) -> str:
+    """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
+    if name == "auto":
+        return _F32 if jax.default_backend() == "cpu" else _BF16
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """The config's `precision.*` keys: a preset, and any module kind (or the optimizer state, or the
+    gradient accumulator) set apart from it; null keys take the preset's dtype."""
+
+    preset: str = "auto"
+    embedding: str | None = None
+    attention: str | None = None
+    mlp: str | None = None
+    router: str | None = None
+    output: str | None = None
+    norms: str | None = None
+    optimizer_state: str | None = None
+    grad_accum: str | None = None
+
+    def __post_init__(self) -> None:
+        require_choice("precision.preset", self.preset, ("auto", *PRESETS))
+        for key in (*KINDS, "optimizer_state", "grad_accum"):
+            if getattr(self, key) is not None:
+                require_choice(f"precision.{key}", getattr(self, key), DTYPE_NAMES)
+
+    def preset_name(self, train_dtype: str) -> str:
+        """The preset in force: `preset`, or under 'auto' the one `train.dtype` names."""
+        if self.preset != "auto":
+            if train_dtype != "auto" and PRESETS[self.preset]["attention"] != train_dtype:
+                named = "fp32" if train_dtype == _F32 else "bf16"
+                raise ConfigError(f"train.dtype={train_dtype} and precision.preset={self.preset} disagree; set "
+                                  f"precision.preset={named} in place of train.dtype, or leave train.dtype=auto.")
+            return self.preset
+        return "fp32" if compute_dtype(train_dtype) == _F32 else "bf16"
+
+    def resolve(self, train_dtype: str = "auto") -> Precision:
+        """The policy of these keys over the preset (see `preset_name`)."""
+        names = dict(PRESETS[self.preset_name(train_dtype)])
+        names.update({k: v for k, v in dataclasses.asdict(self).items() if k != "preset" and v is not None})
+        return Precision.of(names)
+
+
+def bytes_per(dtype: Any) -> int:
+    """Bytes of one element of `dtype`."""
+    return jnp.dtype(dtype).itemsize
