@@ -11,6 +11,7 @@ import pytest
 from mesh import MeshConfig, make_mesh
 from models import deferred_grads, llama
 from models.config import LlamaConfig
+from models.precision import Precision
 from models.remat import NAMES, policy
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -33,7 +34,7 @@ def test_names_policy_keeps_exactly_the_named_activations(capsys, path):
     x = jax.random.normal(jax.random.key(1), (B * T, CFG.hidden_size))
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     layers = [jax.tree.map(lambda a: a[i], params) for i in range(2)] if path == "stage_list" else params
-    taps = deferred_grads.layer_taps(CFG, 2, B * T, jnp.float32) if path == "deferred_taps" else None
+    taps = deferred_grads.layer_taps(CFG, 2, B * T, Precision()) if path == "deferred_taps" else None
     sp = path == "sequence_parallel"
 
     def loss(layers, x):
