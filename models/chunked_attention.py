@@ -1,9 +1,6 @@
-"""Causal attention in query chunks that saves only the log-sum-exp: flash attention's memory in plain
-JAX, for long sequences without a fused kernel, and for the planner, whose CPU compiles of GPU layouts
-must count what cuDNN's kernel keeps. The backward (`custom_vjp`) recomputes each chunk's
-probabilities as exp(scores - lse). Every chunk scores all keys, the masked ones too: twice the
-causal FLOPs, but one fixed-shape scan body whatever T is.
-"""
+"""Causal attention in query chunks that saves only the log-sum-exp (the backward recomputes exp(scores - lse)):
+flash attention's memory in plain JAX, and the planner's stand-in for cuDNN's memory in CPU compiles. Every
+chunk scores all keys, masked ones too: twice the causal FLOPs, but one fixed-shape scan body whatever T is."""
 from __future__ import annotations
 
 

@@ -7,8 +7,7 @@ from typing import Any
 from mesh.errors import ConfigError
 
 
-# config.json keys without which a LLaMA shape is unknown, and HF's defaults for optional ones
-# (HF's rms_norm_eps default differs from pjax's own).
+# HF's defaults for absent config.json keys (its rms_norm_eps differs from pjax's).
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
                 "initializer_range": 0.02}
@@ -27,8 +26,7 @@ def shape_keys(num_local_experts: int) -> tuple[str, ...]:
     reads no num_experts_per_tok, so a value there must not refuse a resume."""
     return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k != "num_experts_per_tok")
 
-# RoPE scalings pjax implements (`models.rope.rope_inv_freq`), each with the model keys it needs; each
-# key is HF's rope_scaling key with a "rope_" prefix (rope_factor is rope_scaling's "factor").
+# RoPE scalings (`models.rope.rope_inv_freq`) and their model keys: HF's rope_scaling keys prefixed "rope_".
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("rope_factor",),
@@ -84,8 +82,7 @@ class LlamaConfig:
     num_key_value_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_attention_heads, as in HF
     rope_theta: float = 10000.0
-    # HF's rope_scaling as flat keys: the config stays hashable (a static jit argument) and each key is
-    # one override; the scalings themselves: `models.rope.rope_inv_freq`. Unused keys null.
+    # HF's rope_scaling as flat keys, null when unused: hashable (a static jit argument), one override each.
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
@@ -220,11 +217,10 @@ class LlamaConfig:
         for key in ("rope_type", *ROPE_KEYS):
             del d[key]
         if self.rope_type != "default":
-            # rope_theta stays a top-level key and the object is rope_scaling, as in Meta's Llama 3.1
-            # config.json: transformers 4.x reads only that name, 5.x reads it as rope_parameters.
+            # Named rope_scaling, rope_theta top-level (Meta's Llama 3.1 files): transformers 4.x and 5.x read it.
             d["rope_scaling"] = {"rope_type": self.rope_type,
                                  **{k.removeprefix("rope_"): getattr(self, k) for k in ROPE_TYPES[self.rope_type]}}
-        if self.num_local_experts:  # Mixtral (HF has no router z-loss)
+        if self.num_local_experts:
             del d["router_z_loss_coef"]
             d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",
                      sliding_window=None, router_jitter_noise=0.0)

@@ -1,10 +1,6 @@
-"""Weight gradients taken out of the backward, for zero-bubble pipelines' W items.
-
-`tapped_projection(x, ws, tap)` is a projection whose output ignores `tap` and whose backward returns
-zeros for the weights and (x, g) as the tap's cotangent: differentiating a stage with respect to its
-input and zero taps (`layer_taps`) is then B, through the layer scan and remat alike, and W
-(`tap_weight_grads`) multiplies the taps out (ARCHITECTURE.md, "Zero-bubble: B and W as separate items").
-"""
+"""Weight gradients taken out of the backward, for zero-bubble pipelines' W items (ARCHITECTURE.md, "Zero-bubble:
+B and W as separate items"): a tapped projection's backward hands (x, g) to a zero `tap` input in place of dW,
+and `tap_weight_grads` multiplies them out."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -84,8 +80,7 @@ def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence
 
 def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any, sequence_parallel: bool = False
                      ) -> dict[str, jax.Array]:
-    """W: the projections' fp32 gradients, shaped like the stacked weights `w`, from taps stacked per
-    layer or (unrolled) a list of one layer's each."""
+    """W: the projections' fp32 gradients shaped like the stacked `w`, from taps stacked per layer or a per-layer list."""
     out = {}
     for site, names in SITES.items():
         one = lambda x, gs: site_weight_grads(site, x, gs, sequence_parallel)

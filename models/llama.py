@@ -42,15 +42,14 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     precision: Precision = Precision()
     attention_fn: Callable[..., jax.Array] = reference_attention
-    project_fn: ProjectFn = plain_projection  # x @ w for each w (models.projection: XLA:CPU's own form)
+    project_fn: ProjectFn = plain_projection
     moe: MoeConfig = MoeConfig()
     sequence_parallel: bool = False  # the residual stream split over tp too (models/sequence_parallel.py)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array],
                  taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """x: [B*T, D]; positions: [B, T]; tables: `rope_tables(positions)`; taps: `models/deferred_grads.py`.
-        Returns the new x and an MoE layer's router statistics (None for a dense one)."""
+        """positions [B, T], tables `rope_tables(positions)`, taps `deferred_grads` -> (x, MoE router stats or None)."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -66,7 +65,7 @@ class DecoderLayer(nn.Module):
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
-        p = self.precision  # fp32 master weights, read in their module kind's dtype
+        p = self.precision
         attn, mlp = (lambda w: w.astype(p.attention)), (lambda w: w.astype(p.mlp))
         b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
@@ -74,8 +73,7 @@ class DecoderLayer(nn.Module):
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
-        # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`. checkpoint_name
-        # tags (train.remat=names) go on the projections' outputs, outside any custom_vjp form.
+        # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`.
         y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps, p.norms), "attn_norm").astype(p.attention)
         q, k, v = column(y, [attn(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
         q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
@@ -108,8 +106,7 @@ class DecoderLayer(nn.Module):
 
 
     def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
-        """(column, row): the column- and row-parallel matmuls by site, in the form sequence
-        parallelism and zero-bubble taps ask for (`models/deferred_grads.py`)."""
+        """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for."""
         if sp and taps is not None:
             return (lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site]),
                     lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site]))
@@ -202,9 +199,8 @@ def decoder_layer(cfg: LlamaConfig, *, precision: Precision = Precision(), remat
 def apply_layers(layer: DecoderLayer, layer_params: Params, x: jax.Array, positions: jax.Array, *,
                  remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES, scan: bool = True,
                  taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
-    """Apply a stack of `layer`s (the whole model or one pipeline stage): the output and the MoE
-    router statistics summed over the layers. Unrolled (`scan=False`), `layer_params` and `taps` may
-    be lists of per-layer trees: a pipeline stage slices them outside its VJP, keeping no slices."""
+    """A stack of `layer`s (the model or a pipeline stage) -> (output, MoE router statistics summed). Unrolled,
+    `layer_params` and `taps` may be per-layer lists: a stage slices them outside its VJP, keeping no slices."""
     tables = rope_tables(positions, layer.cfg)
 
     def body(h, p_taps):
@@ -252,8 +248,7 @@ def output_kernel(params: Params, cfg: LlamaConfig) -> jax.Array:
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
-    """Logits [..., Vp] with the padded entries at -inf; on a vocab-parallel slice too (the iota is
-    global, and XLA's partitioner offsets it per tp shard)."""
+    """Logits [..., Vp] with the padded entries at -inf, on a vocab-parallel slice too (XLA offsets the iota per shard)."""
     if logits.shape[-1] == vocab_size:
         return logits
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

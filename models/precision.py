@@ -1,6 +1,5 @@
-"""Precision as a policy: the dtype each module kind computes in, the optimizer state's and the gradient
-accumulator's, by preset or per key (ARCHITECTURE.md, "Precision as a policy"). Parameters are always fp32
-masters; a module casts its weights to its kind's dtype where it reads them."""
+"""Precision as a policy: the dtype of each module kind, the optimizer state and the gradient accumulator, by
+preset or per key (ARCHITECTURE.md, "Precision as a policy"); weights stay fp32 masters, cast where read."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +13,6 @@ from mesh.errors import ConfigError, require_choice
 KINDS = ("embedding", "attention", "mlp", "router", "output", "norms")
 DTYPE_NAMES = ("float32", "bfloat16")
 _F32, _BF16 = "float32", "bfloat16"
-# embedding is the residual stream's dtype too: what every layer takes and returns.
 PRESETS: dict[str, dict[str, str]] = {
     "fp32": {**{k: _F32 for k in KINDS}, "optimizer_state": _F32, "grad_accum": _F32},
     "bf16": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _F32, "grad_accum": _F32},
@@ -28,9 +26,8 @@ _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Resolved dtypes: `embedding` (and the residual stream), `attention` (q/k/v/o projections and the
-    kernel's inputs), `mlp` (dense and expert), `router` (its matmul's operands), `output` (the output
-    projection's operands), `norms` (RMSNorm's statistics); logits, softmax and losses are fp32 always."""
+    """Resolved dtypes: `embedding` (and the residual stream), `attention` (q/k/v/o, the kernel's inputs), `mlp`
+    (dense, expert), `router`, `output` (matmul operands), `norms` (RMSNorm statistics); logits, softmax, losses: fp32."""
 
     embedding: Any = jnp.float32
     attention: Any = jnp.float32
@@ -69,8 +66,7 @@ def compute_dtype(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """The config's `precision.*` keys: a preset, and any module kind (or the optimizer state, or the
-    gradient accumulator) set apart from it; null keys take the preset's dtype."""
+    """The config's `precision.*` keys: a preset, and any of its dtypes set apart from it (null: the preset's)."""
 
     preset: str = "auto"
     embedding: str | None = None

@@ -1,9 +1,7 @@
 """How a decoder layer multiplies one input by its weight matrices (q, k, v share one; gate, up another).
 
 ARCHITECTURE.md says why: "Weight gradients from a transposed input" (`transposed_projection`)
-and "One all-reduce per shared input under TP" (`merge_over_tp`). Remat keeps the plain form: the
-`dots` policies choose by primitive, and a `custom_vjp` call is no dot.
-"""
+and "One all-reduce per shared input under TP" (`merge_over_tp`)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -80,5 +78,5 @@ transposed_projection.defvjp(_fwd, _bwd)
 
 
 def select_projection(remat: str = "none") -> ProjectFn:
-    """The transposed form on XLA:CPU without remat, the plain one otherwise."""
+    """The transposed form on XLA:CPU without remat, else the plain one (`dots` policies keep no custom_vjp call)."""
     return transposed_projection if jax.default_backend() == "cpu" and remat == "none" else plain_projection

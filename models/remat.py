@@ -1,7 +1,6 @@
-"""Remat of a decoder layer: the policies `train.remat` chooses from, and the activation names that
-`train.remat=names` keeps (ARCHITECTURE.md, "Remat by name"). The tags sit outside every `custom_vjp`
-form, on the values the layer goes on with, so `jax.checkpoint` sees them whichever form computed them.
-"""
+"""Remat of a decoder layer: `train.remat`'s policies and the activation names `train.remat=names` keeps
+(ARCHITECTURE.md, "Remat by name"). The tags sit on the layer's values outside every `custom_vjp` form,
+so `jax.checkpoint` sees them whichever form computed them."""
 from __future__ import annotations
 
 from typing import Any, Sequence

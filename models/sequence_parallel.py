@@ -1,8 +1,6 @@
-"""Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022; `train.sequence_parallel`).
-
-Between the tensor-parallel regions the tokens are split over tp: column-parallel matmuls all-gather their
-input first (and again in the backward, rather than keep it), row-parallel ones reduce-scatter their sums.
-Each op is a `custom_vjp` around a shard_map (ARCHITECTURE.md, "Sequence parallelism by hand")."""
+"""Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022; `train.sequence_parallel`): between the
+tensor-parallel regions the tokens are split over tp. Each op is a `custom_vjp` around a shard_map
+(ARCHITECTURE.md, "Sequence parallelism by hand")."""
 from __future__ import annotations
 
 import functools

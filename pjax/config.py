@@ -1,6 +1,5 @@
-"""Run configuration: frozen dataclasses, one per YAML section, with HF-style model keys. The key
-names are a contract used by tests, docs and notebooks; README.md's table describes each key.
-"""
+"""Run configuration: frozen dataclasses, one per YAML section. The key names are a contract used by tests,
+docs and notebooks; README.md's table describes each key."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,5 @@
-"""The divergence guard: a non-finite step is caught one step late at no extra cost, and never saved
-(ARCHITECTURE.md, "A non-finite step is caught without a host sync"). `train.on_nonfinite=stop` ends the run
-with one line, `skip` drops the step (up to `train.max_skipped` in a row); loss spikes are only reported."""
+"""The divergence guard (ARCHITECTURE.md, "A non-finite step is caught without a host sync"): `train.on_nonfinite=stop`
+ends the run with one line, `skip` drops the step (up to `train.max_skipped` in a row); loss spikes are only reported."""
 from __future__ import annotations
 
 import collections

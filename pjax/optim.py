@@ -40,8 +40,7 @@ def _decay_mask(params):
 
 
 def make_optimizer(tc: TrainConfig, state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
-    """The optimizer for a run: clip (if `grad_clip` > 0), then AdamW on the schedule, its moments
-    stored in `state_dtype` (`precision.optimizer_state`)."""
+    """Clip (if `grad_clip` > 0), then AdamW on the schedule, moments in `state_dtype` (`precision.optimizer_state`)."""
     adamw = optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps,
                         weight_decay=tc.weight_decay, mask=_decay_mask)
     if tc.grad_clip > 0:
@@ -50,9 +49,8 @@ def make_optimizer(tc: TrainConfig, state_dtype: Any = jnp.float32) -> optax.Gra
 
 
 def stored_in(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
-    """`inner` with its floating-point state kept in `dtype` between steps and updated in fp32: the
-    moments round to nearest once per step (no stochastic rounding, so a moment's change below
-    dtype's resolution is lost: ARCHITECTURE.md, "Precision as a policy")."""
+    """`inner` with its floating-point state kept in `dtype` between steps, updated in fp32 and rounded to
+    nearest once per step (ARCHITECTURE.md, "Precision as a policy", says what that loses)."""
     if jnp.dtype(dtype) == jnp.float32:
         return inner
 

@@ -1,7 +1,5 @@
-"""The step specification: what one micro-batch's loss is, built once from the resolved config
-(ARCHITECTURE.md, "One step specification, strategies around it"). A new model-level choice is a
-field here, not an argument threaded through the strategies.
-"""
+"""The step specification (ARCHITECTURE.md, "One step specification, strategies around it"): a new
+model-level choice is a field here, not an argument threaded through the strategies."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +39,7 @@ class StepSpec:
     @classmethod
     def build(cls, cfg: LlamaConfig, tc: TrainConfig, moe: MoeConfig = MoeConfig(),
               attention_fn: Callable | None = None, precision: Precision | None = None) -> StepSpec:
-        """The spec of `tc`'s choices; `attention_fn` replaces train.attention's kernel (context parallelism),
-        `precision` the policy `train.dtype` alone implies."""
+        """`attention_fn` replaces train.attention's kernel (context parallelism), `precision` train.dtype's policy."""
         precision = precision or PrecisionConfig().resolve(tc.dtype)
         return cls(cfg, precision, attention_fn or select_attention(tc.attention), tc.remat,
                    tc.saved_names, tc.scan_layers, moe, tc.sequence_parallel, tc.loss_chunk)

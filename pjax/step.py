@@ -1,8 +1,5 @@
-"""One training step: loss, gradient accumulation over micro-batches, AdamW update, in one `jax.jit`.
-
-Layout never changes the math: every micro-batch has the same number of tokens, so the mean over
-all tokens of the global batch is what every mesh computes.
-"""
+"""One training step: loss, gradient accumulation over micro-batches, AdamW update, in one `jax.jit`. The loss
+is the mean over the global batch's tokens on any layout (ARCHITECTURE.md, "Gradient accumulation inside the step")."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +39,7 @@ class TrainState(NamedTuple):
 
 def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
                ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
-    """Summed loss, token count, summed fp32 gradients and the router metrics (MoE; averaged over
-    the micro-batches) of a batch: a `lax.scan` over its micro-batches."""
+    """Summed loss, token count and gradients (in `precision.grad_accum`), mean MoE router metrics: a micro-batch scan."""
     grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
 
     def micro_step(carry, micro):
@@ -74,7 +70,7 @@ class Accumulation:
         if data_parallel.can_reduce_once(current(), self.zero):
             return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero)
 
-        def pin(g):  # ZeRO-3: the accumulator lives in dp slices (a reduce-scatter, not an all-reduce)
+        def pin(g):
             return g if self.grad_sharding is None else jax.lax.with_sharding_constraint(g, self.grad_sharding)
 
         loss, count, grads, router = local(params, batch, pin=pin)
@@ -92,15 +88,13 @@ class Accumulation:
 
 def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
                tc: TrainConfig) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch: the new state and {loss, grad_norm, lr, finite} (and an
-    MoE model's router metrics), the gradients from `strategy`."""
+    """One optimizer step on `strategy`'s gradients: new state, {loss, grad_norm, lr, finite} + MoE router metrics."""
     loss, grads, router = strategy.loss_and_grads(state.params, batch)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a bf16 accumulator's sum, for fp32 masters
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # pjax/divergence.py reads `finite`; under stop the run ends before anything uses the state.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if tc.on_nonfinite == "skip":
         params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
@@ -171,7 +165,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
-        if mc.pp > 1:  # the layer stack in pipeline order
+        if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
@@ -224,5 +218,5 @@ def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
-    wrapped.jitted = fn  # for .lower(...) in tests and benchmarks
+    wrapped.jitted = fn
     return wrapped

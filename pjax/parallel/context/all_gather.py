@@ -1,8 +1,5 @@
-"""Context parallelism by all-gather (`context.strategy=all_gather`): each device gathers every
-key and value over `cp` (kv-heads only) and folds its queries' zigzag pairs into an online softmax.
-
-2cp-1 whole pairs run by one fixed-length loop, plus the two masked diagonal pairs; the backward reduce-scatters
-dK/dV home, the gathered order putting device d's chunks at 2d and 2d+1 for a tiled `psum_scatter`
+"""Context parallelism by all-gather (`context.strategy=all_gather`): K/V gathered over `cp` (kv-heads only),
+each device's zigzag pairs folded into an online softmax, dK/dV reduce-scattered home
 (ARCHITECTURE.md, "Three context-parallel strategies on one layout")."""
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ def _diagonal(i: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> list[tuple[i
 
 
 def _over_tp(collective: Callable) -> Callable:
-    """`collective` ([B, n, c, KV, D] -> ...) manual over tp too (left automatic, XLA gathers the
-    kv-heads over tp first); it holds the collective alone, so autodiff never looks inside."""
+    """`collective` ([B, n, c, KV, D] -> ...) in a shard_map manual over tp too, holding nothing else."""
     heads = P(None, None, None, TP)
     return lambda x: rules.per_device(collective, heads, heads)(x)
 

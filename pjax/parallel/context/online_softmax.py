@@ -47,8 +47,7 @@ def _scores(q: jax.Array, k: jax.Array, visible: jax.Array | None) -> jax.Array:
 
 
 def start(qs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The empty running (out, max, sum) for queries qs. zeros_like inherits qs's "varying over
-    the manual axes" type, as a loop carry must."""
+    """The empty running (out, max, sum) for queries qs; zeros_like keeps qs's varying type, as a loop carry must."""
     stats = jnp.zeros_like(qs[..., 0], dtype=F32)
     return jnp.zeros_like(qs, dtype=F32), stats - jnp.inf, stats
 

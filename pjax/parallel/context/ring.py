@@ -1,7 +1,5 @@
-"""Ring attention over `cp`: K/V blocks passed around with `ppermute` (`context.strategy=ring`).
-
-Each device folds every K/V block it receives into its zigzag queries' online softmax, holding at most two
-blocks; the backward is a second ring, dK/dV beside their blocks (ARCHITECTURE.md, "Zigzag ring attention")."""
+"""Ring attention over `cp` (`context.strategy=ring`): K/V blocks passed around with `ppermute`, each folded
+into the zigzag queries' online softmax; the backward is a second ring (ARCHITECTURE.md, "Zigzag ring attention")."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,5 @@
-"""`context.strategy`: which of the three ways to attend across the cp split a run uses
-(ARCHITECTURE.md, "Three context-parallel strategies on one layout"). The strategies import nothing of it.
-"""
+"""`context.strategy`: how attention spans the cp split (ARCHITECTURE.md, "Three context-parallel strategies
+on one layout"). The strategies import nothing of it."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +44,7 @@ def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> 
 
 
 def context_attention(strategy: str, local: AttentionFn) -> AttentionFn:
-    """The `AttentionFn` of `context.strategy` for sequences split over cp in the zigzag layout;
-    'ulysses' runs `local`, the backend's own attention, on its heads."""
+    """The `AttentionFn` of `strategy` for zigzag cp-split sequences; 'ulysses' runs `local` on its heads."""
     if strategy == "ring":
         return ring_attention()
     if strategy == "all_gather":

@@ -1,8 +1,6 @@
-"""Context parallelism by all-to-all over heads (DeepSpeed-Ulysses; `context.strategy=ulysses`).
-
-An all-to-all trades T/cp tokens of all heads for all T tokens of 1/cp of the heads, the backend's attention
-runs on whole sequences (zigzag chunks put in order, so the causal mask is the plain one), a second trades back
-(ARCHITECTURE.md, "Three context-parallel strategies on one layout")."""
+"""Context parallelism by all-to-all over heads (DeepSpeed-Ulysses; `context.strategy=ulysses`): T/cp tokens of
+all heads traded for all T tokens, in sequence order (so the causal mask is the plain one), of 1/cp of the heads
+for the backend's attention, then traded back (ARCHITECTURE.md, "Three context-parallel strategies on one layout")."""
 from __future__ import annotations
 
 import functools
@@ -76,10 +74,8 @@ def _gather_positions(q_pos: jax.Array, cp: int) -> jax.Array:
 
 
 def ulysses_attention(local: AttentionFn) -> AttentionFn:
-    """An `AttentionFn` for sequences split over the ambient mesh's `cp` (zigzag), attending with `local`
-    per head group."""
-    # Between the exchanges a leading axis holds one head group per cp device, so attention runs
-    # outside any shard_map; the exchanges are manual over tp and carry their own transposes.
+    """An `AttentionFn` for sequences split over the ambient mesh's `cp` (zigzag), `local` per head group."""
+    # Between the exchanges a leading axis holds one head group per cp device: attention runs outside any shard_map.
     seq, heads, group, group_heads = P(None, CP), P(None, CP, TP), P(CP), P(CP, None, None, TP)
 
     def exchanges(g: int, cp: int) -> tuple[Callable, Callable]:

@@ -29,9 +29,8 @@ def zigzag_layout(cp: int) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def zigzag_pairs(i: Any, j: Any, first: bool) -> list[tuple[Any, Any, bool]]:
-    """(query half, key half, causal) pairs device i folds in with device j's K/V (0 early, 1 late):
-    late vs early always, early vs late never (masked), and the diagonal pair (h, h), h = j > i, or
-    both with a causal mask when j == i. On Python or traced ints: the tests check what the ring runs."""
+    """(query half, key half, causal) pairs device i folds with device j's K/V (0 early, 1 late): (late, early) and
+    (h, h), h = j > i, or with j == i both diagonals masked. On Python or traced ints, so tests check the ring's own."""
     if first:  # j == i
         return [(1, 0, False), (0, 0, True), (1, 1, True)]
     h = (j > i) * 1

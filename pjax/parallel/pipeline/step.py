@@ -1,8 +1,6 @@
-"""Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan.
-
-`Pipelined` is `pjax.step`'s strategy when pp > 1: it picks the table (`table.make_schedule`),
-cuts the model into a stage (`stage.py`) and runs the executor (`executor.py`) in a shard_map.
-"""
+"""Pipeline parallelism: layers split into stages over `pp`, any schedule table run by one scan. `Pipelined`
+picks the table (`table.make_schedule`), cuts the model into a stage (`stage.py`) and runs the executor
+(`executor.py`) in a shard_map."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +38,7 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
-    """The step's gradients with pp > 1 (`pjax.step.Accumulation` for pp = 1), the micro-batches run
-    by `pipeline.schedule`'s table or by `schedule` (from `ps.from_orders`, matching the run's p, m, v)."""
+    """The gradients with pp > 1, run by `pipeline.schedule`'s table or by `schedule` (`ps.from_orders`; same p, m, v)."""
 
     spec: Any  # a `pjax.spec.StepSpec`
     zero: int
