@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from common import compile_step  # noqa: E402
 
-PRESETS = ("fp32", "bf16", "bf16-lean")
+PRESETS = ("fp32", "bf16", "bf16-lean", "fp8")
 
 
 def losses(config: str, preset: str, steps: int, overrides: list[str]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mesh.mesh import DP, current
 from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
-from models import deferred_grads
+from models import deferred_grads, fp8
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
@@ -106,7 +106,12 @@ class DecoderLayer(nn.Module):
 
 
     def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
-        """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for."""
+        """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for,
+        as fp8 GEMMs under `precision.fp8`."""
+        column, row = self._forms(sp, taps)
+        return fp8.projections(column, row) if self.precision.fp8 else (column, row)
+
+    def _forms(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
         if sp and taps is not None:
             return (lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site]),
                     lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site]))

@@ -8,16 +8,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mesh.errors import ConfigError, require_choice
+from mesh.errors import ConfigError, require, require_choice
 
 KINDS = ("embedding", "attention", "mlp", "router", "output", "norms")
 DTYPE_NAMES = ("float32", "bfloat16")
 _F32, _BF16 = "float32", "bfloat16"
-PRESETS: dict[str, dict[str, str]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "fp32": {**{k: _F32 for k in KINDS}, "optimizer_state": _F32, "grad_accum": _F32},
     "bf16": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _F32, "grad_accum": _F32},
     "bf16-lean": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _BF16, "grad_accum": _BF16},
 }
+PRESETS["fp8"] = {**PRESETS["bf16"], "fp8": True}
 # A layer's weights by the kind that reads them (norm scales multiply the residual stream).
 _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
                 "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "router": "router",
@@ -27,7 +28,8 @@ _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """Resolved dtypes: `embedding` (and the residual stream), `attention` (q/k/v/o, the kernel's inputs), `mlp`
-    (dense, expert), `router`, `output` (matmul operands), `norms` (RMSNorm statistics); logits, softmax, losses: fp32."""
+    (dense, expert), `router`, `output` (matmul operands), `norms` (RMSNorm statistics); logits, softmax, losses: fp32.
+    `fp8`: the attention and dense MLP projections run as fp8 GEMMs (models/fp8.py)."""
 
     embedding: Any = jnp.float32
     attention: Any = jnp.float32
@@ -37,6 +39,7 @@ class Precision:
     norms: Any = jnp.float32
     optimizer_state: Any = jnp.float32
     grad_accum: Any = jnp.float32
+    fp8: bool = False
 
     @classmethod
     def uniform(cls, dtype: Any) -> Precision:
@@ -46,7 +49,7 @@ class Precision:
 
     @classmethod
     def of(cls, names: dict[str, str]) -> Precision:
-        return cls(**{k: jnp.dtype(v) for k, v in names.items()})
+        return cls(**{k: v if k == "fp8" else jnp.dtype(v) for k, v in names.items()})
 
     def weight_dtype(self, name: str) -> Any:
         """The dtype a layer weight is read in (by its parameter name)."""
@@ -77,12 +80,14 @@ class PrecisionConfig:
     norms: str | None = None
     optimizer_state: str | None = None
     grad_accum: str | None = None
+    fp8: bool | None = None
 
     def __post_init__(self) -> None:
         require_choice("precision.preset", self.preset, ("auto", *PRESETS))
         for key in (*KINDS, "optimizer_state", "grad_accum"):
             if getattr(self, key) is not None:
                 require_choice(f"precision.{key}", getattr(self, key), DTYPE_NAMES)
+        require(self.fp8 is None or isinstance(self.fp8, bool), "precision.fp8", self.fp8, "use true or false")
 
     def preset_name(self, train_dtype: str) -> str:
         """The preset in force: `preset`, or under 'auto' the one `train.dtype` names."""
@@ -96,7 +101,7 @@ class PrecisionConfig:
 
     def resolve(self, train_dtype: str = "auto") -> Precision:
         """The policy of these keys over the preset (see `preset_name`)."""
-        names = dict(PRESETS[self.preset_name(train_dtype)])
+        names = {"fp8": False, **PRESETS[self.preset_name(train_dtype)]}
         names.update({k: v for k, v in dataclasses.asdict(self).items() if k != "preset" and v is not None})
         return Precision.of(names)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh.rules import flatten_tokens
-from models import llama
+from models import fp8, llama
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
@@ -41,6 +41,8 @@ class StepSpec:
               attention_fn: Callable | None = None, precision: Precision | None = None) -> StepSpec:
         """`attention_fn` replaces train.attention's kernel (context parallelism), `precision` train.dtype's policy."""
         precision = precision or PrecisionConfig().resolve(tc.dtype)
+        if precision.fp8:
+            fp8.check(cfg.num_local_experts)
         return cls(cfg, precision, attention_fn or select_attention(tc.attention), tc.remat,
                    tc.saved_names, tc.scan_layers, moe, tc.sequence_parallel, tc.loss_chunk)
 

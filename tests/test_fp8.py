@@ -1,0 +1,111 @@
+"""fp8 matmuls (models/fp8.py): scales that follow the current amax, e4m3 operands and e5m2 cotangents,
+no NaN on a huge activation, and the fp8 step on sharded layouts (dp x tp with ZeRO-1 and sequence
+parallelism; pp x cp) tracking one device's."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from mesh import MeshConfig, make_mesh
+from mesh.errors import ConfigError
+from models import fp8
+from models.config import LlamaConfig
+from models.precision import PrecisionConfig
+from pjax.config import PipelineConfig, TrainConfig
+from pjax.config_io import load_config
+from pjax.step import add_positions, build_trainer
+
+CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
+TC = TrainConfig(seq_len=16, batch_size=8, grad_accum=2, steps=10, warmup_steps=2)
+FP8 = PrecisionConfig(preset="fp8")
+
+
+def test_the_scale_is_the_current_amax_over_the_format_maximum():
+    x = jnp.array([[0.5, -3.0], [1.25, 2.0]], jnp.float32)
+    q, scale = fp8.quantize(x, fp8.E4M3)
+    assert q.dtype == fp8.E4M3 and float(scale) == pytest.approx(3.0 / 448)
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448  # the largest magnitude lands on e4m3's max
+    _, s5 = fp8.quantize(x, fp8.E5M2)
+    assert float(s5) == pytest.approx(3.0 / 57344)
+    assert float(fp8.scale_of(jnp.zeros(3), fp8.E4M3)) == 1.0
+
+
+def test_round_trip_error_is_e4m3s_and_e5m2s():
+    x = jax.random.normal(jax.random.key(0), (4096,))
+    for fmt, bits in ((fp8.E4M3, 3), (fp8.E5M2, 2)):
+        y = fp8.round_trip(x, fmt)
+        normal = jnp.abs(x) > jnp.max(jnp.abs(x)) * 2.0 ** -6  # away from the subnormals
+        rel = jnp.max(jnp.where(normal, jnp.abs(y - x) / jnp.abs(x), 0))
+        assert 2.0 ** -(bits + 3) < rel <= 2.0 ** -(bits + 1), (fmt, rel)  # rounding to `bits` mantissa bits
+
+
+def test_operand_rounds_forward_and_cotangent_rounds_backward():
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    c = jax.random.normal(jax.random.key(2), (16, 8))
+    np.testing.assert_array_equal(fp8.operand(x), fp8.round_trip(x, fp8.E4M3))
+    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fp8.operand(a) * c))(x), c)  # straight through
+    np.testing.assert_array_equal(fp8.cotangent(x), x)
+    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fp8.cotangent(a) * c))(x), fp8.round_trip(c, fp8.E5M2))
+
+
+def test_a_huge_activation_stays_finite():
+    """1e6 overflows e4m3 (its max is 448, and e4m3fn has no infinity: the cast gives NaN); scaled, it does not."""
+    x = 1e6 * jax.random.normal(jax.random.key(3), (32, 16))
+    w = jax.random.normal(jax.random.key(4), (16, 8))
+    assert bool(jnp.isnan(x.astype(fp8.E4M3).astype(jnp.float32)).any())
+    column, _ = fp8.projections(lambda y, ws, site: tuple(y @ v for v in ws), None)
+    out, grads = jax.value_and_grad(lambda a, b: jnp.sum(column(a, [b], "qkv")[0] ** 2), argnums=(0, 1))(x, w)
+    assert bool(jnp.isfinite(out)) and all(bool(jnp.isfinite(g).all()) for g in grads)
+    np.testing.assert_allclose(column(x, [w], "qkv")[0], x @ w, rtol=0.1, atol=0.1 * float(jnp.max(jnp.abs(x @ w))))
+
+
+def make_batch(seed: int = 0):
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, (TC.batch_size, TC.seq_len + 1)).astype(np.int32)
+    tokens = tokens.reshape(TC.grad_accum, TC.batch_size // TC.grad_accum, -1)
+    return add_positions({"inputs": jnp.asarray(tokens[..., :-1]), "labels": jnp.asarray(tokens[..., 1:])})
+
+
+@functools.cache
+def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero: int = 0, sp: bool = False,
+                       precision: PrecisionConfig = FP8) -> tuple[float, float]:
+    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[:dp * pp * cp * tp])
+    tc = TrainConfig(**{**TC.__dict__, "zero": zero, "sequence_parallel": sp})
+    trainer = build_trainer(mesh, CFG, tc, PipelineConfig() if pp > 1 else None, precision=precision)
+    params = trainer.init(jax.random.key(0)).params
+    loss, grads = trainer.grads(params, jax.device_put(make_batch(), trainer.batch_sharding))
+    return float(loss), float(optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, zero=1, sp=True), dict(pp=2, cp=2)],
+                         ids=["dp2_tp2_zero1_sp", "pp2_cp2"])
+def test_fp8_step_on_a_sharded_layout_tracks_one_device(layout):
+    ref_loss, ref_norm = loss_and_grad_norm()
+    loss, norm = loss_and_grad_norm(**layout)
+    assert abs(loss - ref_loss) <= 1e-2 * ref_loss and abs(norm - ref_norm) <= 5e-2 * ref_norm, (loss, norm)
+
+
+def test_fp8_moves_the_step_less_than_bf16_moves_fp32s():
+    """fp8's rounding shows in the numbers, within bf16's own distance from fp32 times a few."""
+    fp32 = loss_and_grad_norm(precision=PrecisionConfig(preset="fp32"))
+    bf16 = loss_and_grad_norm(precision=PrecisionConfig(preset="bf16"))
+    ours = loss_and_grad_norm()
+    assert ours != bf16
+    assert abs(ours[0] - bf16[0]) <= 1e-2 * bf16[0] and abs(ours[1] - bf16[1]) <= 5e-2 * bf16[1], (ours, bf16, fp32)
+
+
+def test_fp8_on_a_gpu_without_fp8_gemms_is_one_line(monkeypatch):
+    class A100:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [A100()])
+    with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*has 8.0; use precision.preset=bf16"):
+        fp8.check()
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="model.num_local_experts=4, whose expert matmuls have no fp8 form"):
+        fp8.check(num_experts=4)
+    with pytest.raises(ConfigError, match="precision.fp8"):
+        load_config("debug", ["precision.fp8=maybe"])
