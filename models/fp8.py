@@ -66,13 +66,19 @@ def projections(column: Callable, row: Callable) -> tuple[Callable, Callable]:
     return fp8_column, fp8_row
 
 
-def check(num_experts: int = 0) -> None:
-    """A ConfigError where fp8 GEMMs cannot run: a GPU before Hopper/Ada (compute capability < 8.9), or
-    a model with experts, whose grouped matmuls have no fp8 form here yet. XLA:CPU emulates fp8."""
-    if num_experts:
-        raise ConfigError(f"precision.fp8=true covers the dense projections, and this model has "
-                          f"model.num_local_experts={num_experts}, whose expert matmuls have no fp8 form yet; "
-                          f"use precision.preset=bf16 for a Mixture of Experts.")
+def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """The experts' batched GEMM (`jnp.einsum` of an input and a weight) in fp8."""
+    return cotangent(jnp.einsum(subscripts, operand(x), operand(w)))
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The experts' grouped GEMM (`lax.ragged_dot`, rows sorted by expert) in fp8: one scale per tensor."""
+    return cotangent(jax.lax.ragged_dot(operand(x), operand(w), group_sizes))
+
+
+def check() -> None:
+    """A ConfigError where fp8 GEMMs cannot run: a GPU before Hopper/Ada (compute capability < 8.9).
+    XLA:CPU emulates fp8."""
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     if device.platform == "gpu" and capability is not None and tuple(map(int, capability.split("."))) < (8, 9):

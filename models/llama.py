@@ -17,7 +17,7 @@ from models import deferred_grads, fp8
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
-from models.moe import MoeConfig, RouterStats, moe_mlp
+from models.moe import Gemms, MoeConfig, RouterStats, moe_mlp
 from models.precision import Precision
 from models.projection import ProjectFn, plain_projection, select_projection
 from models.remat import DEFAULT_NAMES, policy
@@ -94,7 +94,8 @@ class DecoderLayer(nn.Module):
             # Under sequence parallelism the experts see every token of the (dp, cp) block.
             y = constrain(y, ("tokens", "embed"))
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
-            down, stats = moe_mlp(y, weights,
+            gemms = Gemms(fp8.einsum, fp8.ragged_dot) if p.fp8 else Gemms()
+            down, stats = moe_mlp(y, weights, gemms=gemms,
                                   top_k=c.num_experts_per_tok, routing=self.moe.routing,
                                   capacity_factor=self.moe.capacity_factor)
             return x + constrain(down.astype(x.dtype), residual), stats

@@ -21,6 +21,13 @@ ROUTER_METRICS = ("aux_loss", "z_loss", "dropped_fraction", "load_min", "load_ma
 F32 = jnp.float32
 
 
+class Gemms(NamedTuple):
+    """The experts' matmuls: plain, or fp8's (`models.fp8.einsum`, `models.fp8.ragged_dot`: `precision.fp8`)."""
+
+    einsum: Callable = jnp.einsum
+    ragged_dot: Callable = lax.ragged_dot
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """How MoE layers run (the `moe` config section); the experts themselves are model keys."""
@@ -79,28 +86,30 @@ def router_loss(stats: RouterStats, count: jax.Array, cfg: Any) -> tuple[jax.Arr
     return count * (cfg.router_aux_loss_coef * metrics["aux_loss"] + cfg.router_z_loss_coef * metrics["z_loss"]), metrics
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gemms: Gemms = Gemms()) -> jax.Array:
     """Batched expert MLPs: x [E, C, D] -> [E, C, D] with weights [E, D, F], [E, D, F], [E, F, D]."""
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, w_gate)) * jnp.einsum("ecd,edf->ecf", x, w_up)
-    return jnp.einsum("ecf,efd->ecd", h, w_down)
+    h = jax.nn.silu(gemms.einsum("ecd,edf->ecf", x, w_gate)) * gemms.einsum("ecd,edf->ecf", x, w_up)
+    return gemms.einsum("ecf,efd->ecd", h, w_down)
 
 
-def dense_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+def dense_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array],
+                  gemms: Gemms = Gemms()) -> jax.Array:
     """Every expert on every token, masked by the routing: the reference."""
     combine = jnp.sum(jax.nn.one_hot(experts, w["w_gate"].shape[0], dtype=F32) * weights[..., None], axis=1)
-    y = swiglu(jnp.broadcast_to(x, (w["w_gate"].shape[0], *x.shape)), w["w_gate"], w["w_up"], w["w_down"])
+    y = swiglu(jnp.broadcast_to(x, (w["w_gate"].shape[0], *x.shape)), w["w_gate"], w["w_up"], w["w_down"], gemms)
     return jnp.einsum("end,ne->nd", y, combine.astype(y.dtype))
 
 
-def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array],
+                     gemms: Gemms = Gemms()) -> jax.Array:
     """Assignments sorted by expert, grouped matmuls, unsorted and combined: nothing dropped."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=w["w_gate"].shape[0])
     xs = x[order // k]
-    h = jax.nn.silu(lax.ragged_dot(xs, w["w_gate"], sizes)) * lax.ragged_dot(xs, w["w_up"], sizes)
-    ys = lax.ragged_dot(h, w["w_down"], sizes)
+    h = jax.nn.silu(gemms.ragged_dot(xs, w["w_gate"], sizes)) * gemms.ragged_dot(xs, w["w_up"], sizes)
+    ys = gemms.ragged_dot(h, w["w_down"], sizes)
     ys = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, choice) order
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
@@ -119,7 +128,7 @@ def queue_positions(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array],
-                     cap: int, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
+                     cap: int, axis: str | None = None, gemms: Gemms = Gemms()) -> tuple[jax.Array, jax.Array]:
     """(y [N, D], assignments dropped), at most `cap` per expert; with `axis` (manual) the weights are
     this device's E/n experts and the buffer goes by all_to_all to their owners and back."""
     n, k = experts.shape
@@ -132,7 +141,7 @@ def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: di
     buf = buf[:-1].reshape(num_experts, cap, -1)
     if axis is not None:  # [E, C, D] -> [E/n, n*C, D]: my experts' rows from every device
         buf = lax.all_to_all(buf, axis, split_axis=0, concat_axis=1, tiled=True)
-    out = swiglu(buf, w["w_gate"], w["w_up"], w["w_down"])
+    out = swiglu(buf, w["w_gate"], w["w_up"], w["w_down"], gemms)
     if axis is not None:
         out = lax.all_to_all(out, axis, split_axis=1, concat_axis=0, tiled=True)
     out = jnp.concatenate([out.reshape(num_experts * cap, -1), jnp.zeros((1, out.shape[-1]), out.dtype)])
@@ -142,18 +151,19 @@ def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: di
 
 
 def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, capacity_factor: float,
-               axis: str | None, token_axes: tuple[str, ...] = ()) -> tuple[jax.Array, RouterStats]:
+               axis: str | None, token_axes: tuple[str, ...] = (), gemms: Gemms = Gemms()
+               ) -> tuple[jax.Array, RouterStats]:
     """One device's MoE layer (under EP over `axis`, `p` holds this device's experts)."""
     weights, experts, stats = route(x, p["router"], top_k)
     w = {name: p[name].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")}
     num_experts = p["router"].shape[-1]
     if axis is None and routing == "dense":
-        y = dense_experts(x, weights, experts, w)
+        y = dense_experts(x, weights, experts, w, gemms)
     elif axis is None and routing == "dropless":
-        y = dropless_experts(x, weights, experts, w)
+        y = dropless_experts(x, weights, experts, w, gemms)
     else:
         cap = x.shape[0] if routing != "capacity" else capacity(x.shape[0], top_k, num_experts, capacity_factor)
-        y, dropped = capacity_experts(x, weights, experts, w, cap, axis)
+        y, dropped = capacity_experts(x, weights, experts, w, cap, axis, gemms)
         stats = stats._replace(dropped=dropped)
     if token_axes:  # the statistics of the whole batch, on every device
         stats = RouterStats(*lax.psum(tuple(stats), token_axes))
@@ -161,7 +171,7 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, 
 
 
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str = "dropless",
-            capacity_factor: float = 1.25) -> tuple[jax.Array, RouterStats]:
+            capacity_factor: float = 1.25, gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
     """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over dp when
     dp > 1. Inside a shard_map manual over dp already, x and p are this device's."""
     if routing not in ROUTINGS:
@@ -170,13 +180,13 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str =
     dp = 1 if mesh.empty or DP not in mesh.shape else mesh.shape[DP]
     num_experts = p["router"].shape[-1]
     if dp == 1:
-        return _local_moe(x, p, top_k, routing, capacity_factor, None)
+        return _local_moe(x, p, top_k, routing, capacity_factor, None, gemms=gemms)
     if num_experts % dp:
         raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={dp}; expert "
                           f"parallelism gives each dp device the same number of experts.")
     # Manual over cp too (experts are replicated over cp): no token dimension is left to the partitioner.
     token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
-    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes)
+    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes, gemms)
     if DP in mesh.manual_axes:
         # A pipeline slot keeps the layer's input, not its dispatch buffers (ARCHITECTURE.md, "MoE in a pipeline").
         return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)

@@ -29,7 +29,7 @@ _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "
 class Precision:
     """Resolved dtypes: `embedding` (and the residual stream), `attention` (q/k/v/o, the kernel's inputs), `mlp`
     (dense, expert), `router`, `output` (matmul operands), `norms` (RMSNorm statistics); logits, softmax, losses: fp32.
-    `fp8`: the attention and dense MLP projections run as fp8 GEMMs (models/fp8.py)."""
+    `fp8`: the attention, MLP and expert projections run as fp8 GEMMs (models/fp8.py)."""
 
     embedding: Any = jnp.float32
     attention: Any = jnp.float32

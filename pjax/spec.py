@@ -42,7 +42,7 @@ class StepSpec:
         """`attention_fn` replaces train.attention's kernel (context parallelism), `precision` train.dtype's policy."""
         precision = precision or PrecisionConfig().resolve(tc.dtype)
         if precision.fp8:
-            fp8.check(cfg.num_local_experts)
+            fp8.check()
         return cls(cfg, precision, attention_fn or select_attention(tc.attention), tc.remat,
                    tc.saved_names, tc.scan_layers, moe, tc.sequence_parallel, tc.loss_chunk)
 
