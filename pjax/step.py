@@ -153,7 +153,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
-    validate_run(mc, cfg, tc, pipeline, context)
+    validate_run(mc, cfg, tc, pipeline, context, precision)
     policy = precision.resolve(tc.dtype)
     optimizer = make_optimizer(tc, policy.optimizer_state)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)

@@ -11,6 +11,7 @@ from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
 from models import sequence_parallel
 from models.config import LlamaConfig
+from models.precision import PrecisionConfig
 from pjax.config import TrainConfig
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.context.strategy import ContextConfig
@@ -26,6 +27,7 @@ class Run(NamedTuple):
     train: TrainConfig
     pipeline: PipelineConfig = PipelineConfig()
     context: ContextConfig = ContextConfig()
+    precision: PrecisionConfig = PrecisionConfig()
 
 
 def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
@@ -50,8 +52,8 @@ RULES = (model_splits, batch_splits, pipeline_table.check_run, context_strategy.
 
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),
-                 context: ContextConfig = ContextConfig()) -> None:
+                 context: ContextConfig = ContextConfig(), precision: PrecisionConfig = PrecisionConfig()) -> None:
     """A one-line ConfigError, from the first of `RULES` that fails, unless the run splits over `mc`."""
-    run = Run(mc, cfg, tc, pipeline, context)
+    run = Run(mc, cfg, tc, pipeline, context, precision)
     for rule in RULES:
         rule(run)

@@ -101,21 +101,14 @@ def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero:
     return float(loss), float(optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, zero=1, sp=True), dict(pp=2, cp=2), dict(dp=2, experts=4)],
-                         ids=["dp2_tp2_zero1_sp", "pp2_cp2", "moe_dp2"])
+# The dense MLP's fp8 forms run in pp2 x cp2; dp2 x tp2 runs the experts' (over dp) and attention's
+# under sequence parallelism.
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, zero=1, sp=True, experts=4), dict(pp=2, cp=2)],
+                         ids=["moe_dp2_tp2_zero1_sp", "pp2_cp2"])
 def test_fp8_step_on_a_sharded_layout_tracks_one_device(layout):
     ref_loss, ref_norm = loss_and_grad_norm(experts=layout.get("experts", 0))
     loss, norm = loss_and_grad_norm(**layout)
     assert abs(loss - ref_loss) <= 1e-2 * ref_loss and abs(norm - ref_norm) <= 5e-2 * ref_norm, (loss, norm)
-
-
-def test_fp8_moves_the_step_less_than_bf16_moves_fp32s():
-    """fp8's rounding shows in the numbers, within bf16's own distance from fp32 times a few."""
-    fp32 = loss_and_grad_norm(precision=PrecisionConfig(preset="fp32"))
-    bf16 = loss_and_grad_norm(precision=PrecisionConfig(preset="bf16"))
-    ours = loss_and_grad_norm()
-    assert ours != bf16
-    assert abs(ours[0] - bf16[0]) <= 1e-2 * bf16[0] and abs(ours[1] - bf16[1]) <= 5e-2 * bf16[1], (ours, bf16, fp32)
 
 
 def test_fp8_on_a_gpu_without_fp8_gemms_is_one_line(monkeypatch):

@@ -194,8 +194,14 @@ def two_processes(tmp_path: Path, name: str, common: list[str], per_process: Cal
     return outs
 
 
-def single_process_losses(tmp_path: Path, common: list[str]) -> list[float]:
-    single = run_cli(*common, tmp_path=tmp_path)
+TWO_PROCESS_RUN = ["train.steps=3", "log.every=1", "log.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory) -> list[float]:
+    """The losses of TWO_PROCESS_RUN in one process: what both multi-process starts must give."""
+    tmp_path = tmp_path_factory.mktemp("single")
+    single = run_cli(*TWO_PROCESS_RUN, tmp_path=tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
     return metric_losses(tmp_path / "run")
 
@@ -204,7 +210,7 @@ def metric_losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_train_like_one(tmp_path, single_process_losses):
     """Multi-host path on one machine: 2 processes x 4 CPU devices (gloo) as dp=4 x tp=2, each
     loading only its own rows, give the single-process losses; only process 0 writes metrics."""
     import socket
@@ -212,11 +218,10 @@ def test_two_processes_train_like_one(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["train.steps=3", "log.every=1", "log.eval_every=0"]
-    outs = two_processes(tmp_path, "multi", common, lambda i: (
+    outs = two_processes(tmp_path, "multi", TWO_PROCESS_RUN, lambda i: (
         ["--coordinator", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)], {}))
     assert "step 3:" in outs[0][0] and "step 3:" not in outs[1][0]  # only process 0 reports
-    multi, one = metric_losses(tmp_path / "multi"), single_process_losses(tmp_path, common)
+    multi, one = metric_losses(tmp_path / "multi"), single_process_losses
     assert len(multi) == 3 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)
 
 
@@ -236,16 +241,15 @@ def free_slurm_port() -> int:
     raise RuntimeError("no free port in 61440-65535 on 127.0.0.1")
 
 
-def test_two_processes_started_by_slurm_train_like_one(tmp_path):
+def test_two_processes_started_by_slurm_train_like_one(tmp_path, single_process_losses):
     """SLURM start-up on one machine: two tasks of a faked srun step (no multi-host flags) find the
     coordinator as JAX's rule does (first node of SLURM_STEP_NODELIST, port from SLURM_JOB_ID) and
     give the single-process losses."""
     port = free_slurm_port()
     srun = {"SLURM_JOB_ID": str(4096 * 7 + port - 61440), "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
             "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}  # JAX binds every interface otherwise
-    common = ["train.steps=2", "log.every=1", "log.eval_every=0"]
-    outs = two_processes(tmp_path, "slurm", common,
+    outs = two_processes(tmp_path, "slurm", TWO_PROCESS_RUN,
                          lambda i: ([], {**srun, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}))
-    assert "step 2:" in outs[0][0] and "step 2:" not in outs[1][0]  # two processes, not two lone runs
-    multi, one = metric_losses(tmp_path / "slurm"), single_process_losses(tmp_path, common)
-    assert len(multi) == 2 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)
+    assert "step 3:" in outs[0][0] and "step 3:" not in outs[1][0]  # two processes, not two lone runs
+    multi, one = metric_losses(tmp_path / "slurm"), single_process_losses
+    assert len(multi) == 3 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)

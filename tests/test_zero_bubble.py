@@ -192,6 +192,25 @@ def test_zb_h1_refuses_cp():
         build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))
 
 
+def test_bf16_zero_bubble_with_sequence_parallelism_on_cpu_is_one_line_not_an_abort():
+    """XLA:CPU aborts the process compiling this layout (an HLO check failure); fp32 runs it."""
+    import jax
+
+    from mesh import MeshConfig
+    from mesh.errors import ConfigError
+    from models.precision import PrecisionConfig
+    from pjax.config import PipelineConfig
+    from pjax.validate import validate_run
+    from test_pipeline_parallel import CFG, MICRO, TC
+
+    tc = TC.__class__(**{**TC.__dict__, "batch_size": 4 * MICRO, "grad_accum": 4, "sequence_parallel": True, "dtype": "auto"})
+    run = (MeshConfig(pp=2, tp=2), CFG, tc, PipelineConfig(schedule="zb_h1"))
+    assert jax.default_backend() == "cpu"
+    with pytest.raises(ConfigError, match="crashes XLA:CPU; on CPU use precision.preset=fp32"):
+        validate_run(*run, precision=PrecisionConfig(preset="bf16"))
+    validate_run(*run, precision=PrecisionConfig(preset="fp32"))
+
+
 def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():
     import jax
     import jax.numpy as jnp

@@ -136,7 +136,7 @@ def policy(config: Config, profile: Profile) -> Precision:
 def check(config: Config, layout: Layout) -> None:
     """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
     config = apply(config, layout)
-    validate_run(layout.mesh, config.model, config.train, config.pipeline, config.context)
+    validate_run(layout.mesh, config.model, config.train, config.pipeline, config.context, config.precision)
 
 
 def micro_batch_counts(config: Config, dp: int) -> list[int]:

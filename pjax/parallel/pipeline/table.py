@@ -8,6 +8,7 @@ import dataclasses
 import re
 from typing import Callable
 
+import jax
 import numpy as np
 
 from mesh.errors import ConfigError, require, require_choice
@@ -62,9 +63,21 @@ def check_run(run) -> None:
     if mc.pp > 1:
         validate_pipeline(mc, pipeline, run.model.num_hidden_layers, run.train.grad_accum)
         validate_split_backward(mc, pipeline, run.model.num_local_experts)
+        check_xla_cpu(run)
     elif (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
         raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
                           f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
+
+
+def check_xla_cpu(run) -> None:
+    """A zero-bubble pipeline under sequence parallelism in bf16 aborts XLA:CPU (jax 0.10.2: an HLO check
+    failure, "Invalid binary instruction opcode copy", killing the process): one line instead."""
+    bf16 = run.precision.resolve(run.train.dtype).embedding.name == "bfloat16"
+    if (run.pipeline.schedule in SPLIT_BACKWARD and run.train.sequence_parallel and run.mesh.tp > 1 and bf16
+            and jax.default_backend() == "cpu"):
+        raise ConfigError(f"pipeline.schedule={run.pipeline.schedule} with train.sequence_parallel=true in bf16 "
+                          f"crashes XLA:CPU; on CPU use precision.preset=fp32, pipeline.schedule=1f1b or "
+                          f"train.sequence_parallel=false.")
 
 
 def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: int, grad_accum: int) -> None:
