@@ -18,6 +18,7 @@ from pjax.config_io import load_config
 from pjax.optim import stored_in
 from pjax.step import build_trainer
 from pjax.train import train
+from test_step import _dots
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
@@ -77,16 +78,6 @@ def dot_dtypes(precision: Precision) -> dict[tuple, set]:
         if all(v.aval.ndim == 2 for v in eqn.invars):
             found.setdefault(tuple(eqn.invars[1].aval.shape), set()).update(v.aval.dtype for v in eqn.invars)
     return found
-
-
-def _dots(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                yield from _dots(inner)
 
 
 def test_a_module_kind_set_apart_from_its_preset_computes_in_its_own_dtype():
