@@ -16,7 +16,7 @@ _F32, _BF16 = "float32", "bfloat16"
 PRESETS: dict[str, dict[str, Any]] = {
     "fp32": {**{k: _F32 for k in KINDS}, "optimizer_state": _F32, "grad_accum": _F32},
     "bf16": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _F32, "grad_accum": _F32},
-    "bf16-lean": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _BF16, "grad_accum": _BF16},
+    "bf16-lean": {**{k: _BF16 for k in KINDS}, "norms": _F32, "optimizer_state": _BF16, "grad_accum": _F32},
 }
 PRESETS["fp8"] = {**PRESETS["bf16"], "fp8": True}
 # A layer's weights by the kind that reads them (norm scales multiply the residual stream).

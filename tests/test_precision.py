@@ -155,6 +155,22 @@ def test_the_planner_counts_moments_and_accumulator_in_their_dtypes():
 
     layout = Layout(dp=2, pp=1, cp=1, tp=2, zero=1)
     full = state_bytes(load_config("debug", []), layout)
-    lean = state_bytes(load_config("debug", ["precision.preset=bf16-lean"]), layout)
+    lean = state_bytes(load_config("debug", ["precision.preset=bf16-lean", "precision.grad_accum=bfloat16"]), layout)
     assert lean["params"] == full["params"]
     assert 2 * lean["opt_state"] == full["opt_state"] and 2 * lean["grads"] == full["grads"]
+
+
+def test_a_bf16_gradient_accumulator_sums_in_bf16_on_one_device():
+    """precision.grad_accum=bfloat16 (in no preset): the micro-batch sum is bf16 (the gradients move), within
+    bf16 rounding of fp32's."""
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 2, 16)), jnp.int32)
+             for k in ("inputs", "labels")}
+    batch["positions"] = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 2, 16))
+    grads = {}
+    for accum in ("float32", "bfloat16"):
+        trainer = build_trainer(mesh, CFG, TC, precision=PrecisionConfig(preset="bf16", grad_accum=accum))
+        grads[accum] = trainer.grads(trainer.init(jax.random.key(0)).params, batch)[1]
+    assert any(bool(jnp.any(g != r)) for g, r in zip(jax.tree.leaves(grads["bfloat16"]), jax.tree.leaves(grads["float32"])))
+    for g, r in zip(jax.tree.leaves(grads["bfloat16"]), jax.tree.leaves(grads["float32"])):
+        assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) <= 2 ** -7 * float(jnp.max(jnp.abs(r)))

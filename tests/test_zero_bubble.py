@@ -192,8 +192,8 @@ def test_zb_h1_refuses_cp():
         build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))
 
 
-def test_bf16_zero_bubble_with_sequence_parallelism_on_cpu_is_one_line_not_an_abort():
-    """XLA:CPU aborts the process compiling this layout (an HLO check failure); fp32 runs it."""
+def test_pipelines_xla_cpu_cannot_compile_are_one_line_not_an_abort():
+    """XLA:CPU aborts the process compiling these pipelines (an HLO check failure); the named fixes run."""
     import jax
 
     from mesh import MeshConfig
@@ -209,6 +209,10 @@ def test_bf16_zero_bubble_with_sequence_parallelism_on_cpu_is_one_line_not_an_ab
     with pytest.raises(ConfigError, match="crashes XLA:CPU; on CPU use precision.preset=fp32"):
         validate_run(*run, precision=PrecisionConfig(preset="bf16"))
     validate_run(*run, precision=PrecisionConfig(preset="fp32"))
+    one_f_one_b = (run[0], CFG, TC.__class__(**{**tc.__dict__, "sequence_parallel": False}), PipelineConfig())
+    with pytest.raises(ConfigError, match="precision.grad_accum=bfloat16 on more than one device crashes XLA:CPU"):
+        validate_run(*one_f_one_b, precision=PrecisionConfig(preset="bf16-lean", grad_accum="bfloat16"))
+    validate_run(*one_f_one_b, precision=PrecisionConfig(preset="bf16-lean"))
 
 
 def test_a_slot_pool_keeps_either_kind_in_a_slot_as_large_as_the_larger():

@@ -60,21 +60,27 @@ def scope_name(part: str) -> str:
 def check_run(run) -> None:
     """The `pipeline.*` keys against the mesh and model of `run` (a `pjax.validate.Run`)."""
     mc, pipeline = run.mesh, run.pipeline
+    check_xla_cpu(run)
     if mc.pp > 1:
         validate_pipeline(mc, pipeline, run.model.num_hidden_layers, run.train.grad_accum)
         validate_split_backward(mc, pipeline, run.model.num_local_experts)
-        check_xla_cpu(run)
     elif (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
         raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
                           f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
 
 
 def check_xla_cpu(run) -> None:
-    """A zero-bubble pipeline under sequence parallelism in bf16 aborts XLA:CPU (jax 0.10.2: an HLO check
-    failure, "Invalid binary instruction opcode copy", killing the process): one line instead."""
-    bf16 = run.precision.resolve(run.train.dtype).embedding.name == "bfloat16"
-    if (run.pipeline.schedule in SPLIT_BACKWARD and run.train.sequence_parallel and run.mesh.tp > 1 and bf16
-            and jax.default_backend() == "cpu"):
+    """Layouts that abort XLA:CPU (jax 0.10.2: an HLO check failure, "Invalid binary instruction opcode
+    copy", killing the process): a bf16 gradient accumulator on more than one device, and a zero-bubble
+    schedule under sequence parallelism in bf16. One line instead."""
+    if jax.default_backend() != "cpu":
+        return
+    policy = run.precision.resolve(run.train.dtype)
+    if policy.grad_accum.name == "bfloat16" and any(size != 1 for size in run.mesh.shape):
+        raise ConfigError("precision.grad_accum=bfloat16 on more than one device crashes XLA:CPU; on CPU keep "
+                          "precision.grad_accum=float32, or train on one device.")
+    if run.mesh.pp > 1 and (run.pipeline.schedule in SPLIT_BACKWARD and run.train.sequence_parallel and run.mesh.tp > 1
+            and policy.embedding.name == "bfloat16"):
         raise ConfigError(f"pipeline.schedule={run.pipeline.schedule} with train.sequence_parallel=true in bf16 "
                           f"crashes XLA:CPU; on CPU use precision.preset=fp32, pipeline.schedule=1f1b or "
                           f"train.sequence_parallel=false.")

@@ -91,7 +91,7 @@ class Row(NamedTuple):
         return jnp.where(self.active > 0, d, jnp.zeros_like(d)) if self.lockstep else d
 
     def add(self, acc: Any, d: Any) -> Any:
-        return jax.tree.map(lambda a, x: a + self.keep(x), acc, d)
+        return jax.tree.map(lambda a, x: a + self.keep(x).astype(a.dtype), acc, d)  # a bf16 accumulator stays bf16
 
 
 def tick(plan: Plan, buf: Buffers, entry: jax.Array) -> tuple[Buffers, None]:
@@ -188,7 +188,7 @@ def weight(plan: Plan, row: Row, buf: Buffers, sends: list) -> tuple[Buffers, li
         grad_layers, riders = state
         taps = jax.tree.unflatten(jax.tree.structure(plan.taps[0]), plan.pool.read(buf.slots, row.slot, 1))
         dw = plan.stage.weight_grads(taps, plan.chunk(row.chunk))
-        return {k: g.at[row.chunk].add(dw[k]) if k in dw else g for k, g in grad_layers.items()}, riders
+        return {k: g.at[row.chunk].add(dw[k].astype(g.dtype)) if k in dw else g for k, g in grad_layers.items()}, riders
 
     riders = sends if plan.ordered else []
     grad_layers, riders = _run_if(row.op == ps.WEIGHT, _scoped("weight", run), (buf.grad_layers, riders))
