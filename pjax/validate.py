@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+
+from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
 from models import sequence_parallel
@@ -47,7 +50,17 @@ def batch_splits(run: Run) -> None:
                    seq_len=run.train.seq_len)
 
 
-RULES = (model_splits, batch_splits, pipeline_table.check_run, context_strategy.check_run,
+def accumulator_compiles(run: Run) -> None:
+    """A bf16 gradient accumulator on more than one device aborts XLA:CPU (the HLO check failure of
+    `pipeline.table.check_xla_cpu`): one line instead."""
+    if jax.default_backend() != "cpu" or run.precision.resolve(run.train.dtype).grad_accum.name != "bfloat16":
+        return
+    if any(size != 1 for size in run.mesh.shape):
+        raise ConfigError("precision.grad_accum=bfloat16 on more than one device crashes XLA:CPU; on CPU keep "
+                          "precision.grad_accum=float32, or train on one device.")
+
+
+RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run, context_strategy.check_run,
          sequence_parallel.check_run)
 
 
