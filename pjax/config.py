@@ -104,6 +104,7 @@ class DataConfig:
     column: str = "text"
     streaming: bool = False
     prefetch: int = 2
+    curriculum: str | None = None  # sequence-length stages "LENGTHxSTEPS,...", pjax/data/curriculum.py
 
     def __post_init__(self) -> None:
         require(0 <= self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "use a value in [0, 1)")

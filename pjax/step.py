@@ -133,9 +133,12 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
 
-    def abstract_batch(self) -> Batch:
-        """A global batch as sharded shapes: int32 [grad_accum, batch_size // grad_accum, seq_len]."""
-        shape = (self.tc.grad_accum, self.tc.batch_size // self.tc.grad_accum, self.tc.seq_len)
+    def abstract_batch(self, seq_len: int | None = None) -> Batch:
+        """A global batch as sharded shapes: int32 [grad_accum, batch_size // grad_accum, seq_len]; at a shorter
+        `seq_len` (a curriculum's), seq_len / that times the rows: the same tokens."""
+        seq_len = self.tc.seq_len if seq_len is None else seq_len
+        rows = self.tc.batch_size * (self.tc.seq_len // seq_len) // self.tc.grad_accum
+        shape = (self.tc.grad_accum, rows, seq_len)
         return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
                 for k in ("inputs", "labels", "positions")}
 

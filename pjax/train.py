@@ -79,8 +79,10 @@ def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = No
     """Train `cfg.train.steps` steps; returns metrics.jsonl's records (`devices`: all, or a subset in tests)."""
     from pjax.observe.profiling import check_profile_steps
     from pjax.checkpoint.resume import open_run
+    from pjax.data.curriculum import Curriculum
 
     check_profile_steps(cfg.log.profile_steps, cfg.train.steps)
+    Curriculum.of(cfg.data.curriculum, cfg.train.seq_len)  # a malformed one fails before any work
     for key, path in (("log.dir", cfg.log.dir), ("data.cache_dir", str(cfg.data.cache_path)),
                       ("checkpoint.dir", cfg.checkpoint.dir)):
         if path is not None:  # before any work: a path that cannot be written loses nothing
@@ -101,6 +103,7 @@ class _Run(NamedTuple):
     state: Any
     rng: Any
     memory_estimate: tuple[int, int]  # the compiled step's resident and peak bytes per device
+    steps: dict[int, Any]  # with data.curriculum: the step compiled ahead per sequence length
 
 
 def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | None) -> _Run:
@@ -111,12 +114,14 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from models import llama
     from pjax.checkpoint.resume import write_config
     from pjax.data import build_data
+    from pjax.data.curriculum import Curriculum
     from pjax.data.prefetch import Prefetcher
-    from pjax.observe.memory import check_fits, step_memory_bytes
+    from pjax.observe.memory import step_memory_bytes
     from pjax.observe.report import local_devices
     from pjax.parallel.context.zigzag import zigzag_layout
     from pjax.plan.inspect import parameter_table, step_report
     from pjax.step import build_trainer, init_state
+    from pjax.validate import Run
 
     tc, mc = cfg.train, cfg.model
     if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
@@ -127,15 +132,17 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
               file=sys.stderr, flush=True)
     mesh = make_mesh(cfg.mesh, devices)
     trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
-    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]))
+    curriculum = Curriculum.for_run(cfg.data.curriculum,
+                                    Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
+    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]),
+                                          curriculum=curriculum)
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
     if cfg.log.eval_every:
         train_iter.num_eval_batches(cfg.log.eval_batches)  # a held-out split too small for one batch fails now
-    # Compiled from shapes before any allocation (the first step reuses it): a step that cannot fit fails here.
-    compiled = trainer.compile_step()
-    check_fits(compiled, mesh)
+    steps = _compile_steps(trainer, curriculum)
+    compiled = steps[tc.seq_len]
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     if ckpt is not None and ckpt.latest_step() is not None:
         restored = ckpt.restore(trainer, cfg)
@@ -157,9 +164,24 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     if cfg.log.inspect:
         say(step_report(cfg, mesh, compiled, devices_per_host=len(local_devices(mesh))))
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
-        f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)")
+        f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)"
+        + (f"; curriculum: {curriculum.describe()}" if curriculum is not None else ""))
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
-    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory)
+    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory,
+                steps if curriculum is not None else {})
+
+
+def _compile_steps(trainer: Any, curriculum: Any) -> dict[int, Any]:
+    """The step compiled from shapes before any allocation, per sequence length the run trains on (the longest
+    first): a step that cannot fit fails here, and none pauses to compile. jit reuses these compilations."""
+    from pjax.observe.memory import check_fits
+
+    lengths = (trainer.tc.seq_len,) if curriculum is None else curriculum.lengths
+    steps = {}
+    for length in reversed(lengths):
+        steps[length] = trainer.compile_step(batch=trainer.abstract_batch(length))
+        check_fits(steps[length], trainer.mesh)
+    return steps
 
 
 def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, Any]]:
@@ -178,13 +200,16 @@ def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, A
         for step in range(start + 1, tc.steps + 1):
             profiler.start_if_due(step, state)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                state, metrics = trainer.step(state, next(train_iter))
+                batch = next(train_iter)
+                length = batch["inputs"].shape[-1]
+                state, metrics = run.steps.get(length, trainer.step)(state, batch)
             profiler.stop_if_due(step, (state, metrics))
             # Reading the previous step's flags now costs no wait and keeps at most two steps in flight
             # (an unbounded queue of dispatched steps can deadlock XLA:CPU's collectives on few cores).
             if pending is not None:
                 report.check(*pending)
-            pending, report.steps_since = (step, metrics), report.steps_since + 1
+            pending = (step, metrics)
+            report.took(length)
             last = step == tc.steps
             log_now = step % cfg.log.every == 0 or last
             eval_now = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or last)

@@ -5,7 +5,7 @@ token is predicted once per epoch and nothing is padded. Epoch e's order is a pe
 the remainder dropped, never dependent on the mesh (ARCHITECTURE.md, "Data order from the seed alone")."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig
 from mesh.validate import validate_batch
+
+if TYPE_CHECKING:
+    from pjax.data.curriculum import Curriculum
 
 # A permutation of the sequence positions, e.g. context parallelism's zigzag layout.
 SequenceLayout = Callable[[np.ndarray], np.ndarray]
@@ -96,13 +99,23 @@ class BatchLayout:
         return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
 
 
+def layouts_by_length(curriculum: Curriculum | None, seq_len: int, batch_size: int, grad_accum: int,
+                      mesh: Mesh | None, sequence_layout: SequenceLayout) -> dict[int, BatchLayout]:
+    """A BatchLayout per length the run trains on (`data.curriculum`): at seq_len / k, k times the rows."""
+    lengths = (seq_len,) if curriculum is None else curriculum.lengths
+    return {length: BatchLayout(length, batch_size * (seq_len // length), grad_accum, mesh, sequence_layout)
+            for length in lengths}
+
+
 class DataIterator:
     """Endless, resumable iterator of global batches {inputs, labels, positions}, int32 [grad_accum, micro, seq_len]."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, grad_accum: int, seed: int,
                  mesh: Mesh | None = None, *, eval_tokens: np.ndarray | None = None,
-                 sequence_layout: SequenceLayout = identity_layout) -> None:
-        self.layout = BatchLayout(seq_len, batch_size, grad_accum, mesh, sequence_layout)
+                 sequence_layout: SequenceLayout = identity_layout, curriculum: Curriculum | None = None) -> None:
+        self.curriculum = curriculum
+        self.layouts = layouts_by_length(curriculum, seq_len, batch_size, grad_accum, mesh, sequence_layout)
+        self.layout = self.layouts[seq_len]
         self.tokens, self.eval_tokens = tokens, eval_tokens
         self.seq_len, self.batch_size, self.grad_accum, self.seed = seq_len, batch_size, grad_accum, seed
         self.micro_batch = batch_size // grad_accum
@@ -132,7 +145,10 @@ class DataIterator:
         return self
 
     def __next__(self) -> Batch:
-        batch = self._assemble(self.tokens, self.window_ids(self.epoch, self.step_in_epoch))
+        # The batch's index in the run is its position: a curriculum's length resumes with it.
+        index = self.epoch * self.batches_per_epoch + self.step_in_epoch
+        length = self.seq_len if self.curriculum is None else self.curriculum.length(index)
+        batch = self._assemble(self.tokens, self.window_ids(self.epoch, self.step_in_epoch), length)
         self.step_in_epoch += 1
         if self.step_in_epoch == self.batches_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
@@ -155,10 +171,14 @@ class DataIterator:
         """At most `n` batches of the held-out windows, in stream order (no shuffle)."""
         for k in range(self.num_eval_batches(n)):
             ids = np.arange(k * self.batch_size, (k + 1) * self.batch_size).reshape(self.grad_accum, self.micro_batch)
-            yield self._assemble(self.eval_tokens, ids)
+            yield self._assemble(self.eval_tokens, ids, self.seq_len)
 
-    def _assemble(self, tokens: np.ndarray, ids: np.ndarray) -> Batch:
-        return self.layout.place(read_windows(tokens, self.layout.local(ids), self.seq_len))
+    def _assemble(self, tokens: np.ndarray, ids: np.ndarray, length: int) -> Batch:
+        """The batch of full-length windows `ids`, cut into windows of `length` tokens."""
+        if length != self.seq_len:
+            ids = self.curriculum.split(ids, length)
+        layout = self.layouts[length]
+        return layout.place(read_windows(tokens, layout.local(ids), length))
 
     def state(self) -> dict[str, Any]:
         """A small JSON-serialisable position in the stream, plus the settings that define it."""

@@ -5,14 +5,17 @@ ARCHITECTURE.md, "Streaming keeps a token position, not a window index"."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 from jax.sharding import Mesh
 
 from mesh.errors import ConfigError
-from pjax.data.batches import Batch, BatchLayout, SequenceLayout, identity_layout
+from pjax.data.batches import Batch, SequenceLayout, identity_layout, layouts_by_length
 from pjax.data.text import eos_id, encode_documents
+
+if TYPE_CHECKING:
+    from pjax.data.curriculum import Curriculum
 
 CHUNK_CHARS = 1 << 16  # small enough not to read ahead, big enough to use every core
 OpenDocuments = Callable[[int], Iterator[str]]  # documents from index `start` on, in a fixed order
@@ -120,10 +123,13 @@ class StreamIterator:
 
     def __init__(self, open_documents: OpenDocuments, tokenizer: Any, seq_len: int, batch_size: int,
                  grad_accum: int, mesh: Mesh | None = None, *, eval_stride: int = 0,
-                 sequence_layout: SequenceLayout = identity_layout) -> None:
-        self.layout = BatchLayout(seq_len, batch_size, grad_accum, mesh, sequence_layout)
+                 sequence_layout: SequenceLayout = identity_layout, curriculum: Curriculum | None = None) -> None:
+        self.curriculum = curriculum
+        self.layouts = layouts_by_length(curriculum, seq_len, batch_size, grad_accum, mesh, sequence_layout)
+        self.layout = self.layouts[seq_len]
         self.seq_len, self.batch_size, self.eval_stride = seq_len, batch_size, eval_stride
         self.shape = (grad_accum, batch_size // grad_accum, seq_len + 1)
+        self.batches = 0  # taken so far: the curriculum's clock (the token position alone does not say)
 
         def held_out(index: int) -> bool:
             return eval_stride > 0 and index % eval_stride == eval_stride - 1
@@ -138,8 +144,12 @@ class StreamIterator:
         return self
 
     def __next__(self) -> Batch:
-        windows = self._train.take(self.batch_size, self.seq_len).reshape(self.shape)
-        return self.layout.place(self.layout.local(windows))
+        length = self.seq_len if self.curriculum is None else self.curriculum.length(self.batches)
+        k = self.seq_len // length  # k consecutive windows of `length` hold one of seq_len's tokens
+        windows = self._train.take(self.batch_size * k, length).reshape(self.shape[0], -1, length + 1)
+        self.batches += 1
+        layout = self.layouts[length]
+        return layout.place(layout.local(windows))
 
     def num_eval_batches(self, limit: int | None = None) -> int:
         """Held-out batches available (at most `limit`); a ConfigError if none."""
@@ -165,7 +175,7 @@ class StreamIterator:
         """The stream position (JSON-serialisable) and what defines the stream."""
         epoch, document, offset = self._train.position
         return {"streaming": True, "epoch": epoch, "document": document, "offset": offset,
-                "eval_stride": self.eval_stride}
+                "eval_stride": self.eval_stride, "batches": self.batches}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state()` was taken."""
@@ -175,4 +185,9 @@ class StreamIterator:
         if state["eval_stride"] != self.eval_stride:
             raise ConfigError(f"the checkpoint held out every {state['eval_stride']}th document, this run every "
                               f"{self.eval_stride}th; resume with the same data.eval_fraction, or start afresh.")
+        if "batches" not in state and self.curriculum is not None:
+            raise ConfigError("the checkpoint's streamed position does not count its batches (it predates "
+                              "data.curriculum), so the curriculum cannot resume from it; start afresh, or resume "
+                              "without data.curriculum.")
         self._train.seek((int(state["epoch"]), int(state["document"]), int(state["offset"])))
+        self.batches = int(state.get("batches", 0))

@@ -1,6 +1,7 @@
 """What a run reports as it trains: flags to the divergence guard, metrics records, held-out losses, the bar."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -25,8 +26,9 @@ class RunReport:
     def __init__(self, cfg: Any, ckpt: Any, trainer: Any, data: Any, memory: tuple[int, int], progress: bool,
                  start: int) -> None:
         tc, axes = cfg.train, trainer.mesh.shape
+        # A curriculum's shorter windows hold the same tokens per routing group, fewer attention FLOPs per token.
         group = routing_group_tokens(tc.batch_size, tc.grad_accum, tc.seq_len, axes["dp"], axes["cp"])
-        self.flops_per_token = model_flops_per_token(cfg.model, tc.seq_len, cfg.moe, group)
+        self.flops_per_token = functools.cache(lambda length: model_flops_per_token(cfg.model, length, cfg.moe, group))
         self.peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
         self.tokens_per_step = tc.batch_size * tc.seq_len
         self.cfg, self.ckpt, self.trainer, self.data, self.memory, self.start = cfg, ckpt, trainer, data, memory, start
@@ -36,7 +38,7 @@ class RunReport:
         self.bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
                                initial=start)
         self.records: list[dict[str, Any]] = []
-        self.t_last, self.steps_since = time.perf_counter(), 0
+        self.t_last, self.steps_since, self.flops_since, self.length = time.perf_counter(), 0, 0.0, tc.seq_len
 
     def write(self, record: dict[str, Any]) -> None:
         self.writer.write(record)
@@ -53,13 +55,20 @@ class RunReport:
             self.bar.warn(warning)
         return host
 
+    def took(self, length: int) -> None:
+        """Count one step, on windows of `length` tokens, towards the next log record."""
+        self.steps_since += 1
+        self.flops_since += self.flops_per_token(length)
+        self.length = length
+
     def log(self, step: int, host: dict) -> None:
         """The steps since the last log as one record: loss, throughput, MFU, memory, data wait."""
         step_time = (time.perf_counter() - self.t_last) / self.steps_since
         tps = self.tokens_per_step / step_time
         record = {"step": step, "loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
                   "lr": float(host["lr"]), "tokens_per_sec": tps,
-                  "mfu": mfu(tps, self.flops_per_token, self.trainer.mesh.devices.size, self.peak),
+                  "mfu": mfu(tps, self.flops_since / self.steps_since, self.trainer.mesh.devices.size, self.peak),
+                  "seq_len": self.length,
                   "step_time_s": step_time, "data_wait_s": self.data.take_wait() / self.steps_since,
                   "skipped_steps": self.guard.skipped, **memory_per_device(self.local, self.memory),
                   **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}
@@ -67,7 +76,7 @@ class RunReport:
             record["includes_compile"] = True
         self.write(record)
         self.bar.update(self.steps_since, record)
-        self.t_last, self.steps_since = time.perf_counter(), 0
+        self.t_last, self.steps_since, self.flops_since = time.perf_counter(), 0, 0.0
 
     def evaluate(self, step: int, state: Any) -> None:
         """The held-out loss, kept out of the training throughput."""
