@@ -375,12 +375,13 @@ def test_eval_on_a_checkpoint_equals_eval_on_its_hf_export(uninterrupted, export
 
 
 # -- multi-process checkpoints: 2 processes x 4 devices <-> 1 process x 8 devices ----------------
-# debug.yaml's model on dp=4 x tp=2; the halves are planned as the 4-step run (train.schedule_steps).
-MULTI = ["train.steps=4", "train.schedule_steps=4", "log.every=1", "log.eval_every=0", "checkpoint.every=2"]
+# debug.yaml's model on dp=4 x tp=2; every run is planned as the 6-step run (train.schedule_steps).
+MULTI = ["train.steps=6", "train.schedule_steps=6", "log.every=1", "log.eval_every=0", "checkpoint.every=2"]
 
 
-def two_processes(tmp: Path, cache: Path, name: str, *overrides: str) -> None:
-    """`python -m pjax.train` as 2 processes x 4 CPU devices (gloo) on this machine."""
+def two_processes(tmp: Path, cache: Path, name: str, *overrides: str) -> list[str]:
+    """`python -m pjax.train` as 2 processes x 4 CPU devices (gloo) on this machine, with the multi-host
+    flags; each one's stdout."""
     import socket
 
     with socket.socket() as s:
@@ -393,9 +394,12 @@ def two_processes(tmp: Path, cache: Path, name: str, *overrides: str) -> None:
                                f"checkpoint.dir={tmp}/{name}_ckpt", f"data.cache_dir={cache}/p{i}", *overrides],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
+    outs = []
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-2000:]
+        outs.append(out)
+    return outs
 
 
 def one_process(tmp: Path, cache: Path, name: str, *overrides: str) -> list[float]:
@@ -410,18 +414,17 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_checkpoints_move_between_two_processes_and_one(cache, tmp_path):
-    """Saved by 2 processes x 4 devices and resumed by 1 process x 8, and the other way round: the
+    """Saved by 1 process x 8 devices, resumed and saved by 2 processes x 4, resumed by 1 process again: the
     losses are the uninterrupted 1-process run's (each process writes and reads only its shards)."""
-    reference = one_process(tmp_path, cache, "reference")
-    # 2 processes train steps 1-2 and save; 1 process resumes and trains steps 3-4.
-    two_processes(tmp_path, cache, "a", "train.steps=2")
-    resumed = one_process(tmp_path, cache, "a")
-    steps = logged_losses(tmp_path / "a")
-    # 1 process trains steps 1-2 and saves; 2 processes resume and train steps 3-4.
-    first = one_process(tmp_path, cache, "b", "train.steps=2")
-    two_processes(tmp_path, cache, "b")
-    later = logged_losses(tmp_path / "b")
-    assert len(reference) == 4 and len(resumed) == 2 and sorted(steps) == sorted(later) == [1, 2, 3, 4]
+    reference = one_process(tmp_path, cache, "reference")  # saves at steps 2, 4 and 6
+    shutil.copytree(tmp_path / "reference_ckpt", tmp_path / "x_ckpt")
+    for step in (4, 6):  # the copy's latest checkpoint is step 2's, written by one process
+        shutil.rmtree(tmp_path / "x_ckpt" / str(step))
+    outs = two_processes(tmp_path, cache, "x", "train.steps=4")  # resumes at 2, trains 3-4, saves step 4
+    assert "step 4:" in outs[0] and "step 4:" not in outs[1]  # only process 0 reports
+    later = one_process(tmp_path, cache, "x")  # resumes the 2 processes' step 4, trains 5-6
+    middle = logged_losses(tmp_path / "x")
+    assert committed_steps(tmp_path / "x_ckpt") == [2, 4, 6] and len(reference) == 6 and sorted(middle) == [3, 4, 5, 6]
     # gloo's all-reduce sums in another order than in-process collectives: ~1e-6 apart, not bit for bit.
-    for got in ([steps[1], steps[2], *resumed], [*first, later[3], later[4]]):
-        assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (got, reference)
+    got = [middle[3], middle[4], *later]
+    assert max(abs(a - b) for a, b in zip(got, reference[2:])) <= 1e-5, (got, reference)

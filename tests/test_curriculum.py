@@ -151,7 +151,7 @@ def test_streamed_windows_are_cut_the_same_way_and_resume_by_their_batch_count(t
 # -- training: compiled ahead, resumed exactly, the same on any layout -----------------------------
 
 RUN = ["mesh.dp=1", "mesh.tp=1", "train.batch_size=8", f"train.seq_len={2 * SEQ}", "train.grad_accum=1",
-       "train.schedule_steps=6", "data.curriculum=16x2,32x2", "log.every=1", "log.eval_every=0", "log.peak_flops=1e12"]
+       "train.schedule_steps=4", f"data.curriculum={SEQ}x2", "log.every=1", "log.eval_every=0", "log.peak_flops=1e12"]
 
 
 def curriculum_cfg(tmp: Path, cache: Path, *overrides: str):
@@ -165,7 +165,7 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache) -> tuple[list[dict], list[int]]:
-    """(records, backend compiles seen by each step) of 6 steps on one device: lengths 16, 16, 32, 32, 64, 64."""
+    """(records, backend compiles seen by each step) of 4 steps on one device: lengths 32, 32, 64, 64."""
     compiles: list[int] = []
     seen: list[int] = []
     listener = lambda event, *_, **__: compiles.append(1) if event.endswith("backend_compile_duration") else None  # noqa: E731
@@ -175,7 +175,7 @@ def straight(tmp_path_factory, cache) -> tuple[list[dict], list[int]]:
         patch.setattr(run_report.RunReport, "took", lambda self, length: (seen.append(len(compiles)),
                                                                              took(self, length))[1])
         try:
-            records = train(curriculum_cfg(tmp_path_factory.mktemp("straight"), cache, "train.steps=6"),
+            records = train(curriculum_cfg(tmp_path_factory.mktemp("straight"), cache, "train.steps=4"),
                             progress=False, devices=jax.devices()[:1])
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
@@ -184,28 +184,28 @@ def straight(tmp_path_factory, cache) -> tuple[list[dict], list[int]]:
 
 def test_every_length_is_compiled_before_the_first_step_and_counted_in_mfu(straight):
     records, compiles_at_step = straight
-    assert [r["seq_len"] for r in records] == [16, 16, 32, 32, 64, 64]
-    # Lengths 16 and 32 (unique to this module, so never an in-memory cache hit) compiled before step 1; no
-    # step compiled anything.
-    assert compiles_at_step[0] >= 2 and len(set(compiles_at_step)) == 1
+    assert [r["seq_len"] for r in records] == [32, 32, 64, 64]
+    # Length 32's step (16 rows: unique to this module, so never an in-memory cache hit) compiled before
+    # step 1, and no step compiled anything.
+    assert compiles_at_step[0] >= 1 and len(set(compiles_at_step)) == 1
     cfg = load_config("debug", RUN)
     for r in records:  # mfu = tokens/s x FLOPs per token at the step's length / peak
         flops = r["mfu"] * 1e12 / r["tokens_per_sec"]
         assert flops == pytest.approx(model_flops_per_token(cfg.model, r["seq_len"]), rel=1e-9)
-    assert model_flops_per_token(cfg.model, 16) < model_flops_per_token(cfg.model, 64)
+    assert model_flops_per_token(cfg.model, 32) < model_flops_per_token(cfg.model, 64)
 
 
 def test_a_resume_across_a_length_change_repeats_the_straight_losses(straight, cache, tmp_path):
     losses = [r["loss"] for r in straight[0]]
     ckpt = [f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=2"]
     train(curriculum_cfg(tmp_path, cache, "train.steps=2", *ckpt), progress=False, devices=jax.devices()[:1])
-    resumed = train(curriculum_cfg(tmp_path, cache, "train.steps=6", *ckpt), progress=False,
+    resumed = train(curriculum_cfg(tmp_path, cache, "train.steps=4", *ckpt), progress=False,
                     devices=jax.devices()[:1])
-    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == losses[2:]  # fp32 on CPU: exactly equal
 
 
 def test_dp2_x_cp2_trains_the_curriculum_as_one_device_does(straight, cache, tmp_path):
-    records = train(curriculum_cfg(tmp_path, cache, "train.steps=6", "mesh.dp=2", "mesh.cp=2"), progress=False,
+    records = train(curriculum_cfg(tmp_path, cache, "train.steps=4", "mesh.dp=2", "mesh.cp=2"), progress=False,
                     devices=jax.devices()[:4])
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight[0]], rtol=2e-5)

@@ -112,11 +112,11 @@ def test_the_winning_layout_trains_a_step_under_pjax_train(tmp_path):
     env.pop("XLA_FLAGS", None)
     run = lambda *args: subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True,
                                        text=True, timeout=600)
-    plan = run("pjax.plan", "--config", "debug", "--devices", "8", "--device-kind", "cpu", "--max-candidates", "3",
+    plan = run("pjax.plan", "--config", "debug", "--devices", "8", "--device-kind", "cpu", "--max-candidates", "2",
                "--workers", "1", "--cache", str(tmp_path / "cache"), "--json")
     assert plan.returncode == 0, plan.stderr[-2000:]
     result = json.loads(plan.stdout)
-    assert len(result["compiled"]) == 3 and result["best"]["fits"]
+    assert len(result["compiled"]) == 2 and result["best"]["fits"]
     best = result["best"]
     assert best["step_s"] == min(c["step_s"] for c in result["compiled"] if c["fits"])
     assert best["memory_bytes"] == best["memory"]["total"] and best["comm"]
