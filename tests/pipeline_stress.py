@@ -23,8 +23,7 @@ from test_pipeline_parallel import assert_grads_close, run  # noqa: E402
 
 LAYOUTS = {
     "dp2_pp2_tp2_zb_h1_m8": dict(m=8, pp=2, dp=2, tp=2, schedule="zb_h1"),
-    "dp2_pp2_tp2_interleaved_m4": dict(m=4, pp=2, dp=2, tp=2, schedule="interleaved"),
-    "pp2_cp2_tp2_afab_m4": dict(m=4, pp=2, cp=2, tp=2, schedule="afab"),
+    "pp2_cp2_tp2_interleaved_m4": dict(m=4, pp=2, cp=2, tp=2, schedule="interleaved"),
     "pp2_tp2_sp_zb_v_m8": dict(m=8, pp=2, tp=2, schedule="zb_v", sequence_parallel=True),
     "pp4_tp2_1f1b_m8": dict(m=8, pp=4, tp=2, schedule="1f1b"),
 }

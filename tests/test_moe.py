@@ -3,6 +3,7 @@ drops exactly the assignments its rule says, expert parallelism over dp equals o
 router and its load-balancing loss are Mixtral's (transformers' MixtralSparseMoeBlock)."""
 import dataclasses
 import functools
+import inspect
 import re
 
 import jax
@@ -16,6 +17,7 @@ from models.config import LlamaConfig
 from pjax.config import TrainConfig
 from pjax.observe.hlo import collective_stats
 from pjax.parallel.context.zigzag import zigzag_layout
+from pjax.parallel.pipeline import layout as ppl
 from pjax.step import add_positions, build_trainer
 
 N, D, F = 32, 16, 24  # tokens, hidden, expert MLP width
@@ -167,19 +169,56 @@ def text_batch():
     return add_positions({"inputs": jnp.asarray(tokens[..., :-1]), "labels": jnp.asarray(tokens[..., 1:])})
 
 
-@functools.cache
-def moe_trainer(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
-                sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum):
+def moe_layout(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
+               sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum):
+    """The layouts these tests train on (a signature only)."""
+
+
+LAYOUT = inspect.signature(moe_layout)
+
+
+def cache_by_layout(fn):
+    """`functools.cache` keyed on the full layout (moe_trainer's arguments, defaults filled in):
+    moe_trainer(2) and moe_trainer(2, 1, 0, "dropless") are one trainer and share their compiles."""
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = LAYOUT.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return cached(*bound.args)
+    return call
+
+
+@cache_by_layout
+def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum):
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel, grad_accum=grad_accum)
     return build_trainer(mesh, MOE_CFG, tc, moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
 
 @functools.cache
-def step_loss_and_grads(*layout):
+def moe_params():
+    return jax.tree.map(np.asarray, llama.init_params(MOE_CFG, jax.random.key(0)))
+
+
+def params_for(trainer):
+    """The same parameters on every layout, in the trainer's layer order and sharding (a trainer's own
+    init would compile once per layout)."""
+    return jax.device_put(ppl.to_pipeline_layout(moe_params(), trainer.mesh.shape["pp"], 1),
+                          trainer.state_sharding.params)
+
+
+@cache_by_layout
+def loss_grads_router(*layout):
+    """Loss, gradients and router metrics of the step's gradient computation (its strategy's
+    `loss_and_grads`, which `train_step` reports the metrics of), from one compile."""
     trainer = moe_trainer(*layout)
-    loss, grads = trainer.grads(trainer.init(jax.random.key(0)).params, batch_for(trainer))
-    return float(loss), jax.tree.map(np.asarray, grads)
+    fn = jax.jit(trainer.strategy.loss_and_grads, in_shardings=(trainer.state_sharding.params, trainer.batch_sharding))
+    params, batch = params_for(trainer), batch_for(trainer)
+    with jax.set_mesh(trainer.mesh):
+        loss, grads, router = fn(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(float, router)
 
 
 def batch_for(trainer):
@@ -188,41 +227,47 @@ def batch_for(trainer):
     return jax.device_put(jax.tree.map(lambda a: np.asarray(a)[..., cols], text_batch()), trainer.batch_sharding)
 
 
-@functools.cache
+@cache_by_layout
+def compiled_step(*layout):
+    """The train step of a layout, compiled once ahead of time: for its HLO and to run."""
+    return moe_trainer(*layout).compile_step()
+
+
+@cache_by_layout
 def step_metrics(*layout):
     trainer = moe_trainer(*layout)
-    _, metrics = trainer.step(trainer.init(jax.random.key(0)), batch_for(trainer))
+    _, metrics = compiled_step(*layout)(trainer.init(jax.random.key(0)), batch_for(trainer))
     return jax.tree.map(float, metrics)
 
 
-# Experts over dp alone is in each of these (dp2 x tp2 is its smallest); the pipelined layouts below
-# cover it under pp, with dp x cp x pp the smallest that has dp inside a pipeline.
-@pytest.mark.parametrize("layout", [(2, 2), (4, 1, 3), (2, 1, 1, "capacity"), (2, 2, 0, "dropless", 2),
-                                    (2, 2, 0, "capacity", 1, 1, True)],
-                         ids=["dp2_tp2", "dp4_zero3", "dp2_zero1_capacity", "dp2_cp2_tp2",
-                              "dp2_tp2_sequence_parallel"])
-def test_moe_training_loss_and_grads_with_experts_over_dp_equal_one_device(layout):
-    ref_loss, ref_grads = step_loss_and_grads(1)
-    loss, grads = step_loss_and_grads(*layout)
+def assert_equal_one_device(layout):
+    ref_loss, ref_grads, ref_router = loss_grads_router(1)
+    loss, grads, router = loss_grads_router(*layout)
     assert abs(loss - ref_loss) <= 1e-6
     assert_close(grads, ref_grads, rtol=1e-5)
+    for key in moe.ROUTER_METRICS:  # statistics of the whole batch, wherever its tokens were routed
+        assert router[key] == pytest.approx(ref_router[key], rel=1e-5), key
 
 
-@pytest.mark.parametrize("layout", [(1, 1, 0, "dropless", 1, 2), (2, 2, 0, "dropless", 1, 2),
-                                    (2, 1, 1, "capacity", 1, 2), (2, 1, 0, "dropless", 2, 2)],
-                         ids=["pp2", "dp2_pp2_tp2", "dp2_pp2_zero1_capacity", "dp2_cp2_pp2"])
+# Experts over dp is in each of these: with ZeRO-3 (no reduce-once), with ring attention over cp and
+# tp, and capacity routing with ZeRO-1's reduce-scatter under tp and sequence parallelism. The
+# pipelined layouts below cover it under pp, with dp x cp x pp the smallest that has dp inside a pipeline.
+@pytest.mark.parametrize("layout", [(4, 1, 3), (2, 2, 0, "dropless", 2), (2, 2, 1, "capacity", 1, 1, True)],
+                         ids=["dp4_zero3", "dp2_cp2_tp2", "dp2_tp2_zero1_capacity_sequence_parallel"])
+def test_moe_training_loss_grads_and_router_metrics_with_experts_over_dp_equal_one_device(layout):
+    assert_equal_one_device(layout)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 0, "dropless", 1, 2), (2, 2, 1, "capacity", 1, 2),
+                                    (2, 1, 0, "dropless", 2, 2)],
+                         ids=["pp2", "dp2_pp2_tp2_zero1_capacity", "dp2_cp2_pp2"])
 def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(layout):
     """The router statistics travel with the activations between stages, so every stage's router
-    gets the load-balancing loss's gradient of the whole model (pjax/parallel/pipeline/stage.py)."""
-    ref_loss, ref_grads = step_loss_and_grads(1)
-    loss, grads = step_loss_and_grads(*layout)
-    assert abs(loss - ref_loss) <= 1e-6
-    assert_close(grads, ref_grads, rtol=1e-5)
-    for key in moe.ROUTER_METRICS:
-        assert step_metrics(*layout)[key] == pytest.approx(step_metrics(1)[key], rel=1e-5), key
-    trainer, one = moe_trainer(*layout), moe_trainer(1)
-    eval_loss = lambda tr: float(tr.loss(tr.init(jax.random.key(0)).params, batch_for(tr)))
-    assert eval_loss(trainer) == pytest.approx(eval_loss(one), abs=1e-6)
+    gets the load-balancing loss's gradient of the whole model (pjax/parallel/pipeline/stage.py).
+    The evaluation (a forwards-only table, router losses included) gives the training loss."""
+    assert_equal_one_device(layout)
+    trainer = moe_trainer(*layout)
+    assert float(trainer.loss(params_for(trainer), batch_for(trainer))) == pytest.approx(loss_grads_router(1)[0], abs=1e-6)
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["step", "pipeline"])
@@ -240,8 +285,8 @@ def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_
                 for s, n in zip(shapes, names) if not is_expert(n))
 
     def reduced(grad_accum):  # bytes all-reduced or reduce-scattered over dp per step (the all-to-alls left out)
-        trainer = moe_trainer(2, 1, 0, "dropless", 1, pp, False, grad_accum)
-        rows = collectives_by_axis(trainer.compile_step().as_text(), dict(trainer.mesh.shape),
+        layout = (2, 1, 0, "dropless", 1, pp, False, grad_accum)
+        rows = collectives_by_axis(compiled_step(*layout).as_text(), dict(moe_trainer(*layout).mesh.shape),
                                    scale=lambda kind, line: kind != "all-to-all")
         return rows["dp"]["bytes"]
 
@@ -250,15 +295,18 @@ def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_
 
 
 def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():
-    (loss, _), metrics = step_loss_and_grads(1), step_metrics(1)
+    """The step on dp=2 (experts over dp) reports the loss and the router metrics of one device's
+    gradient computation; the loss is the cross-entropy plus the weighted router losses."""
+    loss, _, router = loss_grads_router(1)
+    metrics = step_metrics(2)
     assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
-    for key in moe.ROUTER_METRICS:  # statistics of the whole batch, wherever its tokens were routed
-        assert step_metrics(2)[key] == pytest.approx(metrics[key], rel=1e-5), key
+    for key in moe.ROUTER_METRICS:
+        assert metrics[key] == pytest.approx(router[key], rel=1e-5), key
     assert metrics["aux_loss"] > 0 and metrics["z_loss"] > 0 and metrics["dropped_fraction"] == 0
     assert metrics["load_min"] <= 1.0 <= metrics["load_max"]
     plain = dataclasses.replace(MOE_CFG, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
     trainer = build_trainer(make_mesh(MeshConfig(dp=1), jax.devices()[:1]), plain, MOE_TC)
-    cross_entropy = float(trainer.loss(trainer.init(jax.random.key(0)).params, text_batch()))
+    cross_entropy = float(trainer.loss(moe_params(), text_batch()))
     assert loss == pytest.approx(cross_entropy + 0.1 * metrics["aux_loss"] + 0.01 * metrics["z_loss"], rel=1e-6)
 
 
@@ -269,12 +317,12 @@ def test_moe_checkpoint_restores_onto_another_expert_layout(tmp_path):
     from pjax.config import Config
 
     config = Config(model=MOE_CFG, train=MOE_TC)
-    saver = moe_trainer(2)
-    state, _ = saver.step(saver.init(jax.random.key(0)), jax.device_put(text_batch(), saver.batch_sharding))
+    saver, step = moe_trainer(2), compiled_step(2)  # the step test_moe_step_adds_the_router_losses_... ran
+    state, _ = step(saver.init(jax.random.key(0)), jax.device_put(text_batch(), saver.batch_sharding))
     with Checkpointer(str(tmp_path)) as ckpt:
         ckpt.save(1, state, data={"position": 1}, rng=jax.random.key(1), config=config)
     saved = jax.tree.map(lambda a: np.array(a, copy=True), state)
-    _, want = saver.step(state, jax.device_put(text_batch(), saver.batch_sharding))
+    _, want = step(state, jax.device_put(text_batch(), saver.batch_sharding))
     loader = moe_trainer(4, 2)
     with Checkpointer(str(tmp_path)) as ckpt:
         restored = ckpt.restore(loader, config).state
