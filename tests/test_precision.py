@@ -111,7 +111,8 @@ def test_bf16_moments_halve_their_bytes_in_the_compiled_step(tmp):
         record = preset_run(preset, tmp)[-1]
         assert record["memory_source"] == "compiled", record
         args[preset] = record["memory_in_use_bytes"]
-    params = sum(a.size for a in jax.tree.leaves(jax.eval_shape(lambda: llama.init_params(cfg.model, jax.random.key(0)))))
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg.model, jax.random.key(0)))
+    params = sum(a.size for a in jax.tree.leaves(shapes))
     assert args["bf16"] - args["bf16-lean"] == 2 * 2 * params  # two moments, 4 -> 2 bytes each
 
 
