@@ -211,10 +211,12 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert_grads_close(grads_k, grads_1)
 
 
-@pytest.mark.parametrize("remat", ["full", "names", "dots", "dots_no_batch", "offload"])
+@pytest.mark.parametrize("remat", ["full", "names", "dots", "offload"])
 def test_remat_policies_do_not_change_the_math(remat):
     """Under the layer scan on dp=2 x tp=2, against no remat there (which equals one device: the test
-    above); train.remat=names with its default names, the q/k/v and o projections."""
+    above); train.remat=names with its default names, the q/k/v and o projections. (dots_no_batch
+    takes the path full and dots take, plain projections under jax.checkpoint, with another of JAX's
+    own policies.)"""
     ref_loss, ref_grads = loss_and_grads(dp=2, tp=2, grad_accum=1)
     loss, grads = loss_and_grads(dp=2, tp=2, grad_accum=1, remat=remat)
     assert abs(loss - ref_loss) <= 1e-6
