@@ -72,8 +72,8 @@ def test_ring_attention_and_its_gradients_equal_full_causal_attention(cp, layout
         assert_close(g, np.asarray(ref)[:, perm])
 
 
-STRATEGY_LAYOUTS = [("all_gather", 2, 1), ("all_gather", 4, 2), ("ulysses", 2, 1), ("ulysses", 4, 1),
-                    ("ulysses", 2, 2)]
+# all_gather at cp=2 trains in dp2_cp2_tp2_strategyall_gather below.
+STRATEGY_LAYOUTS = [("all_gather", 4, 2), ("ulysses", 2, 1), ("ulysses", 4, 1), ("ulysses", 2, 2)]
 
 
 @pytest.mark.parametrize("strategy,cp,tp", STRATEGY_LAYOUTS, ids=[f"{s}_cp{c}_tp{t}" for s, c, t in STRATEGY_LAYOUTS])
