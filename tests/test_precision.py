@@ -29,13 +29,21 @@ STEPS = 50
 TOLERANCE = {"bf16": ("fp32", 0.002), "bf16-lean": ("fp32", 0.002), "fp8": ("bf16", 0.005)}
 
 
-@functools.cache
-def final_loss(preset: str, tmp: str) -> float:
-    cfg = load_config("debug", [
+def preset_config(preset: str, tmp: str):
+    return load_config("debug", [
         "mesh.dp=1", "mesh.tp=1", f"train.steps={STEPS}", "train.seq_len=64", "train.batch_size=8", "train.dtype=auto",
         "log.every=10", "log.eval_every=0", f"log.dir={tmp}/{preset}", f"data.cache_dir={tmp}/cache",
         f"precision.preset={preset}"])
-    return train(cfg, progress=False, devices=jax.devices()[:1])[-1]["loss"]
+
+
+@functools.cache
+def preset_run(preset: str, tmp: str) -> tuple[dict, ...]:
+    """The records of STEPS steps of the debug model on the shipped text under `preset`, on one device."""
+    return tuple(train(preset_config(preset, tmp), progress=False, devices=jax.devices()[:1]))
+
+
+def final_loss(preset: str, tmp: str) -> float:
+    return preset_run(preset, tmp)[-1]["loss"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ def dot_dtypes(precision: Precision) -> dict[tuple, set]:
     from models import llama
     from pjax.spec import StepSpec
 
-    params = llama.init_params(CFG, jax.random.key(0))
+    params = jax.eval_shape(lambda: llama.init_params(CFG, jax.random.key(0)))  # a jaxpr needs only shapes
     micro = {k: jnp.zeros((3, 8), jnp.int32) for k in ("inputs", "labels", "positions")}
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: StepSpec(CFG, precision).loss_sum(p, micro)[0]))(params).jaxpr
     found: dict[tuple, set] = {}
@@ -88,16 +96,23 @@ def test_a_module_kind_set_apart_from_its_preset_computes_in_its_own_dtype():
     assert dots[(32, 16)] == {jnp.dtype(jnp.bfloat16)}, dots
 
 
-def test_bf16_moments_halve_their_bytes_in_the_compiled_step():
+def test_bf16_moments_halve_their_bytes_in_the_compiled_step(tmp):
+    """The argument bytes of the step `train` compiled for the preset runs above: on CPU their metrics
+    report the compiled step's `memory_analysis().argument_size_in_bytes` as the memory in use."""
+    from models import llama
+
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     args = {}
     for preset in ("bf16", "bf16-lean"):
-        trainer = build_trainer(mesh, CFG, TC, precision=PrecisionConfig(preset=preset))
+        cfg = preset_config(preset, tmp)
+        trainer = build_trainer(mesh, cfg.model, cfg.train, precision=cfg.precision)
         mu = [a for a in jax.tree.leaves(trainer.abstract_state().opt_state) if a.ndim > 0]
         assert {a.dtype for a in mu} == {jnp.dtype(PRESETS[preset]["optimizer_state"])}
-        args[preset] = trainer.compile_step().memory_analysis().argument_size_in_bytes
-    params = sum(a.size for a in jax.tree.leaves(jax.eval_shape(lambda: __import__("models.llama").llama.init_params(
-        CFG, jax.random.key(0)))))
+        record = preset_run(preset, tmp)[-1]
+        assert record["memory_source"] == "compiled", record
+        args[preset] = record["memory_in_use_bytes"]
+    shapes = jax.eval_shape(lambda: llama.init_params(cfg.model, jax.random.key(0)))
+    params = sum(a.size for a in jax.tree.leaves(shapes))
     assert args["bf16"] - args["bf16-lean"] == 2 * 2 * params  # two moments, 4 -> 2 bytes each
 
 
@@ -132,7 +147,9 @@ def test_fp32_moments_resume_as_bf16_with_a_note(tmp, capsys):
     restore rounds each moment to bf16, and the run says so in one line."""
     from pjax.checkpoint.checkpointer import Checkpointer
 
-    common = ["mesh.dp=1", "mesh.tp=1", "train.seq_len=32", "train.batch_size=4", "log.every=1", "log.eval_every=0",
+    # The preset runs' shapes and schedule: the fp32 run compiles the step the fp32 preset run compiled.
+    common = ["mesh.dp=1", "mesh.tp=1", "train.seq_len=64", "train.batch_size=8", f"train.schedule_steps={STEPS}",
+              "train.dtype=auto", "log.every=1", "log.eval_every=0",
               f"log.dir={tmp}/resume", f"data.cache_dir={tmp}/cache", f"checkpoint.dir={tmp}/resume/ckpt"]
     train(load_config("debug", common + ["train.steps=2"]), progress=False, devices=jax.devices()[:1])
     lean = load_config("debug", common + ["train.steps=3", "precision.optimizer_state=bfloat16"])
@@ -167,10 +184,14 @@ def test_a_bf16_gradient_accumulator_sums_in_bf16_on_one_device():
     batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 2, 16)), jnp.int32)
              for k in ("inputs", "labels")}
     batch["positions"] = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 2, 16))
-    grads = {}
+    grads, params = {}, None
     for accum in ("float32", "bfloat16"):
         trainer = build_trainer(mesh, CFG, TC, precision=PrecisionConfig(preset="bf16", grad_accum=accum))
-        grads[accum] = trainer.grads(trainer.init(jax.random.key(0)).params, batch)[1]
+        if params is None:  # any weights (both sums take the same): drawn here, no init to compile
+            rng = np.random.default_rng(1)
+            params = jax.tree.map(lambda a: (0.05 * rng.normal(size=a.shape)).astype(a.dtype),
+                                  trainer.abstract_state().params)
+        grads[accum] = trainer.grads(params, batch)[1]
     assert any(bool(jnp.any(g != r)) for g, r in zip(jax.tree.leaves(grads["bfloat16"]), jax.tree.leaves(grads["float32"])))
     for g, r in zip(jax.tree.leaves(grads["bfloat16"]), jax.tree.leaves(grads["float32"])):
         assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) <= 2 ** -7 * float(jnp.max(jnp.abs(r)))
