@@ -124,12 +124,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.validate import Run
 
     tc, mc = cfg.train, cfg.model
-    if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
-        # Only a warning: RoPE computes any position, but the saved model claims the shorter context.
-        print(f"warning: train.seq_len={tc.seq_len} is longer than model.max_position_embeddings="
-              f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
-              f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
-              file=sys.stderr, flush=True)
+    _warn_if_longer_than_the_model(cfg)
     mesh = make_mesh(cfg.mesh, devices)
     trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
@@ -169,6 +164,18 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
     return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory,
                 steps if curriculum is not None else {})
+
+
+def _warn_if_longer_than_the_model(cfg: Config) -> None:
+    """Only a warning: RoPE computes any position, but the saved model claims the shorter context."""
+    import jax
+
+    tc, mc = cfg.train, cfg.model
+    if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
+        print(f"warning: train.seq_len={tc.seq_len} is longer than model.max_position_embeddings="
+              f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
+              f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
+              file=sys.stderr, flush=True)
 
 
 def _compile_steps(trainer: Any, curriculum: Any) -> dict[int, Any]:
