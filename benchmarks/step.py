@@ -24,8 +24,10 @@ from common import compile_step, random_batch, use_layout_devices
 from pjax.malloc import huge_pages_env
 
 
-def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
-    """Build the trainer for one layout in this process and measure it."""
+def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str],
+            hlo_count: str | None = None) -> dict:
+    """Build the trainer for one layout in this process and measure it; `hlo_count`: a string whose
+    occurrences in the compiled step's HLO are counted (e.g. an fp8 GEMM's custom-call target)."""
     use_layout_devices(layout)
     import jax
     import numpy as np
@@ -49,6 +51,8 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
         "analytic_state_mb": round(analytic / 2**20, 2),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
+    if hlo_count:
+        result["hlo_count"] = {hlo_count: compiled.as_text().count(hlo_count)}
     if aot:
         return result
     batch = random_batch(trainer)
@@ -68,10 +72,14 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
     result.update(step_ms=round(1000 * step_s, 1), tokens_per_sec=round(tps), model_tflops=round(flops / 1e12, 4),
                   mfu=None if not peak else round(flops / n_dev / peak, 4))
+    stats = jax.devices()[0].memory_stats() or {}  # the allocator's figures (GPUs); XLA:CPU keeps none
+    if "peak_bytes_in_use" in stats:
+        result["peak_memory_mb"] = round(stats["peak_bytes_in_use"] / 2**20, 1)
     return result
 
 
-def run_layout(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str]) -> dict:
+def run_layout(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str],
+               hlo_count: str | None = None) -> dict:
     """`run_one` for one layout in a process of its own, with that layout's devices and XLA:CPU's
     buffers on huge pages as `pjax.train` runs them (pjax/malloc.py): its result, or
     {'layout', 'error'} with the process's last line of stderr."""
@@ -79,7 +87,8 @@ def run_layout(config: str, layout: str, steps: int, warmup: int, aot: bool, ove
     env.pop("XLA_FLAGS", None)
     env.update(huge_pages_env(env))
     cmd = [sys.executable, __file__, "--one", layout, "--config", config, "--steps", str(steps),
-           "--warmup", str(warmup), *(["--aot"] if aot else []), *overrides]
+           "--warmup", str(warmup), *(["--aot"] if aot else []), *(["--hlo-count", hlo_count] if hlo_count else []),
+           *overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         return {"layout": layout, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
@@ -93,16 +102,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--aot", action="store_true", help="compile only (memory and compile time, no timing)")
+    ap.add_argument("--hlo-count", default=None, help="count this string in the compiled step's HLO")
     ap.add_argument("--plot", default=None, help="write a bar chart of tokens/s to this PNG")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every layout")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.config, args.one, args.steps, args.warmup, args.aot, args.overrides)))
+        print(json.dumps(run_one(args.config, args.one, args.steps, args.warmup, args.aot, args.overrides,
+                                 args.hlo_count)))
         return
     results = []
     for layout in args.layouts.split(","):
-        result = run_layout(args.config, layout, args.steps, args.warmup, args.aot, args.overrides)
+        result = run_layout(args.config, layout, args.steps, args.warmup, args.aot, args.overrides, args.hlo_count)
         print(json.dumps(result), flush=True)
         results.append(result)
     print(json.dumps(results, indent=1))

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU figures the open issues ask for, in one visit to a lent GPU (run from the repository root there):
+#   bash benchmarks/gpu_session.sh precision   # smoke step, precision presets on SmolLM-360M/1.7B, calibration
+#   bash benchmarks/gpu_session.sh remat       # each remat policy on SmolLM-360M/1.7B: time and allocator peak
+# Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
+set -u
+OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} TF_CPP_MIN_LOG_LEVEL=2
+# benchmarks/step.py compiles ahead of time for the memory figures, then jit compiles the same program:
+# the persistent cache makes the second a lookup.
+export JAX_COMPILATION_CACHE_DIR=/tmp/jcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+PY=${PY:-python3}
+F8='__cublas$lt$matmul$f8'
+
+step() {  # step CONFIG TIMEOUT PART ARGS...: one benchmarks/step.py layout-1 run, its JSON line appended
+  local config=$1 limit=$2 part=$3; shift 3
+  echo "== $config $*"
+  timeout "$limit" $PY benchmarks/step.py --config "$config" --layouts 1 "$@" 2>>"$OUT/$part.err" \
+    | grep '^{"layout"' | tee -a "$OUT/$part.jsonl" || echo "{\"config\": \"$config\", \"args\": \"$*\", \"error\": \"timeout or crash\"}" | tee -a "$OUT/$part.jsonl"
+}
+
+case ${1:-precision} in
+precision)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/env.txt"
+  $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/env.txt"
+  step debug 120 precision --steps 3 --warmup 1
+  for p in bf16 bf16-lean fp8; do
+    step smollm-360m 150 precision --steps 6 --warmup 2 --hlo-count "$F8" precision.preset=$p train.batch_size=32 train.grad_accum=4
+  done
+  for p in bf16 bf16-lean fp8; do
+    step smollm-1.7b 150 precision --steps 6 --warmup 2 --hlo-count "$F8" precision.preset=$p train.batch_size=16 train.grad_accum=4
+  done
+  timeout 150 $PY -m pjax.plan.calibrate --out "$OUT/calibration.json" 2>"$OUT/calibration.err" | tail -1
+  ;;
+remat)
+  for r in none full names offload; do
+    step smollm-360m 150 remat --steps 5 --warmup 1 train.remat=$r train.batch_size=32 train.grad_accum=4
+  done
+  for r in none full names; do
+    step smollm-1.7b 150 remat --steps 5 --warmup 1 train.remat=$r train.batch_size=16 train.grad_accum=4
+  done
+  ;;
+esac
