@@ -30,6 +30,8 @@ _GRIDS = {
 }
 _ATTENTION = {"cpu": ((2, 256, 4, 64), (2, 1024, 4, 64)),
               "gpu": ((8, 2048, 16, 64), (4, 4096, 16, 64), (8, 2048, 32, 128), (2, 8192, 32, 128))}
+_BANDWIDTH_MB = {"cpu": (16, 256), "gpu": (64, 1024)}
+_COLLECTIVE_MB = (0.0625, 1, 16)  # per device
 _DTYPES = {"cpu": ("float32",), "gpu": ("bfloat16", "float8_e4m3fn")}
 
 
@@ -129,13 +131,13 @@ def calibrate(quick: bool = False, verbose: bool = False) -> dict[str, Any]:
                         print(json.dumps(record["matmul"][-1]), file=sys.stderr, flush=True)
                 except Exception as e:  # a dtype this device cannot multiply (fp8 before Hopper) is recorded as such
                     record["matmul"].append({"m": m, "k": k, "n": n, "dtype": dtype, "error": str(e).splitlines()[0]})
-    record["bandwidth"] = [bandwidth(mb) for mb in ((64, 1024) if plat == "gpu" else (16, 256))]
+    record["bandwidth"] = [bandwidth(mb) for mb in _BANDWIDTH_MB[plat]]
     record["attention"] = [attention(*shape) for shape in _ATTENTION[plat]]
     if verbose:
         print(json.dumps(record["bandwidth"] + record["attention"]), file=sys.stderr, flush=True)
     if len(devices) > 1:
         for kind in ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"):
-            for mb in (0.0625, 1, 16):
+            for mb in _COLLECTIVE_MB:
                 record["collectives"].append(collective(kind, mb, devices))
     return record
 

@@ -1,0 +1,40 @@
+"""The planner's calibration measures every kind of figure on this machine: finite, positive, and the
+collectives on the 8 forced devices."""
+import math
+
+import jax
+import pytest
+
+from pjax.plan import calibrate
+
+
+@pytest.fixture(scope="module")
+def record():
+    grids = {"cpu": {"rows": (64,), "square": (64,), "rect": ((64, 128),)}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibrate, "_GRIDS", grids)
+        mp.setattr(calibrate, "_ATTENTION", {"cpu": ((1, 128, 2, 32),)})
+        mp.setattr(calibrate, "_BANDWIDTH_MB", {"cpu": (1,)})
+        mp.setattr(calibrate, "_COLLECTIVE_MB", (0.0625,))
+        yield calibrate.calibrate()
+
+
+def _positive(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_every_figure_is_measured(record):
+    assert record["platform"] == "cpu" and record["devices"] == jax.device_count()
+    assert [(r["m"], r["k"], r["n"]) for r in record["matmul"]] == [(64, 64, 64), (64, 64, 128)]
+    assert all(_positive(r["seconds"]) and _positive(r["flops_per_s"]) for r in record["matmul"])
+    assert all(_positive(b["bytes_per_s"]) for b in record["bandwidth"])
+    (att,) = record["attention"]
+    assert _positive(att["forward_s"]) and att["forward_backward_s"] > att["forward_s"] / 10
+    kinds = {c["kind"] for c in record["collectives"]}
+    assert kinds == {"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"}
+    assert all(c["devices"] == 8 and _positive(c["seconds"]) for c in record["collectives"])
+
+
+def test_matmul_rate_is_flops_over_time():
+    r = calibrate.matmul(32, 48, 16, "float32", repeat=2)
+    assert r["flops_per_s"] == pytest.approx(2 * 32 * 48 * 16 / r["seconds"])
