@@ -22,6 +22,7 @@ REMATS = ("none", "full", "dots", "dots_no_batch", "offload", "names")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 ON_NONFINITE = ("stop", "skip")
+GRAD_COMPRESSIONS = ("none", "bf16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class TrainConfig:
     init_from: str | None = None
     on_nonfinite: str = "stop"
     max_skipped: int = 5
+    grad_compression: str = "none"  # the once-per-step data reduction's payload (pjax/parallel/compression.py)
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -84,6 +86,7 @@ class TrainConfig:
         require_choice("train.zero", self.zero, ZERO_STAGES)
         require_choice("train.attention", self.attention, ATTENTIONS)
         require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
+        require_choice("train.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
 
 
     @property

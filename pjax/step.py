@@ -35,6 +35,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
+    residual: Any = None  # error feedback's, with train.grad_compression (`data_parallel.residual_shardings`)
 
 
 def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
@@ -63,6 +64,7 @@ class Accumulation:
     spec: StepSpec
     zero: int = 0
     grad_sharding: Any = None
+    compression: str = "none"  # train.grad_compression: the once-per-step reduction's payload
 
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
         """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
@@ -75,6 +77,11 @@ class Accumulation:
 
         loss, count, grads, router = local(params, batch, pin=pin)
         return loss / count, jax.tree.map(lambda g: g / count, grads), router
+
+    def compressed_loss_and_grads(self, params: Any, batch: Batch, residual: Any) -> tuple[Any, ...]:
+        """`loss_and_grads` with the reduction's payload compressed, and the new error-feedback residual fourth."""
+        local = functools.partial(accumulate, spec=self.spec)
+        return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero, self.compression, residual)
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) of a batch without gradients."""
@@ -89,7 +96,11 @@ class Accumulation:
 def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
                tc: TrainConfig) -> tuple[TrainState, dict]:
     """One optimizer step on `strategy`'s gradients: new state, {loss, grad_norm, lr, finite} + MoE router metrics."""
-    loss, grads, router = strategy.loss_and_grads(state.params, batch)
+    residual = state.residual
+    if residual is None:
+        loss, grads, router = strategy.loss_and_grads(state.params, batch)
+    else:
+        loss, grads, router, residual = strategy.compressed_loss_and_grads(state.params, batch, residual)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a bf16 accumulator's sum, for fp32 masters
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
@@ -97,9 +108,10 @@ def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: opt
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if tc.on_nonfinite == "skip":
-        params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, residual = keep_if_finite(finite, (params, opt_state, residual),
+                                                     (state.params, state.opt_state, state.residual))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **router}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    return TrainState(state.step + 1, params, opt_state, residual), metrics
 
 
 def add_positions(batch: Batch) -> Batch:
@@ -163,23 +175,26 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
-    state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding)
+    compressed = tc.grad_compression != "none"
+    r_sharding = data_parallel.residual_shardings(mesh, cfg, tc.zero) if compressed else None
+    state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        residual = data_parallel.init_residual(params, mesh, cfg) if compressed else None
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual)
 
     attention_fn = None
     if mesh.shape[CP] > 1:
         attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
     spec = StepSpec.build(cfg, tc, moe, attention_fn, policy)
     if mc.pp > 1:
-        strategy = Pipelined(spec, tc.zero, g_sharding, pipeline)
+        strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
-        strategy = Accumulation(spec, tc.zero, g_sharding)
+        strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
@@ -213,7 +228,16 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
                                            v=trainer.pipeline.virtual_stages, vshape=trainer.pipeline.vshape),
                          out_shardings=trainer.state_sharding.params)(params)
     opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params), fresh_residual(trainer))
+
+
+def fresh_residual(trainer: Trainer) -> Any:
+    """Zero error-feedback residuals on the trainer's mesh, or None without train.grad_compression."""
+    if trainer.state_sharding.residual is None:
+        return None
+    shapes = trainer.abstract_state().params
+    return jax.jit(lambda: data_parallel.init_residual(shapes, trainer.mesh, trainer.cfg),
+                   out_shardings=trainer.state_sharding.residual)()
 
 
 def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:

@@ -16,6 +16,7 @@ from models import sequence_parallel
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
 from pjax.config import TrainConfig
+from pjax.parallel import compression
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.context.strategy import ContextConfig
 from pjax.parallel.pipeline import table as pipeline_table
@@ -61,7 +62,7 @@ def accumulator_compiles(run: Run) -> None:
 
 
 RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run, context_strategy.check_run,
-         sequence_parallel.check_run)
+         sequence_parallel.check_run, compression.check_run)
 
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),

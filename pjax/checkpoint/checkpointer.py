@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -160,11 +161,28 @@ class Checkpointer:
             raise ConfigError(f"{self.directory}/{step} has checkpoint format {meta.get('format')}, this pjax reads "
                               f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
         state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
-                           items["params"], items["opt_state"])
+                           items["params"], items["opt_state"], self._restore_residual(trainer, saved_cfg, cfg, meta, step))
         if self._rows is not None:
             state = _permute_layers(state, self._rows)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
         return Restored(state, meta["data"], rng, saved_cfg)
+
+    def _restore_residual(self, trainer: Trainer, saved: Config, cfg: Config, meta: dict, step: int) -> Any:
+        """Error feedback's residual as saved where the data replicas are the same; zeros (with a warning) where
+        the run saved none or split its data another way: its values belong to the replicas that kept them."""
+        from pjax.step import fresh_residual
+
+        target = trainer.abstract_state().residual
+        if target is None:
+            return None
+        same = (saved.train.grad_compression, saved.train.zero, meta.get("residual_replicas")) == (
+            cfg.train.grad_compression, cfg.train.zero, jax.tree.leaves(target)[0].shape[0])
+        if same:
+            return self._manager.restore(step, args=ocp.args.Composite(
+                residual=ocp.args.StandardRestore(target)))["residual"]
+        self._warn(f"train.grad_compression={cfg.train.grad_compression}: the error-feedback residual starts at zero "
+                   f"(step {step} was saved without one, or with other data replicas).")
+        return fresh_residual(trainer)
 
     def set_aside_unreadable(self, after: int) -> None:
         """Rename the unreadable steps newer than `after` to `<step>.unreadable`, so their numbers can be saved again."""
@@ -205,9 +223,12 @@ class Checkpointer:
         self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))))
         with self._disk_full_is_one_line():
             # force: pjax decides when to save, not Orbax's interval policy.
+            residual = {} if state.residual is None else {"residual": ocp.args.StandardSave(state.residual)}
+            if residual:  # replicas x parameter shape: a resume with other data replicas starts from zeros
+                meta["residual_replicas"] = int(jax.tree.leaves(state.residual)[0].shape[0])
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
-                meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config))))
+                meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **residual))
         self.last_saved = step
 
     def close(self) -> None:
@@ -283,14 +304,18 @@ def _abstract(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def _reorder_layers(tree: Any, rows: np.ndarray) -> Any:
-    """out[i] = in[rows[i]] along every leaf under a 'layers' key, optimizer moments included."""
+def _reorder_layers(tree: Any, rows: np.ndarray, axis: int = 0) -> Any:
+    """out[i] = in[rows[i]] along `axis` of every leaf under a 'layers' key, optimizer moments included."""
     def reorder(path, x):
-        return x[rows] if any(getattr(k, "key", None) == "layers" for k in path) else x
+        return jnp.take(x, rows, axis=axis) if any(getattr(k, "key", None) == "layers" for k in path) else x
     return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
 def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
-    # A gather across pp stages: jit it, keeping every leaf where it was.
+    # A gather across pp stages: jit it, keeping every leaf where it was. A residual's layers are its axis 1.
+    def permute(state):
+        residual = None if state.residual is None else _reorder_layers(state.residual, rows, axis=1)
+        return _reorder_layers(state._replace(residual=None), rows)._replace(residual=residual)
+
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.jit(functools.partial(_reorder_layers, rows=rows), out_shardings=shardings)(state)
+    return jax.jit(permute, out_shardings=shardings)(state)

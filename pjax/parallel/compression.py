@@ -13,13 +13,18 @@ slice adds phase 2's error on it to its own r'. So sum over steps of the reduced
 sums - sum over devices of the last residuals: the gap stays bounded instead of growing with the steps."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mesh.errors import ConfigError
+
 Payload = Literal["bf16", "int8"]
+# Every device gathers the same whole sum: the invariant gather says so to shard_map's type system, so the sum
+# leaves a shard_map as replicated (`out_specs` P()). Public in newer JAX, in jax._src in 0.10.
+_all_gather_invariant = getattr(lax, "all_gather_invariant", None) or jax._src.lax.parallel.all_gather_invariant
 BLOCK = 256  # int8 values per fp32 scale: 1.6% more bytes, small blocks keep an outlier's damage local
 _INT8_MAX = 127.0
 
@@ -62,7 +67,7 @@ def _exchange(values: jax.Array, scale: jax.Array | None, axes: tuple[str, ...],
     """Phase 1 (`all_to_all`: row j to device j) or phase 2 (`all_gather` of one row), payload and scales alike.
     bf16 travels as its bits (uint16): XLA:CPU would otherwise widen a bf16 collective to f32."""
     if gather:
-        move = lambda a: lax.all_gather(a, axes, axis=0, tiled=True)  # noqa: E731
+        move = lambda a: _all_gather_invariant(a, axes, axis=0, tiled=True)  # noqa: E731
     else:
         move = lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True)  # noqa: E731
     if values.dtype == jnp.bfloat16:
@@ -116,3 +121,18 @@ def _linear_index(axes: tuple[str, ...]) -> jax.Array:
     for axis in axes:
         index = index * lax.axis_size(axis) + lax.axis_index(axis)
     return index
+
+
+def check_run(run: Any) -> None:
+    """One line where `train.grad_compression` has no once-per-step reduction to compress (one data replica;
+    ZeRO-3, which reduce-scatters every micro-batch)."""
+    mode, mesh = run.train.grad_compression, run.mesh
+    if mode == "none":
+        return
+    if mesh.dp * mesh.cp == 1:
+        raise ConfigError(f"train.grad_compression={mode} compresses the gradient reduction over dp and cp, and this "
+                          f"mesh has dp=1, cp=1: set mesh.dp > 1, or train.grad_compression=none.")
+    if run.train.zero >= 3:
+        raise ConfigError(f"train.grad_compression={mode} with train.zero=3: ZeRO-3 reduce-scatters every "
+                          f"micro-batch, so there is no once-per-step reduction to compress; use train.zero=1 "
+                          f"(its reduce-scatter is compressed), or train.grad_compression=none.")

@@ -22,18 +22,32 @@ from pjax.parallel.pipeline.table import make_schedule, needs_lockstep
 
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,
-         zero: int, with_grads: bool = True) -> tuple[jax.Array, Any, dict]:
+         zero: int, with_grads: bool = True, payload: str = "none", residual: Any = None) -> tuple[Any, ...]:
     """The executor in a shard_map over pp, and with `once` over the data axes too, reducing the
-    gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step")."""
+    gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step"); with a compression
+    `payload` and its `residual`, the new residual comes fourth."""
     data = data_parallel.data_axes(current()) if once else ()
     split = zero == 1 and DP in data
-    reduce = (lambda g: data_parallel.reduce_gradients(g, cfg, split)) if once else (lambda g: g)
-    body, table = executor(sched, stage, lockstep, reduce if with_grads else None)
+    table = executor(sched, stage, lockstep)[1]
+
+    def body(params, batch, table, residual):
+        kept = {}
+
+        def reduce(g):
+            g, kept["residual"] = data_parallel.reduce_gradients(g, cfg, split, payload, residual)
+            return g
+
+        run = executor(sched, stage, lockstep, (reduce if once else (lambda g: g)) if with_grads else None)[0]
+        return (*run(params, batch, table), kept.get("residual"))
+
     specs = data_parallel.data_specs(cfg, data, pipelined=True)
     grad_specs = data_parallel.data_specs(cfg, data, split, pipelined=True) if with_grads else P()
-    run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
-                        out_specs=(P(), grad_specs, P()), axis_names={PP, *data})
-    return run(params, batch, jnp.asarray(table))
+    res_specs = None if residual is None else jax.tree.map(lambda s: P(data, *s), specs,
+                                                          is_leaf=lambda x: isinstance(x, P))
+    run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP), res_specs),
+                        out_specs=(P(), grad_specs, P(), res_specs), axis_names={PP, *data})
+    out = run(params, batch, jnp.asarray(table), residual)
+    return out if residual is not None else out[:3]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +59,7 @@ class Pipelined:
     grad_sharding: Any
     pipeline: Any  # a `pjax.config.PipelineConfig`
     schedule: ps.Schedule | None = None
+    compression: str = "none"  # train.grad_compression: the once-per-step reduction's payload
 
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any, dict]:
         """Mean token loss of the global batch, its gradient, and the router metrics (MoE; else {})."""
@@ -53,6 +68,19 @@ class Pipelined:
         if self.grad_sharding is not None:  # ZeRO: gradients live in slices
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router
+
+    def compressed_loss_and_grads(self, params: Any, batch: Batch, residual: Any) -> tuple[Any, ...]:
+        """`loss_and_grads` with the once-per-step reduction's payload compressed (`train.grad_compression`),
+        and the new error-feedback residual fourth."""
+        lockstep = needs_lockstep()
+        once = data_parallel.can_reduce_once(current(), self.zero)
+        stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
+        sched = self._table(batch["inputs"].shape[0], lockstep)
+        loss, grads, router, residual = _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero,
+                                             payload=self.compression, residual=residual)
+        if self.grad_sharding is not None:
+            grads = lax.with_sharding_constraint(grads, self.grad_sharding)
+        return loss, grads, router, residual
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""

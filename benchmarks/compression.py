@@ -1,0 +1,141 @@
+"""Compressed gradient reduction (`train.grad_compression`): bytes on the wire, convergence, and a time model.
+
+    python benchmarks/compression.py --plot benchmarks/plots/compression.png
+    python benchmarks/compression.py --bytes-only --layouts dp8,dp8-zero1,dp2-tp4,dp2-pp2-tp2
+
+1. Bytes: each layout's step compiled from shapes on 8 forced CPU devices per mode, the collectives read from
+   the HLO (`comm.measure`): what one device sends per step, by kind, and the dp reduction's share.
+2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
+   the held-out loss every `--eval-every` steps.
+3. A time model: the dp reduction of a real model (`--model`, e.g. smollm-360m) on 8 replicas at each link
+   speed, bytes / bandwidth, against one H100's compute time for the step at the MFU measured there
+   (benchmarks/README.md, "One GPU"), assuming none of it overlaps.
+Prints one JSON line per result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+MODES = ("none", "bf16", "int8")
+# bytes a gradient value occupies on the link: int8 adds one fp32 scale per 256 values
+PAYLOAD_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
+LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
+         "NVLink (450 GB/s)": 450e9}
+
+
+def reduction_bytes(params: int, replicas: int, mode: str) -> float:
+    """Bytes one replica sends per step for a sum over `replicas`: (n-1)/n of the payload twice (reduce-scatter
+    then all-gather), which is a ring all-reduce's volume and the two-phase compressed sum's alike."""
+    return 2 * (replicas - 1) / replicas * params * PAYLOAD_BYTES[mode]
+
+
+def measure_bytes(config: str, layouts: list[str], overrides: list[str]) -> list[dict]:
+    """Per layout and mode, the step's collective bytes per device from the compiled HLO."""
+    from comm import measure
+
+    rows = []
+    for layout in layouts:
+        for mode in MODES:
+            r = measure(config, layout, [*overrides, f"train.grad_compression={mode}"])
+            row = {"layout": layout, "mode": mode, "bytes_per_device": r["bytes_per_device"],
+                   "collectives": {k: v["bytes"] for k, v in r["collectives"].items()}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def converge(config: str, steps: int, eval_every: int, dp: int, mode: str, overrides: list[str]) -> dict:
+    """One training run in a process of its own (its own forced devices), the held-out losses by step."""
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import compression; "
+            f"print(json.dumps(compression._train({config!r}, {steps}, {eval_every}, {dp}, {mode!r}, {overrides!r})))")
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={dp}"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _train(config: str, steps: int, eval_every: int, dp: int, mode: str, overrides: list[str]) -> dict:
+    import jax
+
+    from pjax.config_io import load_config
+    from pjax.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(config, [f"mesh.dp={dp}", "mesh.tp=1", f"train.steps={steps}", "log.every=1",
+                                   f"log.eval_every={eval_every}", "log.eval_batches=8", f"log.dir={tmp}",
+                                   "checkpoint.dir=null", f"train.grad_compression={mode}", *overrides])
+        records = train(cfg, progress=False, devices=jax.devices()[:dp])
+    return {"mode": mode, "dp": dp, "steps": steps,
+            "eval": [(r["step"], round(r["eval_loss"], 4)) for r in records if "eval_loss" in r],
+            "final_train_loss": round([r["loss"] for r in records if "loss" in r][-1], 4)}
+
+
+def time_model(model: str, replicas: int, step_s: float) -> list[dict]:
+    """The dp reduction's seconds per step at each link speed and mode, next to the step's compute."""
+    from pjax.config_io import load_config
+
+    params = load_config(model, []).model.num_params
+    rows = []
+    for link, bandwidth in LINKS.items():
+        row = {"model": model, "replicas": replicas, "link": link, "compute_s": step_s}
+        for mode in MODES:
+            row[f"{mode}_s"] = round(reduction_bytes(params, replicas, mode) / bandwidth, 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        steps, losses = zip(*run["eval"])
+        ax.plot(steps, losses, marker="o", ms=3, label=f"{run['mode']} (dp{run['dp']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("train.grad_compression, shipped text, same seed and batches")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="picotron-cpu", help="the config whose steps are compiled for bytes")
+    ap.add_argument("--layouts", default="dp8,dp8-zero1,dp2-tp4,dp2-cp2-tp2,dp2-pp2-tp2")
+    ap.add_argument("--train-config", default="debug")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--model", default="smollm-360m", help="the time model's parameter count")
+    ap.add_argument("--step-s", type=float, default=0.492,
+                    help="one H100's step for --model (SmolLM-360M, 32 x 2048 tokens: 492 ms, benchmarks/README.md)")
+    ap.add_argument("--bytes-only", action="store_true")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"], help="for the byte counts")
+    args = ap.parse_args()
+    measure_bytes(args.config, args.layouts.split(","), args.overrides)
+    time_model(args.model, 8, args.step_s)
+    if args.bytes_only:
+        return
+    train_overrides = ["train.seq_len=256", "train.batch_size=16", "train.warmup_steps=20"]
+    runs = [converge(args.train_config, args.steps, args.eval_every, args.dp, m, train_overrides) for m in MODES]
+    for run in runs:
+        print(json.dumps(run), flush=True)
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
