@@ -1,10 +1,11 @@
 """Compressed gradient reduction (`train.grad_compression`): bytes on the wire, convergence, and a time model.
 
     python benchmarks/compression.py --plot benchmarks/plots/compression.png
-    python benchmarks/compression.py --bytes-only --layouts dp8,dp8-zero1,dp2-tp4,dp2-pp2-tp2
+    python benchmarks/compression.py --parts bytes --layouts dp8,dp8-zero1,dp2-tp4,dp2-pp2-tp2
 
 1. Bytes: each layout's step compiled from shapes on 8 forced CPU devices per mode, the collectives read from
-   the HLO (`comm.measure`): what one device sends per step, by kind, and the dp reduction's share.
+   the HLO: what one device sends per step by kind, each op's bytes times a ring algorithm's share for its
+   group (`wire_factor`; `comm.py` counts operands instead, which halves an all-reduce's traffic).
 2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
    the held-out loss every `--eval-every` steps.
 3. A time model: the dp reduction of a real model (`--model`, e.g. smollm-360m) on 8 replicas at each link
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,29 +26,72 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-MODES = ("none", "bf16", "int8")
-# bytes a gradient value occupies on the link: int8 adds one fp32 scale per 256 values
-PAYLOAD_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
+MODES = ("none", "bf16", "int8", "powersgd", "powersgd:4")  # powersgd:R = train.powersgd_rank=R
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4)."""
+    name, _, rank = mode.partition(":")
+    return [f"train.grad_compression={name}", *([f"train.powersgd_rank={rank}"] if rank else [])]
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
          "NVLink (450 GB/s)": 450e9}
 
 
-def reduction_bytes(params: int, replicas: int, mode: str) -> float:
-    """Bytes one replica sends per step for a sum over `replicas`: (n-1)/n of the payload twice (reduce-scatter
-    then all-gather), which is a ring all-reduce's volume and the two-phase compressed sum's alike."""
-    return 2 * (replicas - 1) / replicas * params * PAYLOAD_BYTES[mode]
+def reduction_bytes(config: object, replicas: int, mode: str) -> float:
+    """Bytes one replica sends per step for the gradient sum over `replicas`: (n-1)/n of the payload twice (a
+    reduce-scatter then an all-gather: a ring all-reduce's volume, and the two-phase compressed sum's alike);
+    PowerSGD all-reduces each matrix's P [rows, r] and Q [cols, r] in fp32 and each vector whole."""
+    import jax
+
+    from models import llama
+    from pjax.parallel import powersgd
+    from pjax.parallel.compression import bytes_per_value
+
+    name, _, rank = mode.partition(":")
+    ring = 2 * (replicas - 1) / replicas
+    shapes = jax.eval_shape(lambda: llama.init_params(config.model, jax.random.key(0)))
+    names = jax.tree.leaves(llama.param_logical_axes(config.model), is_leaf=lambda x: isinstance(x, tuple))
+    total = 0.0
+    for n, s in zip(names, jax.tree.leaves(shapes)):
+        if name != "powersgd" or powersgd.split(n) is None:
+            total += s.size * (bytes_per_value(name) if name != "powersgd" else 4.0)
+            continue
+        q = powersgd.q_shape(s.shape, n, int(rank or 1))  # [*layers, cols, r]; P is [*layers, rows, r]
+        cols_all = math.prod(q[:-1])
+        total += 4.0 * q[-1] * (s.size // q[-2] + cols_all)
+    return ring * total
 
 
-def measure_bytes(config: str, layouts: list[str], overrides: list[str]) -> list[dict]:
-    """Per layout and mode, the step's collective bytes per device from the compiled HLO."""
-    from comm import measure
+def wire_factor(kind: str, group: int) -> float:
+    """Bytes one device sends per byte of the op's result in HLO, by ring algorithms over a group of `group`:
+    an all-reduce sends 2(g-1)/g of its operand, a reduce-scatter (g-1) of its result, an all-gather and an
+    all-to-all (g-1)/g, a permute all of it."""
+    if group <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (group - 1) / group, "reduce-scatter": group - 1.0, "all-gather": (group - 1) / group,
+            "all-to-all": (group - 1) / group, "collective-permute": 1.0}[kind]
+
+
+def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: list[str]) -> list[dict]:
+    """Per layout and mode, the bytes each device sends per step, by collective kind, from the compiled HLO."""
+    from common import compile_step
+    from comm import runs_per_appearance
+    from pjax.observe.hlo import collective_stats, device_groups
 
     rows = []
     for layout in layouts:
-        for mode in MODES:
-            r = measure(config, layout, [*overrides, f"train.grad_compression={mode}"])
-            row = {"layout": layout, "mode": mode, "bytes_per_device": r["bytes_per_device"],
-                   "collectives": {k: v["bytes"] for k, v in r["collectives"].items()}}
+        for mode in modes:
+            built = compile_step(config, layout, [*overrides, *mode_overrides(mode)])
+            runs, n = runs_per_appearance(built), built["mesh"].devices.size
+
+            def scale(kind: str, line: str) -> float:
+                groups = device_groups(line, n)
+                group = 2 if kind == "collective-permute" else max(len(g) for g in groups)
+                return runs(kind, line) * wire_factor(kind, group)
+
+            stats = collective_stats(built["compiled"].as_text(), scale=scale)
+            sent = {k: round(v["bytes"]) for k, v in stats.items() if v["bytes"]}
+            row = {"layout": layout, "mode": mode, "sent_bytes_per_device": sum(sent.values()), "by_kind": sent}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -70,7 +115,7 @@ def _train(config: str, steps: int, eval_every: int, dp: int, mode: str, overrid
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(config, [f"mesh.dp={dp}", "mesh.tp=1", f"train.steps={steps}", "log.every=1",
                                    f"log.eval_every={eval_every}", "log.eval_batches=8", f"log.dir={tmp}",
-                                   "checkpoint.dir=null", f"train.grad_compression={mode}", *overrides])
+                                   "checkpoint.dir=null", *mode_overrides(mode), *overrides])
         records = train(cfg, progress=False, devices=jax.devices()[:dp])
     return {"mode": mode, "dp": dp, "steps": steps,
             "eval": [(r["step"], round(r["eval_loss"], 4)) for r in records if "eval_loss" in r],
@@ -81,12 +126,13 @@ def time_model(model: str, replicas: int, step_s: float) -> list[dict]:
     """The dp reduction's seconds per step at each link speed and mode, next to the step's compute."""
     from pjax.config_io import load_config
 
-    params = load_config(model, []).model.num_params
+    config = load_config(model, [])
+    sent = {mode: reduction_bytes(config, replicas, mode) for mode in MODES}
     rows = []
     for link, bandwidth in LINKS.items():
         row = {"model": model, "replicas": replicas, "link": link, "compute_s": step_s}
         for mode in MODES:
-            row[f"{mode}_s"] = round(reduction_bytes(params, replicas, mode) / bandwidth, 4)
+            row[f"{mode}_s"] = round(sent[mode] / bandwidth, 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -121,16 +167,21 @@ def main() -> None:
     ap.add_argument("--model", default="smollm-360m", help="the time model's parameter count")
     ap.add_argument("--step-s", type=float, default=0.492,
                     help="one H100's step for --model (SmolLM-360M, 32 x 2048 tokens: 492 ms, benchmarks/README.md)")
-    ap.add_argument("--bytes-only", action="store_true")
+    ap.add_argument("--parts", default="bytes,time,converge", help="which of bytes, time, converge to run")
+    ap.add_argument("--modes", default=",".join(MODES), help="which modes to measure and train")
     ap.add_argument("--plot", default=None)
     ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"], help="for the byte counts")
     args = ap.parse_args()
-    measure_bytes(args.config, args.layouts.split(","), args.overrides)
-    time_model(args.model, 8, args.step_s)
-    if args.bytes_only:
+    parts = args.parts.split(",")
+    if "bytes" in parts:
+        measure_bytes(args.config, args.layouts.split(","), args.overrides, args.modes.split(","))
+    if "time" in parts:
+        time_model(args.model, 8, args.step_s)
+    if "converge" not in parts:
         return
     train_overrides = ["train.seq_len=256", "train.batch_size=16", "train.warmup_steps=20"]
-    runs = [converge(args.train_config, args.steps, args.eval_every, args.dp, m, train_overrides) for m in MODES]
+    runs = [converge(args.train_config, args.steps, args.eval_every, args.dp, m, train_overrides)
+            for m in args.modes.split(",")]
     for run in runs:
         print(json.dumps(run), flush=True)
     if args.plot:

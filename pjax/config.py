@@ -22,7 +22,7 @@ REMATS = ("none", "full", "dots", "dots_no_batch", "offload", "names")
 ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 ON_NONFINITE = ("stop", "skip")
-GRAD_COMPRESSIONS = ("none", "bf16", "int8")
+GRAD_COMPRESSIONS = ("none", "bf16", "int8", "powersgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     max_skipped: int = 5
     grad_compression: str = "none"  # the once-per-step data reduction's payload (pjax/parallel/compression.py)
+    powersgd_rank: int | None = None  # with grad_compression=powersgd; null: 1
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -87,6 +88,16 @@ class TrainConfig:
         require_choice("train.attention", self.attention, ATTENTIONS)
         require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
         require_choice("train.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        if self.powersgd_rank is not None:
+            require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "use an integer >= 1")
+            require(self.grad_compression == "powersgd", "train.powersgd_rank", self.powersgd_rank,
+                    f"it applies only with train.grad_compression=powersgd (it is {self.grad_compression}): set "
+                    "that, or leave train.powersgd_rank unset")
+
+    @property
+    def compression_rank(self) -> int:
+        """PowerSGD's rank: train.powersgd_rank, 1 when unset."""
+        return self.powersgd_rank or 1
 
 
     @property

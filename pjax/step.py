@@ -21,7 +21,7 @@ from models.precision import PrecisionConfig
 from pjax.config import ContextConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import data_parallel
+from pjax.parallel import data_parallel, feedback
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline.step import Pipelined
@@ -35,7 +35,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
-    residual: Any = None  # error feedback's, with train.grad_compression (`data_parallel.residual_shardings`)
+    residual: Any = None  # error feedback's state, with train.grad_compression (`pjax.parallel.feedback`)
 
 
 def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
@@ -176,7 +176,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
     compressed = tc.grad_compression != "none"
-    r_sharding = data_parallel.residual_shardings(mesh, cfg, tc.zero) if compressed else None
+    r_sharding = feedback.shardings(mesh, cfg, p_sharding, tc.grad_compression) if compressed else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 
@@ -184,7 +184,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        residual = data_parallel.init_residual(params, mesh, cfg) if compressed else None
+        residual = feedback.zeros(params, mesh, cfg, tc.grad_compression, tc.compression_rank) if compressed else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual)
 
     attention_fn = None
@@ -236,7 +236,8 @@ def fresh_residual(trainer: Trainer) -> Any:
     if trainer.state_sharding.residual is None:
         return None
     shapes = trainer.abstract_state().params
-    return jax.jit(lambda: data_parallel.init_residual(shapes, trainer.mesh, trainer.cfg),
+    tc = trainer.tc
+    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, trainer.cfg, tc.grad_compression, tc.compression_rank),
                    out_shardings=trainer.state_sharding.residual)()
 
 

@@ -5,7 +5,6 @@ loading never unpickles. ARCHITECTURE.md's checkpoint sections give the reasons.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from pathlib import Path
@@ -175,8 +174,9 @@ class Checkpointer:
         target = trainer.abstract_state().residual
         if target is None:
             return None
-        same = (saved.train.grad_compression, saved.train.zero, meta.get("residual_replicas")) == (
-            cfg.train.grad_compression, cfg.train.zero, jax.tree.leaves(target)[0].shape[0])
+        same = (saved.train.grad_compression, saved.train.compression_rank, saved.train.zero,
+                meta.get("residual_replicas")) == (cfg.train.grad_compression, cfg.train.compression_rank,
+                                                   cfg.train.zero, jax.tree.leaves(target["error"])[0].shape[0])
         if same:
             return self._manager.restore(step, args=ocp.args.Composite(
                 residual=ocp.args.StandardRestore(target)))["residual"]
@@ -225,7 +225,7 @@ class Checkpointer:
             # force: pjax decides when to save, not Orbax's interval policy.
             residual = {} if state.residual is None else {"residual": ocp.args.StandardSave(state.residual)}
             if residual:  # replicas x parameter shape: a resume with other data replicas starts from zeros
-                meta["residual_replicas"] = int(jax.tree.leaves(state.residual)[0].shape[0])
+                meta["residual_replicas"] = int(jax.tree.leaves(state.residual["error"])[0].shape[0])
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **residual))
@@ -312,9 +312,11 @@ def _reorder_layers(tree: Any, rows: np.ndarray, axis: int = 0) -> Any:
 
 
 def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
-    # A gather across pp stages: jit it, keeping every leaf where it was. A residual's layers are its axis 1.
+    # A gather across pp stages: jit it, keeping every leaf where it was. The feedback state's layers are axis 1
+    # of its residuals ([replicas, layers, ...]) and axis 2 of PowerSGD's Q ([replicas, tp, layers, ...]).
     def permute(state):
-        residual = None if state.residual is None else _reorder_layers(state.residual, rows, axis=1)
+        residual = None if state.residual is None else {
+            k: _reorder_layers(v, rows, axis=1 if k == "error" else 2) for k, v in state.residual.items()}
         return _reorder_layers(state._replace(residual=None), rows)._replace(residual=residual)
 
     shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -29,6 +29,11 @@ BLOCK = 256  # int8 values per fp32 scale: 1.6% more bytes, small blocks keep an
 _INT8_MAX = 127.0
 
 
+def bytes_per_value(mode: str) -> float:
+    """Bytes a gradient value occupies on the link under `train.grad_compression=mode` (int8: + its block's scale)."""
+    return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[mode]
+
+
 def _axes_size(axes: tuple[str, ...]) -> int:
     size = 1
     for axis in axes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -16,7 +15,7 @@ from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
-from pjax.parallel.compression import compressed_sum, compressed_sum_scatter
+from pjax.parallel import feedback
 
 _is_names = lambda x: isinstance(x, tuple)
 
@@ -95,48 +94,31 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, payload: str = "none", residual: Any = None
+def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "none", state: Any = None
                      ) -> tuple[Any, Any]:
     """Sum partial gradients over the manual data axes; experts over cp only (all_to_all's backward took them home).
-    With a `payload` (bf16, int8) the dense sums are compressed with error feedback: (sums, new residual)."""
+    With a compression `mode` the dense sums are compressed with error feedback (`feedback.reduce_leaf`):
+    (sums, the new feedback state)."""
     axes = data_axes(current())
     leaves, treedef = jax.tree.flatten(grads)
     names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
-    res = jax.tree.leaves(residual) if residual is not None else None
     dense = [i for i, n in enumerate(names) if not is_expert(n)]
     experts = [i for i, n in enumerate(names) if is_expert(n)]
-    if payload != "none":
-        pairs = [_compressed_leaf(leaves[i], res[i], names[i], axes, split_dp, payload) for i in dense]
-        reduced = [p[0] for p in pairs]
-        res = list(res)
-        for i, p in zip(dense, pairs):
-            res[i] = p[1]
+    if mode != "none":
+        errors = jax.tree.leaves(state["error"])
+        qs = jax.tree.leaves(state["q"]) if "q" in state else [None] * len(leaves)
+        reduced = []
+        for i in dense:
+            out, errors[i], qs[i] = feedback.reduce_leaf(leaves[i], errors[i], qs[i], names[i], axes, split_dp, mode)
+            reduced.append(out)
+        state = {k: jax.tree.unflatten(treedef, v) for k, v in (("error", errors), ("q", qs)) if k in state}
     elif split_dp:
         reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in dense], tuple(a for a in axes if a == CP))
     else:
         reduced = _psum([leaves[i] for i in dense], axes)
     reduced += _psum([leaves[i] for i in experts], tuple(a for a in axes if a != DP))
     by_index = dict(zip(dense + experts, reduced))
-    out = jax.tree.unflatten(treedef, [by_index[i] for i in range(len(leaves))])
-    return out, None if res is None else jax.tree.unflatten(treedef, res)
-
-
-def _compressed_leaf(g: jax.Array, r: jax.Array, names: tuple[str | None, ...], axes: tuple[str, ...],
-                     split_dp: bool, payload: str) -> tuple[jax.Array, jax.Array]:
-    """One dense gradient's compressed sum (ZeRO-1: reduce-scatter over dp, then an exact sum over cp) and its
-    residual ([1, *shape], this device's), per tp block: a flatten of a tp-sharded leaf would gather it."""
-    tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
-    r_spec = P(None, *tp_only)
-
-    def one(g, r):
-        if split_dp:
-            out, err = compressed_sum_scatter(g, r[0], DP, names.index("embed"), payload)
-            out = lax.psum(out, CP) if CP in axes else out
-        else:
-            out, err = compressed_sum(g, r[0], axes, payload)
-        return out, err[None]
-
-    return rules.per_device(one, (tp_only, r_spec), (tp_only, r_spec))(g, r)
+    return jax.tree.unflatten(treedef, [by_index[i] for i in range(len(leaves))]), state
 
 
 def _psum(xs: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
@@ -150,18 +132,18 @@ def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return rules.per_device(scatter, tp_only, tp_only)(g)
 
 
-def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int, payload: str = "none",
+def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero: int, mode: str = "none",
                 residual: Any = None) -> tuple[Any, ...]:
     """Mean loss, gradients and router metrics with one reduction over the data axes per step;
     `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs per device.
-    With a compression `payload` and its `residual` (`residual_shardings`), the new residual comes fourth."""
+    With a compression `mode` and its feedback state `residual` (`feedback.shardings`), the new state comes fourth."""
     axes = data_axes(current())
     split_dp = zero == 1 and DP in axes
 
     def body(params, batch, residual):
         loss, count, grads, router = accumulate(vary(params, axes), batch)
         loss, count = lax.psum((loss, count), axes)
-        grads, residual = reduce_gradients(grads, cfg, split_dp, payload, residual)
+        grads, residual = reduce_gradients(grads, cfg, split_dp, mode, residual)
         return loss / count, jax.tree.map(lambda g: g / count, grads), router, residual
 
     res_specs = None if residual is None else jax.tree.map(lambda _: P(axes), residual)
@@ -169,22 +151,3 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
     out = jax.shard_map(body, in_specs=(data_specs(cfg, axes), batch_spec(axes), res_specs), out_specs=specs,
                         axis_names=set(axes))(params, batch, residual)
     return out if residual is not None else out[:3]
-
-
-def residual_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int) -> Any:
-    """Error feedback's residuals: one gradient-shaped fp32 array per data replica, [dp * cp, *shape], the
-    leading axis over the data axes and the rest as the parameter (zero < 3: not over dp); [dp * cp, 0] for an
-    expert weight, whose gradient stays on its replica and is never compressed."""
-    axes = data_axes(mesh)
-    names = llama.param_logical_axes(cfg)
-    return jax.tree.map(lambda n, s: NamedSharding(mesh, P(axes) if is_expert(n) else P(axes, *s.spec)),
-                        names, param_shardings(mesh, cfg, zero), is_leaf=_is_names)
-
-
-def init_residual(params: Any, mesh: Mesh, cfg: LlamaConfig) -> Any:
-    """Zero residuals for `params` (traced inside a jit whose out_shardings are `residual_shardings`)."""
-    n = 1
-    for a in data_axes(mesh):
-        n *= mesh.shape[a]
-    return jax.tree.map(lambda names, p: jnp.zeros((n, 0) if is_expert(names) else (n, *p.shape), jnp.float32),
-                        llama.param_logical_axes(cfg), params, is_leaf=_is_names)

@@ -10,6 +10,7 @@ from typing import Any
 from models.config import LlamaConfig
 from pjax.config import Config
 from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
+from pjax.parallel.compression import bytes_per_value
 from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
@@ -84,8 +85,8 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
     if dp * cp > 1 and layout.zero >= 3 and dp > 1:
         out["dp"] = k * params / dp + 2 * k * params
-    elif dp * cp > 1:
-        out["dp"] = params * (1 + 1 / dp if layout.zero == 1 and dp > 1 else 1)
+    elif dp * cp > 1:  # the gradient sum in train.grad_compression's payload; ZeRO-1's fp32 parameter gather
+        out["dp"] = params * _payload(config) + (params / dp if layout.zero == 1 and dp > 1 else 0)
     if tp > 1 and layout.sequence_parallel:
         out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
     elif tp > 1:
@@ -95,6 +96,11 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     if pp > 1:
         out["pp"] = 2 * k * (pp * layout.virtual_stages - 1) / pp * act + shared
     return out
+
+
+def _payload(config: Config) -> float:
+    """A gradient value's link bytes under train.grad_compression, per fp32 byte."""
+    return bytes_per_value(config.train.grad_compression) / 4
 
 
 def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
@@ -145,8 +151,10 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
         n, params = dp * cp, reduced_gradient_bytes(config, layout)
         if layout.zero >= 3 and dp > 1:
             rows["dp+cp" if cp > 1 else "dp"] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
-        else:
-            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * ring(n))
+        else:  # a reduce-scatter and an all-gather of the gradient in the compression's payload (ZeRO-1:
+            # the gather is of the fp32 parameters)
+            gather = 1.0 if layout.zero == 1 and dp > 1 else _payload(config)
+            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * (n - 1) / n * (_payload(config) + gather))
     if tp > 1 and layout.sequence_parallel:
         act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
         rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)

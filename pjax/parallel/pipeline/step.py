@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
 from models.config import LlamaConfig
-from pjax.parallel import data_parallel
+from pjax.parallel import data_parallel, feedback
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.executor import Batch, executor
 from pjax.parallel.pipeline.stage import Stage, make_stage
@@ -22,10 +22,10 @@ from pjax.parallel.pipeline.table import make_schedule, needs_lockstep
 
 
 def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: bool, once: bool, cfg: LlamaConfig,
-         zero: int, with_grads: bool = True, payload: str = "none", residual: Any = None) -> tuple[Any, ...]:
+         zero: int, with_grads: bool = True, mode: str = "none", residual: Any = None) -> tuple[Any, ...]:
     """The executor in a shard_map over pp, and with `once` over the data axes too, reducing the
     gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step"); with a compression
-    `payload` and its `residual`, the new residual comes fourth."""
+    `mode` and its feedback state `residual`, the new state comes fourth."""
     data = data_parallel.data_axes(current()) if once else ()
     split = zero == 1 and DP in data
     table = executor(sched, stage, lockstep)[1]
@@ -34,7 +34,7 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
         kept = {}
 
         def reduce(g):
-            g, kept["residual"] = data_parallel.reduce_gradients(g, cfg, split, payload, residual)
+            g, kept["residual"] = data_parallel.reduce_gradients(g, cfg, split, mode, residual)
             return g
 
         run = executor(sched, stage, lockstep, (reduce if once else (lambda g: g)) if with_grads else None)[0]
@@ -42,8 +42,7 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
     specs = data_parallel.data_specs(cfg, data, pipelined=True)
     grad_specs = data_parallel.data_specs(cfg, data, split, pipelined=True) if with_grads else P()
-    res_specs = None if residual is None else jax.tree.map(lambda s: P(data, *s), specs,
-                                                          is_leaf=lambda x: isinstance(x, P))
+    res_specs = None if residual is None else feedback.pipelined_specs(cfg, data, residual)
     run = jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP), res_specs),
                         out_specs=(P(), grad_specs, P(), res_specs), axis_names={PP, *data})
     out = run(params, batch, jnp.asarray(table), residual)
@@ -77,7 +76,7 @@ class Pipelined:
         stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
         sched = self._table(batch["inputs"].shape[0], lockstep)
         loss, grads, router, residual = _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero,
-                                             payload=self.compression, residual=residual)
+                                             mode=self.compression, residual=residual)
         if self.grad_sharding is not None:
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router, residual
