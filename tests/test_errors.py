@@ -232,7 +232,7 @@ CASES: list[Case] = [
     ("grad compression on one data replica", "train", lambda f, c, t: ["train.grad_compression=int8"],
      "train.grad_compression=int8 compresses the gradient reduction over dp and cp, and this mesh has dp=1"),
     ("grad compression unknown", "train", lambda f, c, t: ["train.grad_compression=fp4"],
-     "train.grad_compression=fp4 is invalid"),
+     "train.grad_compression='fp4' is invalid; choose one of none, bf16, int8, powersgd"),
     ("powersgd rank without powersgd", "train", lambda f, c, t: ["train.powersgd_rank=4"],
      "train.powersgd_rank=4 is invalid; it applies only with train.grad_compression=powersgd"),
     ("grad compression under ZeRO-3", "train", lambda f, c, t: ["mesh.dp=2", "train.zero=3", "train.grad_compression=bf16"],
