@@ -169,6 +169,7 @@ def main() -> None:
                     help="one H100's step for --model (SmolLM-360M, 32 x 2048 tokens: 492 ms, benchmarks/README.md)")
     ap.add_argument("--parts", default="bytes,time,converge", help="which of bytes, time, converge to run")
     ap.add_argument("--modes", default=",".join(MODES), help="which modes to measure and train")
+    ap.add_argument("--train-overrides", default="", help="comma-separated key=value for the convergence runs")
     ap.add_argument("--plot", default=None)
     ap.add_argument("overrides", nargs="*", default=["train.grad_accum=2"], help="for the byte counts")
     args = ap.parse_args()
@@ -179,7 +180,8 @@ def main() -> None:
         time_model(args.model, 8, args.step_s)
     if "converge" not in parts:
         return
-    train_overrides = ["train.seq_len=256", "train.batch_size=16", "train.warmup_steps=20"]
+    train_overrides = ["train.seq_len=256", "train.batch_size=16", "train.warmup_steps=20",
+                       *filter(None, args.train_overrides.split(","))]
     runs = [converge(args.train_config, args.steps, args.eval_every, args.dp, m, train_overrides)
             for m in args.modes.split(",")]
     for run in runs:

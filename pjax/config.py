@@ -57,6 +57,7 @@ class TrainConfig:
     max_skipped: int = 5
     grad_compression: str = "none"  # the once-per-step data reduction's payload (pjax/parallel/compression.py)
     powersgd_rank: int | None = None  # with grad_compression=powersgd; null: 1
+    powersgd_start: int = 0  # exact reductions before PowerSGD's first (PyTorch's start_powerSGD_iter)
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -93,6 +94,10 @@ class TrainConfig:
             require(self.grad_compression == "powersgd", "train.powersgd_rank", self.powersgd_rank,
                     f"it applies only with train.grad_compression=powersgd (it is {self.grad_compression}): set "
                     "that, or leave train.powersgd_rank unset")
+        require(self.powersgd_start >= 0, "train.powersgd_start", self.powersgd_start, "use an integer >= 0")
+        require(self.powersgd_start == 0 or self.grad_compression == "powersgd", "train.powersgd_start",
+                self.powersgd_start, f"it applies only with train.grad_compression=powersgd (it is "
+                f"{self.grad_compression}): set that, or leave train.powersgd_start at 0")
 
     @property
     def compression_rank(self) -> int:

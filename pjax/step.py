@@ -96,11 +96,7 @@ class Accumulation:
 def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
                tc: TrainConfig) -> tuple[TrainState, dict]:
     """One optimizer step on `strategy`'s gradients: new state, {loss, grad_norm, lr, finite} + MoE router metrics."""
-    residual = state.residual
-    if residual is None:
-        loss, grads, router = strategy.loss_and_grads(state.params, batch)
-    else:
-        loss, grads, router, residual = strategy.compressed_loss_and_grads(state.params, batch, residual)
+    loss, grads, router, residual = _gradients(state, batch, strategy, tc)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a bf16 accumulator's sum, for fp32 masters
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
@@ -112,6 +108,26 @@ def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: opt
                                                      (state.params, state.opt_state, state.residual))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **router}
     return TrainState(state.step + 1, params, opt_state, residual), metrics
+
+
+def _gradients(state: TrainState, batch: Batch, strategy: Any, tc: TrainConfig) -> tuple[Any, ...]:
+    """(loss, grads, router metrics, feedback state): reduced exactly, or compressed with `state.residual`; during
+    PowerSGD's first `train.powersgd_start` steps exactly, the state kept as it is (both branches compiled)."""
+    if state.residual is None:
+        return (*strategy.loss_and_grads(state.params, batch), None)
+
+    def compressed():
+        loss, grads, router, residual = strategy.compressed_loss_and_grads(state.params, batch, state.residual)
+        return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), router, residual
+
+    if not tc.powersgd_start:
+        return compressed()
+
+    def exact():
+        loss, grads, router = strategy.loss_and_grads(state.params, batch)
+        return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), router, state.residual
+
+    return jax.lax.cond(state.step < tc.powersgd_start, exact, compressed)
 
 
 def add_positions(batch: Batch) -> Batch:

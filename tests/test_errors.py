@@ -235,6 +235,8 @@ CASES: list[Case] = [
      "train.grad_compression='fp4' is invalid; choose one of none, bf16, int8, powersgd"),
     ("powersgd rank without powersgd", "train", lambda f, c, t: ["train.powersgd_rank=4"],
      "train.powersgd_rank=4 is invalid; it applies only with train.grad_compression=powersgd"),
+    ("powersgd start without powersgd", "train", lambda f, c, t: ["train.powersgd_start=10"],
+     "train.powersgd_start=10 is invalid; it applies only with train.grad_compression=powersgd"),
     ("grad compression under ZeRO-3", "train", lambda f, c, t: ["mesh.dp=2", "train.zero=3", "train.grad_compression=bf16"],
      "ZeRO-3 reduce-scatters every micro-batch, so there is no once-per-step reduction to compress"),
     ("attention kernel under ring attention", "train", lambda f, c, t: ["mesh.cp=2", "train.attention=reference"],

@@ -217,3 +217,16 @@ def test_powersgds_error_feedback_makes_the_average_update_approach_the_exact_on
 
     (fb4, fb16), (plain4, plain16) = mean_error(True), mean_error(False)
     assert fb16 < fb4 < plain4 and fb16 < 0.7 * plain16
+
+
+def test_powersgd_start_reduces_exactly_first_then_compresses(tmp_path):
+    """train.powersgd_start=2: steps 1-2 are the uncompressed run's, bit for bit; step 3 on is PowerSGD's."""
+    def losses(*extra: str) -> list[float]:
+        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     f"log.dir={tmp_path}/{len(extra)}", "checkpoint.dir=null", *extra]
+        return [r["loss"] for r in train(load_config("debug", overrides), progress=False, devices=jax.devices()[:2])]
+
+    exact = losses()
+    warm = losses("train.grad_compression=powersgd", "train.powersgd_start=2")
+    assert warm[:3] == exact[:3]  # step 3's loss is computed before its own (first compressed) update
+    assert warm[3] != exact[3]
