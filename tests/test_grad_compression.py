@@ -80,13 +80,13 @@ def test_nothing_is_lost_the_residuals_hold_what_the_payload_did_not_carry(layou
     count = layout["count"]
     for path, g, r, e in zip(jax.tree_util.tree_leaves_with_path(layout["grads"]), jax.tree.leaves(layout["grads"]),
                              jax.tree.leaves(layout["residual"]["error"]), jax.tree.leaves(layout["exact"])):
-        kept = np.asarray(r, np.float64).sum(axis=0) if r.size else 0.0  # an expert's: none
+        kept = np.asarray(r, np.float64).sum(axis=0) if r.shape[1:] == g.shape else 0.0  # an expert: none kept
         carried = np.asarray(g, np.float64) * count + kept
         exact = np.asarray(e, np.float64) * count
         scale = np.abs(exact).max() + 1e-12
         assert np.abs(carried - exact).max() / scale < 1e-5, jax.tree_util.keystr(path[0])
     if layout["cfg"].model.num_local_experts > 1:  # experts stay local: reduced exactly, no residual kept
-        experts = [r for r in jax.tree.leaves(layout["residual"]["error"]) if r.shape[1:] == (0,)]
+        experts = [r for r in jax.tree.leaves(layout["residual"]["error"]) if r.shape[1:] == (1,)]
         assert len(experts) == 3
 
 
@@ -108,30 +108,33 @@ def test_error_feedback_keeps_the_accumulated_update_bounded_where_rounding_drif
     assert err(total_fb) < 2 * one_step
 
 
-def test_a_resume_continues_with_the_saved_residual_bit_for_bit(tmp_path, capfd):
-    def run(name: str, *extra: str):
-        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=2", "train.grad_compression=int8", "train.steps=4",
-                     "checkpoint.every=2", "log.every=1", "log.eval_every=0", f"log.dir={tmp_path}/{name}",
-                     f"checkpoint.dir={tmp_path}/{name}/ckpt", *extra]
-        return [r["loss"] for r in train(load_config("debug", overrides), progress=False, devices=jax.devices()[:4])]
+def test_powersgd_starts_exact_and_a_resume_continues_with_the_saved_state_bit_for_bit(tmp_path, capfd):
+    """PowerSGD with train.powersgd_start=1 on dp2, saving at step 2: step 1 is the uncompressed run's, bit for
+    bit; a run resumed from step 2 (its residuals and Q saved after one compressed step) repeats steps 3-4 bit for
+    bit; resumed by other data replicas (dp4) it restarts the feedback state at zero, with a warning."""
+    def run(name: str, *extra: str) -> list[float]:
+        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", *extra]
+        cfg = load_config("debug", overrides)
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:cfg.mesh.dp])]
 
-    straight = run("a")
-    # A run preempted right after its step-2 save: that checkpoint and its first two metrics lines.
-    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt", ignore=lambda d, names: ["4"] if
-                    d == str(tmp_path / "a" / "ckpt") else [])
-    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:2]
-    (tmp_path / "b" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    assert run("b") == straight[2:]  # fp32 on CPU: exactly equal, the residual included
-    assert "residual starts at zero" not in capfd.readouterr().err
-    # Resumed by another layout's replicas (dp4): the residual restarts at zero, with a warning.
-    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "c" / "ckpt", ignore=lambda d, names: ["4"] if
-                    d == str(tmp_path / "a" / "ckpt") else [])
-    (tmp_path / "c" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    overrides = [*SMALL, "mesh.dp=4", "mesh.tp=1", "train.grad_compression=int8", "train.steps=4",
-                 "checkpoint.every=2", "log.every=1", "log.eval_every=0", f"log.dir={tmp_path}/c",
-                 f"checkpoint.dir={tmp_path}/c/ckpt"]
-    other = [r["loss"] for r in train(load_config("debug", overrides), progress=False, devices=jax.devices()[:4])]
-    assert len(other) == 2 and "the error-feedback residual starts at zero" in capfd.readouterr().err
+    exact = run("exact", "checkpoint.dir=null")
+    compressed = ["train.grad_compression=powersgd", "train.powersgd_start=1", "checkpoint.every=2"]
+    straight = run("a", *compressed)
+    assert straight[:2] == exact[:2] and straight[2] != exact[2]  # step 2's loss precedes its compressed update
+
+    def preempted_after_step_2(name: str) -> None:  # that checkpoint and the first two metrics lines
+        shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / name / "ckpt",
+                        ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
+        lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:2]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    preempted_after_step_2("b")
+    assert run("b", *compressed) == straight[2:]  # fp32 on CPU: exactly equal, the residuals and Q included
+    assert "starts at zero" not in capfd.readouterr().err
+    preempted_after_step_2("c")
+    assert len(run("c", *compressed, "mesh.dp=4")) == 2
+    assert "the error-feedback residual starts at zero" in capfd.readouterr().err
 
 
 def test_compression_is_refused_where_it_has_no_reduction_to_compress():
@@ -217,16 +220,3 @@ def test_powersgds_error_feedback_makes_the_average_update_approach_the_exact_on
 
     (fb4, fb16), (plain4, plain16) = mean_error(True), mean_error(False)
     assert fb16 < fb4 < plain4 and fb16 < 0.7 * plain16
-
-
-def test_powersgd_start_reduces_exactly_first_then_compresses(tmp_path):
-    """train.powersgd_start=2: steps 1-2 are the uncompressed run's, bit for bit; step 3 on is PowerSGD's."""
-    def losses(*extra: str) -> list[float]:
-        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
-                     f"log.dir={tmp_path}/{len(extra)}", "checkpoint.dir=null", *extra]
-        return [r["loss"] for r in train(load_config("debug", overrides), progress=False, devices=jax.devices()[:2])]
-
-    exact = losses()
-    warm = losses("train.grad_compression=powersgd", "train.powersgd_start=2")
-    assert warm[:3] == exact[:3]  # step 3's loss is computed before its own (first compressed) update
-    assert warm[3] != exact[3]

@@ -159,8 +159,9 @@ class Checkpointer:
         if meta.get("format") != FORMAT:
             raise ConfigError(f"{self.directory}/{step} has checkpoint format {meta.get('format')}, this pjax reads "
                               f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
+        residual = self._restore_residual(trainer, saved_cfg, cfg, meta, step)
         state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
-                           items["params"], items["opt_state"], self._restore_residual(trainer, saved_cfg, cfg, meta, step))
+                           items["params"], items["opt_state"], residual)
         if self._rows is not None:
             state = _permute_layers(state, self._rows)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])

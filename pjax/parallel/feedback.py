@@ -2,8 +2,8 @@
 
 The state is {'error': one fp32 residual per parameter and data replica, [dp*cp, *shape], and, for PowerSGD,
 'q': each matrix's warm-start Q per data replica and tp block, [dp*cp, tp, *layers, cols, rank]}. Expert weights
-(their gradients never cross dp) and PowerSGD's vectors (summed exactly) keep [dp*cp, 0] placeholders. The
-leading axis is split over the data axes, so inside the data shard_map each device sees its own row."""
+(their gradients never cross dp) and PowerSGD's vectors (summed exactly) keep [dp*cp, 1] placeholders (Orbax
+saves no empty array). The leading axis is split over the data axes: in the data shard_map, a device's own row."""
 from __future__ import annotations
 
 import math
@@ -56,7 +56,7 @@ def zeros(params: Any, mesh: Mesh, cfg: LlamaConfig, mode: str, rank: int) -> di
     n = math.prod(mesh.shape[a] for a in _data_axes(mesh))
     tp = mesh.shape[TP]
     names = llama.param_logical_axes(cfg)
-    error = jax.tree.map(lambda nm, p: jnp.zeros((n, 0) if _is_expert(nm) else (n, *p.shape), jnp.float32),
+    error = jax.tree.map(lambda nm, p: jnp.zeros((n, 1) if _is_expert(nm) else (n, *p.shape), jnp.float32),
                          names, params, is_leaf=_is_names)
     if mode != "powersgd":
         return {"error": error}
@@ -65,7 +65,7 @@ def zeros(params: Any, mesh: Mesh, cfg: LlamaConfig, mode: str, rank: int) -> di
     qs = []
     for i, (nm, p) in enumerate(zip(flat_names, flat)):
         if not _has_q(nm):
-            qs.append(jnp.zeros((n, 0), jnp.float32))
+            qs.append(jnp.zeros((n, 1), jnp.float32))
             continue
         local = tuple(d // tp if e == TP else d for d, e in zip(p.shape, logical_to_spec(nm)))
         q = powersgd.initial_q(jax.random.fold_in(jax.random.key(0x5EED), i), powersgd.q_shape(local, nm, rank))
