@@ -192,7 +192,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
     compressed = tc.grad_compression != "none"
-    r_sharding = feedback.shardings(mesh, cfg, p_sharding, tc.grad_compression) if compressed else None
+    r_sharding = feedback.shardings(mesh, data_parallel.data_axes(mesh), cfg, p_sharding,
+                                              tc.grad_compression) if compressed else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 
@@ -200,7 +201,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        residual = feedback.zeros(params, mesh, cfg, tc.grad_compression, tc.compression_rank) if compressed else None
+        residual = feedback.zeros(params, mesh, data_parallel.data_axes(mesh), cfg, tc.grad_compression,
+                                  tc.compression_rank) if compressed else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual)
 
     attention_fn = None
@@ -253,7 +255,8 @@ def fresh_residual(trainer: Trainer) -> Any:
         return None
     shapes = trainer.abstract_state().params
     tc = trainer.tc
-    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, trainer.cfg, tc.grad_compression, tc.compression_rank),
+    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, data_parallel.data_axes(trainer.mesh), trainer.cfg,
+                                          tc.grad_compression, tc.compression_rank),
                    out_shardings=trainer.state_sharding.residual)()
 
 

@@ -104,20 +104,21 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "
     names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
     dense = [i for i, n in enumerate(names) if not is_expert(n)]
     experts = [i for i, n in enumerate(names) if is_expert(n)]
-    if mode != "none":
+    packed = [i for i in dense if mode != "none" and feedback.compresses(names[i], mode)]
+    exact = [i for i in dense if i not in packed]
+    if split_dp:
+        reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in exact], tuple(a for a in axes if a == CP))
+    else:
+        reduced = _psum([leaves[i] for i in exact], axes)
+    if packed:
         errors = jax.tree.leaves(state["error"])
         qs = jax.tree.leaves(state["q"]) if "q" in state else [None] * len(leaves)
-        reduced = []
-        for i in dense:
+        for i in packed:
             out, errors[i], qs[i] = feedback.reduce_leaf(leaves[i], errors[i], qs[i], names[i], axes, split_dp, mode)
             reduced.append(out)
         state = {k: jax.tree.unflatten(treedef, v) for k, v in (("error", errors), ("q", qs)) if k in state}
-    elif split_dp:
-        reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in dense], tuple(a for a in axes if a == CP))
-    else:
-        reduced = _psum([leaves[i] for i in dense], axes)
     reduced += _psum([leaves[i] for i in experts], tuple(a for a in axes if a != DP))
-    by_index = dict(zip(dense + experts, reduced))
+    by_index = dict(zip(exact + packed + experts, reduced))
     return jax.tree.unflatten(treedef, [by_index[i] for i in range(len(leaves))]), state
 
 

@@ -33,14 +33,11 @@ def _has_q(names: tuple) -> bool:
     return not _is_expert(names) and powersgd.split(names) is not None
 
 
-def _data_axes(mesh: Any) -> tuple[str, ...]:
-    return tuple(a for a in (DP, CP) if mesh.shape[a] > 1)
-
-
-def shardings(mesh: Mesh, cfg: LlamaConfig, param_shardings: Any, mode: str) -> dict[str, Any]:
-    """NamedShardings of the state: the error as the parameter behind its replica axis, Q over the tp blocks
-    (and its layers over pp, as the parameter's)."""
-    axes, names = _data_axes(mesh), llama.param_logical_axes(cfg)
+def shardings(mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, param_shardings: Any, mode: str
+              ) -> dict[str, Any]:
+    """NamedShardings of the state over the data `axes`: the error as the parameter behind its replica axis, Q
+    over the tp blocks (and its layers over pp, as the parameter's)."""
+    names = llama.param_logical_axes(cfg)
     error = jax.tree.map(lambda n, s: NamedSharding(mesh, P(axes) if _is_expert(n) else P(axes, *s.spec)),
                          names, param_shardings, is_leaf=_is_names)
     if mode != "powersgd":
@@ -50,10 +47,11 @@ def shardings(mesh: Mesh, cfg: LlamaConfig, param_shardings: Any, mode: str) -> 
     return {"error": error, "q": q}
 
 
-def zeros(params: Any, mesh: Mesh, cfg: LlamaConfig, mode: str, rank: int) -> dict[str, Any]:
+def zeros(params: Any, mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, mode: str, rank: int
+          ) -> dict[str, Any]:
     """The state at step 0 (traced under a jit whose out_shardings are `shardings`): zero residuals, Q drawn
     from a fixed key per parameter, the same on every replica."""
-    n = math.prod(mesh.shape[a] for a in _data_axes(mesh))
+    n = math.prod(mesh.shape[a] for a in axes)
     tp = mesh.shape[TP]
     names = llama.param_logical_axes(cfg)
     error = jax.tree.map(lambda nm, p: jnp.zeros((n, 1) if _is_expert(nm) else (n, *p.shape), jnp.float32),
@@ -85,16 +83,17 @@ def pipelined_specs(cfg: LlamaConfig, data: tuple[str, ...], state: dict[str, An
     return out
 
 
+def compresses(names: tuple[str | None, ...], mode: str) -> bool:
+    """Whether `mode` compresses this dense weight's gradient (PowerSGD sums vectors exactly)."""
+    return mode != "powersgd" or _has_q(names)
+
+
 def reduce_leaf(g: jax.Array, error: jax.Array, q: jax.Array | None, names: tuple[str | None, ...],
                 axes: tuple[str, ...], split_dp: bool, mode: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """One dense gradient's compressed sum over the data `axes` (ZeRO-1: this device's dp slice of it), its new
     residual and Q, per tp block: a flatten of a tp-split gradient would gather it."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
     r_spec = P(None, *tp_only)
-    if mode == "powersgd" and not _has_q(names):  # a vector: summed exactly, nothing kept
-        out = lax.psum_scatter(g, DP, scatter_dimension=names.index("embed"), tiled=True) if split_dp else g
-        rest = tuple(a for a in axes if a == CP) if split_dp else axes
-        return (lax.psum(out, rest) if rest else out), error, q
     if mode == "powersgd":
         def low_rank(g, r, q):
             total, err, q_next = powersgd.powersgd_sum(g, r[0], q[0, 0], axes, names)

@@ -70,13 +70,10 @@ class Pipelined:
 
     def compressed_loss_and_grads(self, params: Any, batch: Batch, residual: Any) -> tuple[Any, ...]:
         """`loss_and_grads` with the once-per-step reduction's payload compressed (`train.grad_compression`),
-        and the new error-feedback residual fourth."""
+        and the new error-feedback state fourth."""
         lockstep = needs_lockstep()
-        once = data_parallel.can_reduce_once(current(), self.zero)
-        stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
-        sched = self._table(batch["inputs"].shape[0], lockstep)
-        loss, grads, router, residual = _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero,
-                                             mode=self.compression, residual=residual)
+        loss, grads, router, residual = self._execute(self._table(batch["inputs"].shape[0], lockstep), params,
+                                                      batch, lockstep, residual=residual)
         if self.grad_sharding is not None:
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router, residual
@@ -87,12 +84,14 @@ class Pipelined:
         sched = ps.forward_only(pp, batch["inputs"].shape[0], v, self.pipeline.vshape)
         return self._execute(sched, params, batch, needs_lockstep(), with_grads=False)[0]
 
-    def _execute(self, sched: ps.Schedule, params: Any, batch: Batch, lockstep: bool, with_grads: bool = True
-                 ) -> tuple[jax.Array, Any, dict]:
-        """`sched` run on this spec's stage (scaled to the batch's mean), gradients reduced once when they can be."""
+    def _execute(self, sched: ps.Schedule, params: Any, batch: Batch, lockstep: bool, with_grads: bool = True,
+                 residual: Any = None) -> tuple[Any, ...]:
+        """`sched` run on this spec's stage (scaled to the batch's mean), gradients reduced once when they can be
+        (compressed, with the new feedback state fourth, when a `residual` is given)."""
         once = data_parallel.can_reduce_once(current(), self.zero)
         stage = make_stage(self.spec, 1.0 / batch["labels"].size, data_manual=once)
-        return _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero, with_grads)
+        mode = "none" if residual is None else self.compression
+        return _run(sched, stage, params, batch, lockstep, once, self.spec.cfg, self.zero, with_grads, mode, residual)
 
     def _table(self, m: int, lockstep: bool) -> ps.Schedule:
         """`pipeline.schedule`'s table for m micro-batches, or `schedule` once checked against it."""
