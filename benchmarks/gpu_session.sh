@@ -2,6 +2,7 @@
 # The GPU figures the open issues ask for, in one visit to a lent GPU (run from the repository root there):
 #   bash benchmarks/gpu_session.sh precision   # smoke step, precision presets on SmolLM-360M/1.7B, calibration
 #   bash benchmarks/gpu_session.sh remat       # each remat policy on SmolLM-360M/1.7B: time and allocator peak
+#   bash benchmarks/gpu_session.sh calibrate   # the planner's calibration, then held-out steps to check it on
 # Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
 set -u
 OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
@@ -38,6 +39,16 @@ remat)
   done
   for r in none full names; do
     step smollm-1.7b 150 remat --steps 5 --warmup 1 train.remat=$r train.batch_size=16 train.grad_accum=4
+  done
+  ;;
+calibrate)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/env.txt"
+  timeout 120 $PY -m pjax.plan.calibrate --verbose --out "$OUT/calibration.json" 2>"$OUT/calibration.err" | tail -1
+  timeout 200 $PY -m pjax.plan.calibrate --quick --dtypes float8_e4m3fn --verbose --out "$OUT/calibration_fp8.json" \
+    2>"$OUT/calibration_fp8.err" | tail -1
+  for r in dots_no_batch none; do
+    step smollm-360m 120 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=32 train.grad_accum=4
+    step smollm-1.7b 150 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=16 train.grad_accum=4
   done
   ;;
 esac

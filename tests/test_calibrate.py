@@ -36,5 +36,5 @@ def test_every_figure_is_measured(record):
 
 
 def test_matmul_rate_is_flops_over_time():
-    r = calibrate.matmul(32, 48, 16, "float32", repeat=2)
+    r = calibrate.run_jobs([calibrate.matmul_job(32, 48, 16, "float32", repeat=2)], threads=2)[0]
     assert r["flops_per_s"] == pytest.approx(2 * 32 * 48 * 16 / r["seconds"])
