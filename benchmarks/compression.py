@@ -7,7 +7,8 @@
    the HLO: what one device sends per step by kind, each op's bytes times a ring algorithm's share for its
    group (`wire_factor`; `comm.py` counts operands instead, which halves an all-reduce's traffic).
 2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
-   the held-out loss every `--eval-every` steps.
+   the held-out loss every `--eval-every` steps. A mode `diloco:H` is DiLoCo (`train.local_steps=H`), whose
+   bytes are its inner and outer steps compiled apart, inner + outer / H per step.
 3. A time model: the dp reduction of a real model (`--model`, e.g. smollm-360m) on 8 replicas at each link
    speed, bytes / bandwidth, against one H100's compute time for the step at the MFU measured there
    (benchmarks/README.md, "One GPU"), assuming none of it overlaps.
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,8 +32,10 @@ MODES = ("none", "bf16", "int8", "powersgd", "powersgd:4")  # powersgd:R = train
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4)."""
+    """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4, 'diloco:16' -> DiLoCo with H=16)."""
     name, _, rank = mode.partition(":")
+    if name == "diloco":
+        return [f"train.local_steps={rank}"]
     return [f"train.grad_compression={name}", *([f"train.powersgd_rank={rank}"] if rank else [])]
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
          "NVLink (450 GB/s)": 450e9}
@@ -50,6 +54,8 @@ def reduction_bytes(config: object, replicas: int, mode: str) -> float:
     name, _, rank = mode.partition(":")
     ring = 2 * (replicas - 1) / replicas
     shapes = jax.eval_shape(lambda: llama.init_params(config.model, jax.random.key(0)))
+    if name == "diloco":  # the fp32 parameter average, once every H steps
+        return ring * 4.0 * sum(s.size for s in jax.tree.leaves(shapes)) / int(rank)
     names = jax.tree.leaves(llama.param_logical_axes(config.model), is_leaf=lambda x: isinstance(x, tuple))
     total = 0.0
     for n, s in zip(names, jax.tree.leaves(shapes)):
@@ -89,12 +95,32 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
                 group = 2 if kind == "collective-permute" else max(len(g) for g in groups)
                 return runs(kind, line) * wire_factor(kind, group)
 
-            stats = collective_stats(built["compiled"].as_text(), scale=scale)
-            sent = {k: round(v["bytes"]) for k, v in stats.items() if v["bytes"]}
-            row = {"layout": layout, "mode": mode, "sent_bytes_per_device": sum(sent.values()), "by_kind": sent}
+            if mode.startswith("diloco:"):
+                row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, int(mode.partition(":")[2]))}
+            else:
+                stats = collective_stats(built["compiled"].as_text(), scale=scale)
+                sent = {k: round(v["bytes"]) for k, v in stats.items() if v["bytes"]}
+                row = {"layout": layout, "mode": mode, "sent_bytes_per_device": sum(sent.values()), "by_kind": sent}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def _diloco_bytes(built: dict, scale: Any, local_steps: int) -> dict:
+    """DiLoCo's bytes: its inner step and its outer step compiled apart (the step runs the outer one under a
+    conditional, once every H steps), and their mean per step: inner + outer / H."""
+    import jax
+
+    from pjax.observe.hlo import collective_stats
+
+    trainer, state = built["trainer"], built["trainer"].abstract_state()
+    with jax.set_mesh(trainer.mesh):
+        inner = jax.jit(trainer.diloco.inner_step).lower(state.local, trainer.abstract_batch()).compile()
+        outer = jax.jit(trainer.diloco.synchronise).lower(state.params, state.opt_state, state.local).compile()
+    inner_b, outer_b = (round(sum(v["bytes"] for v in collective_stats(c.as_text(), scale=scale).values()))
+                        for c in (inner, outer))
+    return {"sent_bytes_per_device": round(inner_b + outer_b / local_steps), "inner_step_bytes": inner_b,
+            "outer_step_bytes": outer_b}
 
 
 def converge(config: str, steps: int, eval_every: int, dp: int, mode: str, overrides: list[str]) -> dict:
@@ -127,11 +153,12 @@ def time_model(model: str, replicas: int, step_s: float) -> list[dict]:
     from pjax.config_io import load_config
 
     config = load_config(model, [])
-    sent = {mode: reduction_bytes(config, replicas, mode) for mode in MODES}
+    modes = (*MODES, "diloco:30")
+    sent = {mode: reduction_bytes(config, replicas, mode) for mode in modes}
     rows = []
     for link, bandwidth in LINKS.items():
         row = {"model": model, "replicas": replicas, "link": link, "compute_s": step_s}
-        for mode in MODES:
+        for mode in modes:
             row[f"{mode}_s"] = round(sent[mode] / bandwidth, 4)
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -23,6 +23,7 @@ ZERO_STAGES = (0, 1, 3)
 ATTENTIONS = ("auto", "reference", "blocked", "chunked", "cudnn")
 ON_NONFINITE = ("stop", "skip")
 GRAD_COMPRESSIONS = ("none", "bf16", "int8", "powersgd")
+META_ALGORITHMS = ("reptile", "fomaml", "maml")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,10 @@ class TrainConfig:
     grad_compression: str = "none"  # the once-per-step data reduction's payload (pjax/parallel/compression.py)
     powersgd_rank: int | None = None  # with grad_compression=powersgd; null: 1
     powersgd_start: int = 0  # exact reductions before PowerSGD's first (PyTorch's start_powerSGD_iter)
+    local_steps: int = 0  # DiLoCo's inner steps per outer step, H (pjax/parallel/outer.py); 0: synchronous
+    outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate and Nesterov momentum (the paper's values)
+    outer_momentum: float = 0.9
+    diloco_groups: int | None = None  # null: one group per dp replica
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -98,6 +103,11 @@ class TrainConfig:
         require(self.powersgd_start == 0 or self.grad_compression == "powersgd", "train.powersgd_start",
                 self.powersgd_start, f"it applies only with train.grad_compression=powersgd (it is "
                 f"{self.grad_compression}): set that, or leave train.powersgd_start at 0")
+        require(self.local_steps >= 0, "train.local_steps", self.local_steps, "use an integer >= 0 (0: synchronous)")
+        require(self.outer_lr > 0, "train.outer_lr", self.outer_lr, "use a learning rate > 0")
+        require(0 <= self.outer_momentum < 1, "train.outer_momentum", self.outer_momentum, "use a value in [0, 1)")
+        require(self.diloco_groups is None or self.local_steps > 0, "train.diloco_groups", self.diloco_groups,
+                "it applies only with train.local_steps > 0 (DiLoCo): set that, or leave train.diloco_groups unset")
 
     @property
     def compression_rank(self) -> int:
@@ -187,6 +197,31 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetaConfig:
+    """Meta-learning over tasks (pjax/parallel/meta.py): off while `algorithm` is null."""
+
+    algorithm: str | None = None  # reptile, fomaml or maml
+    inner_steps: int = 1  # SGD steps that adapt to a task, one micro-batch each
+    inner_lr: float = 0.1
+    tasks: tuple[str, ...] = ()  # data sources, one task each, read like data.path with data.tokenizer
+
+    def __post_init__(self) -> None:
+        if self.algorithm is not None:
+            require_choice("meta.algorithm", self.algorithm, META_ALGORITHMS)
+        require(self.inner_steps >= 1, "meta.inner_steps", self.inner_steps, "use an integer >= 1")
+        require(self.inner_lr > 0, "meta.inner_lr", self.inner_lr, "use a learning rate > 0")
+        require(self.algorithm is None or len(self.tasks) > 0, "meta.tasks", list(self.tasks),
+                "name at least one data source per dp group, e.g. meta.tasks=[data/emma.txt,data/persuasion.txt]")
+        require(self.algorithm is not None or not self.tasks, "meta.tasks", list(self.tasks),
+                "it applies only with a meta.algorithm: set one, or leave meta.tasks unset")
+
+    @property
+    def query(self) -> int:
+        """Micro-batches after the adapting ones that the meta-gradient is taken on: 1 (fomaml, maml) or 0."""
+        return 0 if self.algorithm == "reptile" else 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -198,3 +233,4 @@ class Config:
     context: ContextConfig = dataclasses.field(default_factory=ContextConfig)
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    meta: MetaConfig = dataclasses.field(default_factory=MetaConfig)

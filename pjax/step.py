@@ -18,10 +18,10 @@ from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
 from models.moe import MoeConfig
 from models.precision import PrecisionConfig
-from pjax.config import ContextConfig, PipelineConfig, TrainConfig
+from pjax.config import ContextConfig, MetaConfig, PipelineConfig, TrainConfig
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import data_parallel, feedback
+from pjax.parallel import data_parallel, feedback, meta, outer
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline.step import Pipelined
@@ -36,6 +36,7 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     residual: Any = None  # error feedback's state, with train.grad_compression (`pjax.parallel.feedback`)
+    local: Any = None  # DiLoCo's groups: their parameters and inner optimizer state (`pjax.parallel.outer`)
 
 
 def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
@@ -154,6 +155,8 @@ class Trainer:
     loss: Callable[[Any, Batch], jax.Array]
     strategy: Any = None  # `Accumulation`, or `pipeline.step.Pipelined` (pp > 1)
     pipeline: PipelineConfig | None = None  # set when pp > 1
+    diloco: outer.DiLoCo | None = None  # set with train.local_steps > 0; `optimizer` is then the outer one
+    learner: meta.Meta | None = None  # set with a meta.algorithm; `optimizer` is then the meta-parameters' one
 
     def abstract_state(self) -> TrainState:
         """The state as sharded shapes: a restore target, or an input to compile from without allocating."""
@@ -180,13 +183,16 @@ class Trainer:
 
 def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig | None = None,
                   moe: MoeConfig | None = None, context: ContextConfig | None = None,
-                  precision: PrecisionConfig = PrecisionConfig()) -> Trainer:
+                  precision: PrecisionConfig = PrecisionConfig(), meta_cfg: MetaConfig = MetaConfig()) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
-    validate_run(mc, cfg, tc, pipeline, context, precision)
+    validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg)
     policy = precision.resolve(tc.dtype)
-    optimizer = make_optimizer(tc, policy.optimizer_state)
+    inner = make_optimizer(tc, policy.optimizer_state)
+    optimizer = outer.outer_optimizer(tc) if tc.local_steps else inner
+    if meta_cfg.algorithm:
+        optimizer = meta.meta_optimizer(meta_cfg, tc, inner)
     p_sharding = data_parallel.param_shardings(mesh, cfg, tc.zero)
     g_sharding = data_parallel.grad_shardings(mesh, cfg, tc.zero)
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
@@ -194,7 +200,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     compressed = tc.grad_compression != "none"
     r_sharding = feedback.shardings(mesh, data_parallel.data_axes(mesh), cfg, p_sharding,
                                               tc.grad_compression) if compressed else None
-    state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding)
+    l_sharding = outer.local_shardings(mesh, inner, p_sharding, params_shape) if tc.local_steps else None
+    state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 
     def init(rng: jax.Array) -> TrainState:
@@ -203,7 +210,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         residual = feedback.zeros(params, mesh, data_parallel.data_axes(mesh), cfg, tc.grad_compression,
                                   tc.compression_rank) if compressed else None
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual)
+        local = outer.fresh_local(params, inner, mc.dp) if tc.local_steps else None
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
     attention_fn = None
     if mesh.shape[CP] > 1:
@@ -213,7 +221,10 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
         strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
+    diloco = outer.DiLoCo(spec, inner, optimizer, tc) if tc.local_steps else None
+    learner = meta.Meta(spec, meta_cfg, optimizer, tc) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
+    step = diloco.step if diloco else learner.step if learner else step
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
         init=_on_mesh(mesh, jax.jit(init, out_shardings=state_sharding)),
@@ -224,6 +235,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         loss=_on_mesh(mesh, jax.jit(strategy.mean_loss, in_shardings=(p_sharding, batch_sharding))),
         strategy=strategy,
         pipeline=pipeline if mc.pp > 1 else None,
+        diloco=diloco,
+        learner=learner,
     )
 
 
@@ -246,7 +259,16 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
                                            v=trainer.pipeline.virtual_stages, vshape=trainer.pipeline.vshape),
                          out_shardings=trainer.state_sharding.params)(params)
     opt_init = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_sharding.opt_state)
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params), fresh_residual(trainer))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_init(params), fresh_residual(trainer),
+                      fresh_local(trainer, params))
+
+
+def fresh_local(trainer: Trainer, params: Any) -> Any:
+    """DiLoCo's groups, every one at `params` with a fresh inner state; None without train.local_steps."""
+    if trainer.diloco is None:
+        return None
+    fresh = functools.partial(outer.fresh_local, inner=trainer.diloco.inner, groups=trainer.mesh.shape[DP])
+    return jax.jit(fresh, out_shardings=trainer.state_sharding.local)(params)
 
 
 def fresh_residual(trainer: Trainer) -> Any:

@@ -126,11 +126,11 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     tc, mc = cfg.train, cfg.model
     _warn_if_longer_than_the_model(cfg)
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
+    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
                                     Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
-    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, sequence_layout=zigzag_layout(mesh.shape[CP]),
-                                          curriculum=curriculum)
+    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, cfg.meta.tasks,
+                                          sequence_layout=zigzag_layout(mesh.shape[CP]), curriculum=curriculum)
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")

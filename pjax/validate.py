@@ -15,8 +15,8 @@ from mesh.validate import validate_batch, validate_model
 from models import sequence_parallel
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
-from pjax.config import TrainConfig
-from pjax.parallel import compression
+from pjax.config import MetaConfig, TrainConfig
+from pjax.parallel import compression, meta, outer
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.context.strategy import ContextConfig
 from pjax.parallel.pipeline import table as pipeline_table
@@ -32,6 +32,7 @@ class Run(NamedTuple):
     pipeline: PipelineConfig = PipelineConfig()
     context: ContextConfig = ContextConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    meta: MetaConfig = MetaConfig()
 
 
 def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
@@ -62,12 +63,14 @@ def accumulator_compiles(run: Run) -> None:
 
 
 RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run, context_strategy.check_run,
-         sequence_parallel.check_run, compression.check_run)
+         sequence_parallel.check_run, compression.check_run, outer.check_run,
+         meta.check_run)
 
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),
-                 context: ContextConfig = ContextConfig(), precision: PrecisionConfig = PrecisionConfig()) -> None:
+                 context: ContextConfig = ContextConfig(), precision: PrecisionConfig = PrecisionConfig(),
+                 meta_cfg: MetaConfig = MetaConfig()) -> None:
     """A one-line ConfigError, from the first of `RULES` that fails, unless the run splits over `mc`."""
-    run = Run(mc, cfg, tc, pipeline, context, precision)
+    run = Run(mc, cfg, tc, pipeline, context, precision, meta_cfg)
     for rule in RULES:
         rule(run)

@@ -19,7 +19,7 @@ from mesh.errors import ConfigError, first_line
 from mesh.mesh import PP
 from models import llama
 from models.config import LlamaConfig, shape_keys
-from pjax.checkpoint import save_faults
+from pjax.checkpoint import replicas, save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
 from pjax.checkpoint.dirlock import take_run_lock
@@ -159,31 +159,14 @@ class Checkpointer:
         if meta.get("format") != FORMAT:
             raise ConfigError(f"{self.directory}/{step} has checkpoint format {meta.get('format')}, this pjax reads "
                               f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
-        residual = self._restore_residual(trainer, saved_cfg, cfg, meta, step)
+        residual, local = replicas.restore(self._manager, step, trainer, saved_cfg, cfg, meta, items["params"],
+                                           self._warn)
         state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
-                           items["params"], items["opt_state"], residual)
+                           items["params"], items["opt_state"], residual, local)
         if self._rows is not None:
             state = _permute_layers(state, self._rows)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
         return Restored(state, meta["data"], rng, saved_cfg)
-
-    def _restore_residual(self, trainer: Trainer, saved: Config, cfg: Config, meta: dict, step: int) -> Any:
-        """Error feedback's residual as saved where the data replicas are the same; zeros (with a warning) where
-        the run saved none or split its data another way: its values belong to the replicas that kept them."""
-        from pjax.step import fresh_residual
-
-        target = trainer.abstract_state().residual
-        if target is None:
-            return None
-        same = (saved.train.grad_compression, saved.train.compression_rank, saved.train.zero,
-                meta.get("residual_replicas")) == (cfg.train.grad_compression, cfg.train.compression_rank,
-                                                   cfg.train.zero, jax.tree.leaves(target["error"])[0].shape[0])
-        if same:
-            return self._manager.restore(step, args=ocp.args.Composite(
-                residual=ocp.args.StandardRestore(target)))["residual"]
-        self._warn(f"train.grad_compression={cfg.train.grad_compression}: the error-feedback residual starts at zero "
-                   f"(step {step} was saved without one, or with other data replicas).")
-        return fresh_residual(trainer)
 
     def set_aside_unreadable(self, after: int) -> None:
         """Rename the unreadable steps newer than `after` to `<step>.unreadable`, so their numbers can be saved again."""
@@ -224,12 +207,10 @@ class Checkpointer:
         self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))))
         with self._disk_full_is_one_line():
             # force: pjax decides when to save, not Orbax's interval policy.
-            residual = {} if state.residual is None else {"residual": ocp.args.StandardSave(state.residual)}
-            if residual:  # replicas x parameter shape: a resume with other data replicas starts from zeros
-                meta["residual_replicas"] = int(jax.tree.leaves(state.residual["error"])[0].shape[0])
+            per_replica = replicas.save_args(state, meta)
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
-                meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **residual))
+                meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **per_replica))
         self.last_saved = step
 
     def close(self) -> None:
@@ -285,6 +266,12 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
             for k in keys if ours["model"][k] != theirs["model"][k]]
     if (cfg.train.grad_clip > 0) != (saved.train.grad_clip > 0):  # clipping adds an optimizer-state node
         diff.append(f"train.grad_clip={cfg.train.grad_clip} (checkpoint: {saved.train.grad_clip})")
+    if (cfg.meta.algorithm == "reptile") != (saved.meta.algorithm == "reptile"):  # Reptile's outer SGD: no AdamW
+        diff.append(f"meta.algorithm={cfg.meta.algorithm} (checkpoint: {saved.meta.algorithm})")
+    for key in ("local_steps", "outer_momentum"):  # DiLoCo's outer optimizer state replaces AdamW's; momentum adds one
+        ours_on, theirs_on = bool(getattr(cfg.train, key)), bool(getattr(saved.train, key))
+        if ours_on != theirs_on and (key == "local_steps" or cfg.train.local_steps or cfg.meta.algorithm == "reptile"):
+            diff.append(f"train.{key}={getattr(cfg.train, key)} (checkpoint: {getattr(saved.train, key)})")
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")

@@ -148,11 +148,15 @@ class DataIterator:
         # The batch's index in the run is its position: a curriculum's length resumes with it.
         index = self.epoch * self.batches_per_epoch + self.step_in_epoch
         length = self.seq_len if self.curriculum is None else self.curriculum.length(index)
-        batch = self._assemble(self.tokens, self.window_ids(self.epoch, self.step_in_epoch), length)
+        return self._assemble(self.tokens, self.next_ids(), length)
+
+    def next_ids(self) -> np.ndarray:
+        """The next global batch's window ids [grad_accum, micro_batch]; the stream moves past them."""
+        ids = self.window_ids(self.epoch, self.step_in_epoch)
         self.step_in_epoch += 1
         if self.step_in_epoch == self.batches_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        return batch
+        return ids
 
     def num_eval_batches(self, limit: int | None = None) -> int:
         """Whole batches in the held-out split (at most `limit`); a ConfigError if there is not even one."""

@@ -71,7 +71,7 @@ class RunReport:
                   "seq_len": self.length,
                   "step_time_s": step_time, "data_wait_s": self.data.take_wait() / self.steps_since,
                   "skipped_steps": self.guard.skipped, **memory_per_device(self.local, self.memory),
-                  **{k: float(host[k]) for k in ROUTER_METRICS if k in host}}
+                  **{k: float(host[k]) for k in (*ROUTER_METRICS, "adapted_loss") if k in host}}
         if step - self.start == self.steps_since:
             record["includes_compile"] = True
         self.write(record)

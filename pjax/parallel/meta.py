@@ -1,0 +1,127 @@
+"""Meta-learning on the outer loop: Reptile, first-order MAML and MAML over tasks (`meta.*`).
+
+A task is a data source (`meta.tasks`); each dp replica is a group that adapts the meta-parameters
+`TrainState.params` to its step's task by `meta.inner_steps` SGD steps at `meta.inner_lr`, one micro-batch
+each, with no communication; the groups then meet once, in one mean over dp:
+- reptile: the adapted parameters are averaged and the outer loop's step (`outer.outer_step`, DiLoCo's:
+  SGD with `train.outer_lr` and Nesterov `train.outer_momentum`) moves the meta-parameters toward them;
+- fomaml: the gradient of the task's loss on one more micro-batch (the query), at the adapted parameters;
+- maml: the same loss differentiated through the inner steps (`jax.grad` of the whole adaptation).
+fomaml's and maml's mean meta-gradient goes to the run's AdamW (train.lr, its schedule and clipping).
+The task data comes from `pjax.data.tasks.TaskIterator`: group g's rows hold one task per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mesh.errors import ConfigError
+from mesh.mesh import DP, current
+from pjax.divergence import keep_if_finite
+from pjax.optim import lr_schedule, schedule_count
+from pjax.parallel import data_parallel, outer
+
+
+def check_run(run: Any) -> None:
+    """One line where `meta.algorithm` cannot run on this layout or these tasks."""
+    meta, tc, mesh = run.meta, run.train, run.mesh
+    if meta.algorithm is None:
+        return
+    head = f"meta.algorithm={meta.algorithm}"
+    refused = [(mesh.pp > 1, f"mesh.pp={mesh.pp}", "mesh.pp=1"), (mesh.cp > 1, f"mesh.cp={mesh.cp}", "mesh.cp=1"),
+               (tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
+               (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
+                "train.grad_compression=none"),
+               (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0"),
+               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{head} does not run with {what}; use {fix}.")
+    if len(meta.tasks) % mesh.dp:
+        raise ConfigError(f"meta.tasks names {len(meta.tasks)} tasks, which do not divide over the mesh.dp={mesh.dp} "
+                          f"groups that adapt in parallel; name a multiple of {mesh.dp} tasks, or change mesh.dp.")
+    reads = meta.inner_steps + meta.query
+    if tc.grad_accum != reads:
+        query = " and 1 to take the meta-gradient on" if meta.query else ""
+        raise ConfigError(f"{head} with meta.inner_steps={meta.inner_steps} reads {reads} micro-batches per step "
+                          f"({meta.inner_steps} to adapt{query}): set train.grad_accum={reads}.")
+
+
+def meta_optimizer(meta: Any, tc: Any, adamw: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Reptile steps by the outer loop's SGD; fomaml and maml hand their meta-gradient to the run's AdamW."""
+    return outer.outer_optimizer(tc) if meta.algorithm == "reptile" else adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """The step with a `meta.algorithm`: adapt per group, meet once, update the meta-parameters."""
+
+    spec: Any  # pjax.spec.StepSpec
+    meta: Any  # MetaConfig
+    optimizer: optax.GradientTransformation  # `meta_optimizer`'s
+    tc: Any  # TrainConfig
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """One meta-step: {loss (before adapting), adapted_loss, grad_norm, lr, finite}."""
+        target, loss, adapted = self.over_tasks(state.params, batch)
+        if self.meta.algorithm == "reptile":
+            params, opt_state = outer.outer_step(self.optimizer, state.params, state.opt_state, target)
+            grad_norm = optax.tree.norm(jax.tree.map(jnp.subtract, state.params, target))
+            lr = jnp.asarray(self.tc.outer_lr, jnp.float32)
+        else:
+            updates, opt_state = self.optimizer.update(target, state.opt_state, state.params)
+            params, grad_norm = optax.apply_updates(state.params, updates), optax.tree.norm(target)
+            lr = lr_schedule(self.tc)(schedule_count(state.opt_state))
+        finite = jnp.isfinite(loss) & jnp.isfinite(adapted) & jnp.isfinite(grad_norm)
+        if self.tc.on_nonfinite == "skip":
+            params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "adapted_loss": adapted, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def over_tasks(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
+        """`per_task` in every group at once (a shard_map manual over dp), then the mean over the groups."""
+        axes = data_parallel.data_axes(current())
+        if not axes:
+            return self.per_task(params, batch)
+
+        def body(params, batch):
+            return lax.pmean(self.per_task(data_parallel.vary(params, axes), batch), DP)
+        return jax.shard_map(body, in_specs=(P(), data_parallel.batch_spec(axes)), out_specs=(P(), P(), P()),
+                             axis_names=set(axes))(params, batch)
+
+    def per_task(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
+        """One task's (adapted parameters or meta-gradient, loss before adapting, loss after)."""
+        n = self.meta.inner_steps
+        support = jax.tree.map(lambda x: x[:n], batch)
+        if self.meta.algorithm == "reptile":
+            adapted, losses = self.adapt(params, support)
+            return adapted, losses[0], losses[-1]
+        query = jax.tree.map(lambda x: x[n], batch)
+        if self.meta.algorithm == "fomaml":
+            adapted, losses = self.adapt(params, support)
+            after, grads = jax.value_and_grad(self.task_loss)(lax.stop_gradient(adapted), query)
+            return grads, losses[0], after
+
+        def through_adaptation(p):
+            adapted, losses = self.adapt(p, support)
+            return self.task_loss(adapted, query), losses[0]
+        (after, before), grads = jax.value_and_grad(through_adaptation, has_aux=True)(params)
+        return grads, before, after
+
+    def adapt(self, params: Any, support: Any) -> tuple[Any, jax.Array]:
+        """SGD at meta.inner_lr, one step per support micro-batch: the adapted parameters and each step's loss."""
+        def one(p, micro):
+            loss, grads = jax.value_and_grad(self.task_loss)(p, micro)
+            return jax.tree.map(lambda w, g: w - self.meta.inner_lr * g.astype(w.dtype), p, grads), loss
+        return lax.scan(one, params, support)
+
+    def task_loss(self, params: Any, micro: Any) -> jax.Array:
+        """Mean token loss of one micro-batch."""
+        loss, (count, _) = self.spec.loss_sum(params, micro)
+        return loss / count

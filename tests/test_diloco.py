@@ -1,0 +1,159 @@
+"""DiLoCo (`train.local_steps`, pjax/parallel/outer.py): with H=1, an outer lr of 1, no momentum and SGD inside
+it is synchronous training; between synchronisations the groups drift apart on their own rows and the global
+parameters wait; at each one the outer Nesterov step moves them by the groups' mean delta and every group
+restarts from them; a resume continues bit for bit."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mesh.errors import ConfigError
+from mesh.mesh import make_mesh
+from pjax.config_io import load_config
+from pjax.parallel import outer
+from pjax.step import TrainState, build_trainer, train_step
+from pjax.train import train
+from pjax.validate import validate_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import random_batch  # noqa: E402
+
+SMALL = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32"]
+
+
+def _trainer(overrides: list[str], config: str = "debug"):
+    cfg = load_config(config, [*SMALL, *overrides])
+    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
+
+
+def _close(a, b, rtol=2e-5, atol=2e-7) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _embedding(params) -> np.ndarray:
+    return np.asarray(jax.tree.leaves(params["embed"])[0])
+
+
+def test_one_local_step_at_outer_lr_1_without_momentum_is_synchronous_training():
+    """dp2 x tp2, two steps: SGD's update of the global mean gradient = the mean of the groups' SGD steps."""
+    layout = ["mesh.dp=2", "mesh.tp=2"]
+    _, sync = _trainer(layout)
+    _, local = _trainer([*layout, "train.local_steps=1", "train.outer_lr=1.0", "train.outer_momentum=0"])
+    sgd = optax.sgd(optax.constant_schedule(0.5))  # a schedule: the step reports its lr from the count
+    diloco = dataclasses.replace(local.diloco, inner=sgd)
+    params = sync.init(jax.random.key(0)).params
+    a = TrainState(np.int32(0), params, sgd.init(params))
+    b = TrainState(np.int32(0), params, local.optimizer.init(params), None, outer.fresh_local(params, sgd, 2))
+    sync_step = jax.jit(functools.partial(train_step, strategy=sync.strategy, optimizer=sgd, tc=sync.tc))
+    local_step = jax.jit(diloco.step)
+    with jax.set_mesh(sync.mesh):
+        for seed in range(2):
+            batch = random_batch(sync, seed)
+            a, ma = sync_step(a, batch)
+            b, mb = local_step(b, batch)
+            assert float(mb["loss"]) == pytest.approx(float(ma["loss"]), rel=1e-5)
+    assert not np.allclose(_embedding(a.params), _embedding(params))
+    _close(b.params, a.params)
+
+
+@pytest.fixture(scope="module")
+def rounds():
+    """dp2 x cp2 (ring attention inside each group), H=2: the state after each of two steps, and the groups
+    after step 2's inner step alone."""
+    cfg, trainer = _trainer(["mesh.dp=2", "mesh.cp=2", "mesh.tp=1", "train.local_steps=2", "train.warmup_steps=0"])
+    host = functools.partial(jax.tree.map, np.asarray)  # the step donates its state: keep copies
+    state, batches = trainer.init(jax.random.key(0)), [random_batch(trainer, s) for s in range(2)]
+    states = [host(state)]
+    state = trainer.step(state, batches[0])[0]
+    states.append(host(state))
+    with jax.set_mesh(trainer.mesh):
+        inner_only = host(jax.jit(trainer.diloco.inner_step)(state.local, batches[1])[0])
+    states.append(host(trainer.step(state, batches[1])[0]))
+    return cfg, states, inner_only
+
+
+def test_between_synchronisations_the_groups_drift_apart_and_the_global_parameters_wait(rounds):
+    _, (s0, s1, _), _ = rounds
+    _close(s1.params, s0.params, rtol=0, atol=0)
+    g0, g1 = (jax.tree.map(lambda x, i=i: np.asarray(x)[i], s1.local["params"]) for i in range(2))
+    start = jax.tree.map(np.asarray, s0.params)
+    assert not np.allclose(_embedding(g0), _embedding(g1))  # each group stepped on its own rows
+    assert not np.allclose(_embedding(g0), _embedding(start))
+
+
+def test_the_outer_nesterov_step_moves_the_global_parameters_by_the_groups_mean_delta(rounds):
+    """First outer step: momentum m = delta, Nesterov's step lr * (delta + mu * m) = lr * (1 + mu) * delta,
+    delta = global - mean over groups; then every group restarts from the new global parameters."""
+    cfg, (_, s1, s2), inner_only = rounds
+    lr, mu = cfg.train.outer_lr, cfg.train.outer_momentum
+    mean = jax.tree.map(lambda x: np.asarray(x, np.float64).mean(axis=0), inner_only["params"])
+    want = jax.tree.map(lambda p, m: np.asarray(p, np.float64) - lr * (1 + mu) * (np.asarray(p, np.float64) - m),
+                        s1.params, mean)
+    _close(s2.params, want, rtol=1e-5, atol=1e-6)
+    for group in range(2):
+        _close(jax.tree.map(lambda x: np.asarray(x)[group], s2.local["params"]), s2.params, rtol=0, atol=0)
+
+
+def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global_parameters(tmp_path, capfd):
+    """dp2, H=2, saved at step 3 (mid-round: the groups hold one inner step the global parameters do not)."""
+    def run(name: str, *extra: str) -> list[float]:
+        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     "train.local_steps=2", f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt",
+                     "checkpoint.every=3", *extra]
+        cfg = load_config("debug", overrides)
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:cfg.mesh.dp])]
+
+    straight = run("a")
+
+    def preempted_after_step_3(name: str) -> None:
+        shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / name / "ckpt",
+                        ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
+        lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:3]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    preempted_after_step_3("b")
+    assert run("b") == straight[3:]
+    assert "starts from the global parameters" not in capfd.readouterr().err
+    preempted_after_step_3("c")
+    assert len(run("c", "mesh.dp=4")) == 1
+    assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.dp=2", "mesh.pp=2"], "does not run with mesh.pp=2"),
+    (["mesh.dp=2", "train.zero=1"], "does not run with train.zero=1"),
+    (["mesh.dp=2", "train.grad_compression=int8"], "does not run with train.grad_compression=int8"),
+    (["mesh.dp=2", "train.diloco_groups=1"], "set train.diloco_groups=2 or null"),
+])
+def test_layouts_diloco_does_not_run_on_are_one_line(overrides, message):
+    cfg = load_config("debug", ["train.local_steps=4", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate_run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.context, cfg.precision)
+
+
+def test_an_moe_model_is_refused():
+    cfg = load_config("mixtral-tiny", ["train.local_steps=4", "mesh.dp=2", "mesh.tp=1"])
+    with pytest.raises(ConfigError, match="does not run with an MoE model"):
+        validate_run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.context, cfg.precision)
+
+
+def test_the_planner_counts_one_parameter_average_every_h_steps():
+    from pjax.plan.estimate import analytic_comm
+    from pjax.plan.layouts import Layout
+
+    def link(*extra: str) -> float:
+        cfg = load_config("picotron-cpu", ["train.grad_accum=2", *extra])
+        return analytic_comm(cfg, Layout(dp=8, grad_accum=2), 4, 8)["dp"]["link_bytes"]
+
+    assert link("train.local_steps=16") == pytest.approx(link() / 16)

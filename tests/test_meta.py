@@ -1,0 +1,164 @@
+"""Meta-learning (`meta.*`, pjax/parallel/meta.py): Reptile with one task and one inner step is SGD; MAML's
+meta-gradient is the derivative of the adapted loss (a finite-difference check) and first-order MAML's is not;
+the dp groups adapt to their tasks in parallel exactly as one device does them in turn, for every algorithm
+on dp2 x tp2; each group's rows hold its task; a resume continues bit for bit."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mesh.errors import ConfigError
+from mesh.mesh import make_mesh
+from pjax import assets
+from pjax.config_io import load_config
+from pjax.data.batches import read_windows
+from pjax.data.tasks import TaskIterator
+from pjax.step import build_trainer
+from pjax.train import train
+from pjax.validate import validate_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import random_batch  # noqa: E402
+
+SMALL = ["train.batch_size=8", "train.seq_len=32", "train.dtype=float32", "train.grad_clip=0"]
+
+
+def _meta(algorithm: str, steps: int = 1, tasks: int = 2) -> list[str]:
+    query = 0 if algorithm == "reptile" else 1
+    return [f"meta.algorithm={algorithm}", f"meta.inner_steps={steps}", f"train.grad_accum={steps + query}",
+            f"meta.tasks=[{','.join(f'task{i}.txt' for i in range(tasks))}]"]
+
+
+def _trainer(overrides: list[str]):
+    cfg = load_config("debug", [*SMALL, *overrides])
+    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+
+
+def _on(trainer, fn, *args):
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(fn)(*args)
+
+
+def test_reptile_with_one_task_and_one_inner_step_is_sgd():
+    """Outer lr 1 without momentum: params - (params - adapted) = params - inner_lr * gradient (dp1 x tp2)."""
+    _, trainer = _trainer(["mesh.dp=1", "mesh.tp=2", *_meta("reptile", tasks=1), "train.outer_lr=1.0",
+                           "train.outer_momentum=0", "meta.inner_lr=0.5"])
+    state, batch = trainer.init(jax.random.key(0)), random_batch(trainer)
+    _, grads = trainer.grads(state.params, batch)
+    want = jax.tree.map(lambda p, g: np.asarray(p) - 0.5 * np.asarray(g), state.params, grads)
+    new, metrics = trainer.step(state, batch)
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-7)
+    assert float(metrics["adapted_loss"]) == float(metrics["loss"])  # one inner step: its loss is the first
+
+
+def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
+    """Central differences of L(theta) = query loss after two inner SGD steps at lr 0.5, along MAML's meta-gradient
+    g and along g minus first-order MAML's: both match g; first-order MAML's misses them (at this inner lr the
+    second-order term is most of the gradient)."""
+    overrides = ["mesh.dp=1", "mesh.tp=1", "meta.inner_lr=0.5", "train.batch_size=6"]
+    _, maml = _trainer([*overrides, *_meta("maml", steps=2)])
+    _, fomaml = _trainer([*overrides, *_meta("fomaml", steps=2)])
+    params, batch = maml.init(jax.random.key(0)).params, random_batch(maml)
+    learner = maml.learner
+
+    def adapted_loss(p, step, sign):
+        adapted, _ = learner.adapt(jax.tree.map(lambda w, s: w + sign * s, p, step),
+                                   jax.tree.map(lambda x: x[:2], batch))
+        return learner.task_loss(adapted, jax.tree.map(lambda x: x[2], batch))
+
+    flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)])  # noqa: E731
+    g = flat(_on(maml, lambda p, b: learner.per_task(p, b)[0], params, batch))
+    g_first = flat(_on(fomaml, lambda p, b: fomaml.learner.per_task(p, b)[0], params, batch))
+    leaves, treedef = jax.tree.flatten(params)
+    eps = 1e-4  # float32: smaller is noise, larger is curvature (1e-3 is 2% off)
+    for v in (g / np.linalg.norm(g), (g - g_first) / np.linalg.norm(g - g_first)):
+        parts = np.split(v * eps, np.cumsum([x.size for x in leaves])[:-1])
+        step = jax.tree.unflatten(treedef, [jnp.asarray(d.reshape(x.shape), x.dtype) for d, x in zip(parts, leaves)])
+        plus, minus = (float(_on(maml, lambda p, s, sign=sign: adapted_loss(p, s, sign), params, step))
+                       for sign in (1.0, -1.0))
+        numeric = (plus - minus) / (2 * eps)
+        assert numeric == pytest.approx(g @ v, rel=5e-3)
+        assert abs(g_first @ v - numeric) > 0.5 * abs(numeric)
+
+
+@pytest.mark.parametrize("algorithm", ["reptile", "fomaml", "maml"])
+def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorithm):
+    """dp2 x tp2: the mean over the groups of what each returns equals one device's `per_task` on each group's
+    rows, averaged."""
+    meta = _meta(algorithm)
+    _, parallel = _trainer(["mesh.dp=2", "mesh.tp=2", *meta])
+    _, single = _trainer(["mesh.dp=1", "mesh.tp=1", *meta])
+    params, batch = parallel.init(jax.random.key(0)).params, random_batch(parallel)
+    got = _on(parallel, parallel.learner.over_tasks, params, batch)
+    host = jax.tree.map(np.asarray, (params, batch))
+    rows = batch["inputs"].shape[1] // 2
+    each = [_on(single, single.learner.per_task, host[0], jax.tree.map(lambda x: x[:, g * rows:(g + 1) * rows],
+                                                                           host[1])) for g in range(2)]
+    want = jax.tree.map(lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, *each)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    """Four tasks: consecutive 40,000-character stretches of the shipped novel."""
+    text = assets.locate("data/prideprejudice.txt").read_text(encoding="utf-8")
+    folder = tmp_path_factory.mktemp("tasks")
+    paths = []
+    for i in range(4):
+        paths.append(folder / f"task{i}.txt")
+        paths[-1].write_text(text[i * 40_000:(i + 1) * 40_000], encoding="utf-8")
+    return [str(p) for p in paths]
+
+
+def test_each_groups_rows_hold_its_task_in_turn():
+    tokens = [(np.arange(t * 1000, t * 1000 + 600), np.arange(10)) for t in range(4)]  # tell tasks apart
+    cfg = load_config("debug", ["mesh.dp=2", "mesh.tp=1"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:2])
+    it = TaskIterator(tokens, seq_len=8, batch_size=8, grad_accum=2, seed=0, mesh=mesh)
+    for step in range(3):
+        ids = [it.tasks[t].window_ids(it.tasks[t].epoch, it.tasks[t].step_in_epoch) for t in it.assignment(step)]
+        want = [read_windows(it.tasks[t].tokens, i, 8)[..., :8] for t, i in zip(it.assignment(step), ids)]
+        inputs = np.asarray(next(it)["inputs"])
+        assert it.assignment(step) == [(2 * step) % 4, (2 * step + 1) % 4]
+        for g in range(2):
+            np.testing.assert_array_equal(inputs[:, 2 * g:2 * g + 2], want[g])
+
+
+def test_a_resume_continues_bit_for_bit(tmp_path, task_files):
+    """fomaml on dp2, saved at step 2 (the tasks' positions and the meta-step in the data state)."""
+    def run(name: str) -> list[float]:
+        overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2",
+                     f"data.cache_dir={tmp_path}/cache", *_meta("fomaml")[:-1], f"meta.tasks=[{','.join(task_files)}]"]
+        cfg = load_config("debug", overrides)
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
+
+    straight = run("a")
+    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt",
+                    ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "b" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert run("b") == straight[2:]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.dp=2", *_meta("maml", tasks=3)], "meta.tasks names 3 tasks, which do not divide over the mesh.dp=2"),
+    (["mesh.dp=2", *_meta("maml")[:1], "meta.tasks=[a.txt,b.txt]", "train.grad_accum=1"],
+     "reads 2 micro-batches per step \\(1 to adapt and 1 to take the meta-gradient on\\): set train.grad_accum=2"),
+    (["mesh.dp=2", "mesh.pp=2", *_meta("reptile")], "meta.algorithm=reptile does not run with mesh.pp=2"),
+    (["mesh.dp=2", "train.local_steps=4", *_meta("reptile")], "does not run with train.local_steps=4"),
+])
+def test_runs_meta_learning_cannot_do_are_one_line(overrides, message):
+    cfg = load_config("debug", overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate_run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.context, cfg.precision, cfg.meta)
