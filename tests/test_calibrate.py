@@ -38,3 +38,29 @@ def test_every_figure_is_measured(record):
 def test_matmul_rate_is_flops_over_time():
     r = calibrate.run_jobs([calibrate.matmul_job(32, 48, 16, "float32", repeat=2)], threads=2)[0]
     assert r["flops_per_s"] == pytest.approx(2 * 32 * 48 * 16 / r["seconds"])
+
+
+def test_the_calibrated_roofline_reads_the_measured_rates(record):
+    """On a measured shape the curve returns its measured rate; the compute term is every micro-batch's layer
+    products (forward and both backward ones), attention and output layer, at those rates."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.plan.curves import Curves, compute_seconds, forward_and_backward, layer_matmuls
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+
+    curves = Curves(record)
+    for r in record["matmul"]:
+        assert curves.matmul_seconds(r["m"], r["k"], r["n"]) == pytest.approx(r["seconds"], rel=1e-9)
+    config = load_config("debug", ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"])
+    layout = Layout(dp=2, tp=2, grad_accum=2)
+    mc = config.model
+    layer = sum(forward_and_backward(curves, s) for s in layer_matmuls(mc, 2 * 64, 2))
+    layer += curves.attention_seconds(2, 64, mc.num_attention_heads / 2, mc.head_dim)
+    head = forward_and_backward(curves, (2 * 64, mc.hidden_size, mc.vocab_size // 2))
+    assert compute_seconds(curves, config, layout) == pytest.approx(2 * (mc.num_hidden_layers * layer + head))
+    profile = dataclasses.replace(PROFILES["cpu"], curves=curves)  # 4 devices share the host's rate
+    p = predict(config, layout, profile, {}, 0, 1.0)
+    assert p.terms["compute"] == pytest.approx(4 * compute_seconds(curves, config, layout))

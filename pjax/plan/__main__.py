@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for fake CPU devices: never touch an accelerator
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's partitioner warnings would bury the table
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -34,10 +35,23 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     ap.add_argument("--no-cache", dest="no_cache", action="store_true")
     ap.add_argument("--top", type=int, default=10, help="rows of the table")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--calibration", default=None, metavar="JSON",
+                    help="a `python -m pjax.plan.calibrate` record of this device kind: its measured matmul and "
+                         "attention rates replace the profile's single efficiency")
     ap.add_argument("--explain", metavar="LAYOUT", default=None,
                     help="inspect one layout (e.g. dp2-tp4-zero1-m4) instead of searching")
     ap.add_argument("overrides", nargs="*", help="config overrides applied before planning, e.g. train.batch_size=64")
     return ap.parse_args(argv)
+
+
+def _curves(path: str) -> Any:
+    from pjax.plan.curves import Curves
+
+    try:
+        return Curves.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--calibration {path} is not a readable calibration record ({e}); make one with "
+                          f"python -m pjax.plan.calibrate --out FILE on the device kind you plan for.") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,6 +66,8 @@ def _run(args: Any) -> None:
         raise ConfigError(f"--devices {args.devices}: give the number of devices, a positive integer.")
     config = load_config(args.config, args.overrides)
     profile = PROFILES[args.device_kind]
+    if args.calibration:
+        profile = dataclasses.replace(profile, curves=_curves(args.calibration))
     layout = _layout(args.explain) if args.explain else None
     hosts = args.hosts or math.ceil(args.devices / profile.devices_per_host)
     if hosts < 1 or args.devices % hosts:

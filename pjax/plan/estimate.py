@@ -12,6 +12,7 @@ from pjax.config import Config
 from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
 from pjax.parallel.compression import bytes_per_value
 from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
+from pjax.plan.curves import compute_seconds
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -99,7 +100,11 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
 
 
 def _payload(config: Config) -> float:
-    """A gradient value's link bytes under train.grad_compression, per fp32 byte."""
+    """A gradient value's link bytes per step under train.grad_compression, per fp32 byte; under DiLoCo
+    (`train.local_steps` = H) the fp32 parameter average once every H steps (a cp group's per-step
+    gradient sum is counted at that rate too: an underestimate with cp > 1)."""
+    if config.train.local_steps:
+        return 1.0 / config.train.local_steps
     return bytes_per_value(config.train.grad_compression) / 4
 
 
@@ -214,7 +219,11 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     tokens = tc.batch_size * tc.seq_len
     group = routing_group_tokens(tc.batch_size, layout.grad_accum, tc.seq_len, layout.dp, layout.cp)
     flops = model_flops_per_token(mc, tc.seq_len, config.moe, group) * tokens / devices
-    compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
+    if profile.curves is None:
+        compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
+    else:  # measured on the whole host: devices that share it share its rate
+        share = min(devices, profile.devices_per_host) if profile.shares_host else 1
+        compute = compute_seconds(profile.curves, config, layout) * REMAT_RECOMPUTE.get(layout.remat, 1.0) * share
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 GB = 1e9
 MIB = 2 ** 20
@@ -28,6 +29,7 @@ class Profile:
     calibration: tuple[tuple[int, float], ...]  # (hidden, MFU)
     overlap_dp: bool  # XLA hides dp traffic behind compute (GPU)
     shares_host: bool = False
+    curves: Any = None  # `pjax.plan.curves.Curves` from a calibration (`--calibration`): replaces `efficiency`
 
     def efficiency(self, hidden: int) -> float:
         """Measured MFU at this hidden size: interpolated in log(hidden), held flat outside the measured range."""

@@ -1,0 +1,83 @@
+"""A calibration record (`python -m pjax.plan.calibrate`) as the roofline's compute: each of a layout's matmuls
+timed at its own shape and each layer's attention at its own, from the rates measured on the target, in place
+of the peak times one MFU number (`Profile.efficiency`).
+
+A shape that was not measured takes the rate of the measured ones nearest to it in log(rows, contraction,
+columns), weighted by inverse distance: matmul throughput varies smoothly with the sizes and by 10x across
+them (benchmarks/README.md, "One H100" and "One H200"). A backward matmul is two products of the forward's
+FLOPs, each timed at its own transposed shape. What the curves do not hold (norms, RoPE, SwiGLU, the
+optimizer: memory-bound work) is not counted: the compute term is a lower bound of the busy time."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+_NEAREST = 3
+
+
+class Curves:
+    """The measured matmul and attention rates of one device kind, in one dtype."""
+
+    def __init__(self, record: dict[str, Any], dtype: str | None = None) -> None:
+        rows = [r for r in record["matmul"] if "flops_per_s" in r]
+        dtype = dtype or ("bfloat16" if record["platform"] == "gpu" else "float32")
+        self.device_kind, self.dtype = record["device_kind"], dtype
+        self._matmul = [((math.log(r["m"]), math.log(r["k"]), math.log(r["n"])), r["flops_per_s"])
+                        for r in rows if r["dtype"] == dtype]
+        if not self._matmul:
+            raise ValueError(f"the calibration of {self.device_kind} holds no {dtype} matmul")
+        self._attention = [((math.log(a["seq"]), math.log(a["head_dim"])), a["forward_backward_flops_per_s"])
+                           for a in record.get("attention", [])]
+
+    @classmethod
+    def load(cls, path: str, dtype: str | None = None) -> "Curves":
+        with open(path) as f:
+            return cls(json.load(f), dtype)
+
+    def matmul_seconds(self, m: float, k: float, n: float) -> float:
+        """One [m, k] x [k, n] product."""
+        return 2 * m * k * n / _nearest(self._matmul, (math.log(m), math.log(k), math.log(n)))
+
+    def attention_seconds(self, rows: float, seq: int, heads: float, head_dim: int) -> float:
+        """Causal attention forward and backward over `rows` sequences of `seq` tokens (3x the forward's
+        2·B·H·T²·D FLOPs), at the rate measured nearest in (seq, head_dim); 0 when none was measured."""
+        if not self._attention:
+            return 0.0
+        flops = 3 * 2 * rows * heads * seq * seq * head_dim
+        return flops / _nearest(self._attention, (math.log(seq), math.log(head_dim)))
+
+
+def _nearest(points: list[tuple[tuple[float, ...], float]], at: tuple[float, ...]) -> float:
+    """The rate at `at`: geometric mean of the nearest points' rates, weighted by inverse distance."""
+    ranked = sorted(points, key=lambda p: math.dist(p[0], at))[:_NEAREST]
+    weights = [1.0 / max(math.dist(p[0], at), 1e-9) for p in ranked]
+    return math.exp(sum(w * math.log(p[1]) for w, p in zip(weights, ranked)) / sum(weights))
+
+
+def layer_matmuls(cfg: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(rows, contraction, columns) of one decoder layer's forward products on one device."""
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * dh // tp, cfg.num_key_value_heads * dh // tp
+    return [(tokens, d, q), (tokens, d, kv), (tokens, d, kv), (tokens, q, d),
+            (tokens, d, f // tp), (tokens, d, f // tp), (tokens, f // tp, d)]
+
+
+def forward_and_backward(curves: Curves, shape: tuple[int, int, int]) -> float:
+    """A product's forward, and its backward's two: dX = dY W^T [m, n] x [n, k], dW = X^T dY [k, m] x [m, n]."""
+    m, k, n = shape
+    return curves.matmul_seconds(m, k, n) + curves.matmul_seconds(m, n, k) + curves.matmul_seconds(k, m, n)
+
+
+def compute_seconds(curves: Curves, config: Any, layout: Any) -> float:
+    """One device's matmuls and attention for a whole step of `layout` (every micro-batch, its stage's layers)."""
+    mc, tc = config.model, config.train
+    rows = tc.batch_size // layout.grad_accum // layout.dp
+    tokens = rows * tc.seq_len // layout.cp
+    layers = mc.num_hidden_layers // layout.pp
+    if mc.num_local_experts:
+        raise ValueError("the calibrated compute model has no MoE expert matmuls; plan MoE without --calibration")
+    layer = sum(forward_and_backward(curves, s) for s in layer_matmuls(mc, tokens, layout.tp))
+    layer += curves.attention_seconds(rows, tc.seq_len // layout.cp, mc.num_attention_heads / layout.tp, mc.head_dim)
+    head = forward_and_backward(curves, (tokens, mc.hidden_size, mc.vocab_size // layout.tp)) / layout.pp
+    return layout.grad_accum * (layers * layer + head)
