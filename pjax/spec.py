@@ -108,3 +108,21 @@ class StepSpec:
         """The final RMSNorm, in the output layer's dtype."""
         p = self.precision
         return llama.rms_norm(x, params["final_norm"]["scale"], self.cfg.rms_norm_eps, p.norms).astype(p.output)
+
+
+def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
+               ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
+    """Summed loss, token count and gradients (in `precision.grad_accum`), mean MoE router metrics: a micro-batch scan."""
+    grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
+
+    def micro_step(carry, micro):
+        loss_acc, count_acc, grads_acc = carry
+        (loss, (count, router)), grads = grad_fn(params, micro)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, pin(grads))
+        return (loss_acc + loss, count_acc + count, grads_acc), router
+
+    # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, spec.precision.grad_accum), params))
+    scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
+    (loss, count, grads), router = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
+    return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)

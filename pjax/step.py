@@ -25,7 +25,7 @@ from pjax.parallel import data_parallel, feedback, meta, outer
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline.step import Pipelined
-from pjax.spec import StepSpec
+from pjax.spec import StepSpec, accumulate
 from pjax.validate import validate_run
 
 Batch = dict[str, jax.Array]
@@ -37,24 +37,6 @@ class TrainState(NamedTuple):
     opt_state: Any
     residual: Any = None  # error feedback's state, with train.grad_compression (`pjax.parallel.feedback`)
     local: Any = None  # DiLoCo's groups: their parameters and inner optimizer state (`pjax.parallel.outer`)
-
-
-def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
-               ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
-    """Summed loss, token count and gradients (in `precision.grad_accum`), mean MoE router metrics: a micro-batch scan."""
-    grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
-
-    def micro_step(carry, micro):
-        loss_acc, count_acc, grads_acc = carry
-        (loss, (count, router)), grads = grad_fn(params, micro)
-        grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, pin(grads))
-        return (loss_acc + loss, count_acc + count, grads_acc), router
-
-    # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
-    zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, spec.precision.grad_accum), params))
-    scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
-    (loss, count, grads), router = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
-    return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from mesh.mesh import CP, DP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import data_parallel
+from pjax.spec import accumulate
 
 
 def check_run(run: Any) -> None:
@@ -114,8 +115,6 @@ class DiLoCo:
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """Each group's AdamW step on its rows, summed over cp only: (new local state, global mean loss,
         mean of the groups' gradient norms). The loss, token count and norm are all that crosses dp."""
-        from pjax.step import accumulate
-
         mesh_axes = data_parallel.data_axes(current())
         in_group = tuple(a for a in mesh_axes if a == CP)
 
