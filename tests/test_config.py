@@ -233,7 +233,7 @@ def test_contract_keys_exist(section, keys):
 
 def test_unknown_section_lists_valid_sections(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config section 'trian'.*did you mean 'train'.*valid sections: "
-                                          r"checkpoint, context, data, log, mesh, model, moe, pipeline, precision, train"):
+                                          r"checkpoint, context, data, log, mesh, meta, model, moe, pipeline, precision, train"):
         load_config(write(tmp_path, "trian:\n  steps: 3\n"))
 
 
