@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=LAYOUTS)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--plot", default=None, help="predicted against measured step time, to this PNG")
+    ap.add_argument("--calibration", default=None,
+                    help="a `python -m pjax.plan.calibrate` record of this machine: adds the calibrated predictions")
     args = ap.parse_args()
 
     import jax
@@ -77,6 +79,13 @@ def main() -> None:
     from pjax.plan.search import score
 
     profile = PROFILES["cpu"]
+    calibrated = None
+    if args.calibration:
+        import dataclasses
+
+        from pjax.plan.curves import Curves
+
+        calibrated = dataclasses.replace(profile, curves=Curves.load(args.calibration))
     summary = {}
     for name in args.configs.split(","):
         overrides = CONFIGS[name]
@@ -94,12 +103,15 @@ def main() -> None:
                    "limit": planned.limit, "measured_ms": measured.get("step_ms"),
                    "compiled_memory_mb": round(compiled["memory"]["total"] / 2**20, 1),
                    "measured_memory_mb": None, "error": measured.get("error")}
+            if calibrated is not None:
+                row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"],
+                                                     compiled["memory"]["total"], 1.0).step_s * 1e3, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
         ok = [r for r in rows if r["measured_ms"]]
         meas = [r["measured_ms"] for r in ok]
         stats = {}
-        for key in ("analytic_ms", "predicted_ms"):
+        for key in ("analytic_ms", "predicted_ms", *(["calibrated_ms"] if calibrated is not None else [])):
             pred = [r[key] for r in ok]
             stats[key] = {"spearman": round(spearman(pred, meas), 3),
                           "median_rel_error": round(float(np.median([abs(p - m) / m for p, m in zip(pred, meas)])), 3)}

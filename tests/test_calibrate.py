@@ -64,3 +64,23 @@ def test_the_calibrated_roofline_reads_the_measured_rates(record):
     profile = dataclasses.replace(PROFILES["cpu"], curves=curves)  # 4 devices share the host's rate
     p = predict(config, layout, profile, {}, 0, 1.0)
     assert p.terms["compute"] == pytest.approx(4 * compute_seconds(curves, config, layout))
+
+
+def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
+    """Collectives within a host cost the fitted latency per op and seconds per link byte; the fit's relative
+    error on the measured points stays within a factor of the data's own spread."""
+    import dataclasses
+
+    from pjax.plan.curves import _LINK_SHARE, Curves
+    from pjax.plan.estimate import comm_seconds
+    from pjax.plan.profiles import PROFILES
+
+    curves = Curves(record)
+    latency, per_byte = curves.link
+    assert latency >= 0 and per_byte > 0
+    profile = dataclasses.replace(PROFILES["cpu"], curves=curves)
+    row = {"count": 3, "link_bytes": 1e6, "inter_host": False}
+    assert comm_seconds(row, profile, 8) == pytest.approx(3 * latency + 1e6 * per_byte)
+    psum = next(c for c in record["collectives"] if c["kind"] == "psum")
+    fitted = latency + _LINK_SHARE["psum"](8) * psum["megabytes"] * 2**20 * per_byte
+    assert 0.2 < fitted / psum["seconds"] < 5

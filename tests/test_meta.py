@@ -70,7 +70,8 @@ def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
     params, batch = maml.init(jax.random.key(0)).params, random_batch(maml)
     learner = maml.learner
 
-    def adapted_loss(p, step, sign):
+    @jax.jit
+    def adapted_loss(p, step, sign):  # one compile for every direction and sign
         adapted, _ = learner.adapt(jax.tree.map(lambda w, s: w + sign * s, p, step),
                                    jax.tree.map(lambda x: x[:2], batch))
         return learner.task_loss(adapted, jax.tree.map(lambda x: x[2], batch))
@@ -83,8 +84,8 @@ def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
     for v in (g / np.linalg.norm(g), (g - g_first) / np.linalg.norm(g - g_first)):
         parts = np.split(v * eps, np.cumsum([x.size for x in leaves])[:-1])
         step = jax.tree.unflatten(treedef, [jnp.asarray(d.reshape(x.shape), x.dtype) for d, x in zip(parts, leaves)])
-        plus, minus = (float(_on(maml, lambda p, s, sign=sign: adapted_loss(p, s, sign), params, step))
-                       for sign in (1.0, -1.0))
+        with jax.set_mesh(maml.mesh):
+            plus, minus = (float(adapted_loss(params, step, jnp.float32(sign))) for sign in (1.0, -1.0))
         numeric = (plus - minus) / (2 * eps)
         assert numeric == pytest.approx(g @ v, rel=5e-3)
         assert abs(g_first @ v - numeric) > 0.5 * abs(numeric)
@@ -101,8 +102,9 @@ def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorit
     got = _on(parallel, parallel.learner.over_tasks, params, batch)
     host = jax.tree.map(np.asarray, (params, batch))
     rows = batch["inputs"].shape[1] // 2
-    each = [_on(single, single.learner.per_task, host[0], jax.tree.map(lambda x: x[:, g * rows:(g + 1) * rows],
-                                                                           host[1])) for g in range(2)]
+    per_task = jax.jit(single.learner.per_task)  # one compile for both groups' rows
+    with jax.set_mesh(single.mesh):
+        each = [per_task(host[0], jax.tree.map(lambda x: x[:, g * rows:(g + 1) * rows], host[1])) for g in range(2)]
     want = jax.tree.map(lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, *each)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-6)

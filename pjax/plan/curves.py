@@ -29,6 +29,7 @@ class Curves:
             raise ValueError(f"the calibration of {self.device_kind} holds no {dtype} matmul")
         self._attention = [((math.log(a["seq"]), math.log(a["head_dim"])), a["forward_backward_flops_per_s"])
                            for a in record.get("attention", [])]
+        self.link = _fit_link(record.get("collectives", []))  # (seconds per op, seconds per link byte) or None
 
     @classmethod
     def load(cls, path: str, dtype: str | None = None) -> "Curves":
@@ -46,6 +47,27 @@ class Curves:
             return 0.0
         flops = 3 * 2 * rows * heads * seq * seq * head_dim
         return flops / _nearest(self._attention, (math.log(seq), math.log(head_dim)))
+
+
+# Link bytes one device sends per byte of its buffer, by ring algorithms over n devices (`calibrate.collective`
+# times a per-device buffer: an all-gather's is its input, the others' their operand).
+_LINK_SHARE = {"psum": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1, "psum_scatter": lambda n: (n - 1) / n,
+               "all_to_all": lambda n: (n - 1) / n, "ppermute": lambda n: 1.0}
+
+
+def _fit_link(records: list[dict]) -> tuple[float, float] | None:
+    """seconds = latency + link bytes x seconds per byte, fitted to the measured collectives by least squares of
+    the relative error (sizes span 256x: a plain fit would leave the small ones' latency to chance): the
+    roofline's link for this device set, its sharing of a host included. None without two sizes."""
+    points = [(_LINK_SHARE[r["kind"]](r["devices"]) * r["megabytes"] * 2**20, r["seconds"]) for r in records]
+    if len({x for x, _ in points}) < 2:
+        return None
+    w = [1.0 / y**2 for _, y in points]
+    sw, sx, sy = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * y for wi, (_, y) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return max((sy - slope * sx) / sw, 0.0), max(slope, 1e-15)
 
 
 def _nearest(points: list[tuple[tuple[float, ...], float]], at: tuple[float, ...]) -> float:

@@ -203,7 +203,11 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
 
 
 def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
-    """One row of collectives: latency per op + link bytes over the link the group uses."""
+    """One row of collectives: latency per op + link bytes over the link the group uses (within a host, the
+    fit to a calibration's measured collectives when the profile has one)."""
+    if profile.curves is not None and profile.curves.link is not None and not row["inter_host"]:
+        latency, per_byte = profile.curves.link
+        return row["count"] * latency + row["link_bytes"] * per_byte
     bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
     if profile.shares_host:
         bw /= min(devices, profile.devices_per_host)
