@@ -91,3 +91,18 @@ def random_batch(trainer: Any, seed: int = 0) -> dict:
     cols = np.asarray(zigzag_layout(trainer.mesh.shape["cp"])(np.arange(tc.seq_len)))
     return jax.device_put({"inputs": tokens[..., :-1][..., cols], "labels": tokens[..., 1:][..., cols],
                            "positions": np.broadcast_to(cols.astype(np.int32), shape)}, trainer.batch_sharding)
+
+
+def trainer_for(config: str, overrides: list[str]) -> tuple[Any, Any]:
+    """(config, trainer) of a named config with overrides, on the first mesh-size devices: every section the
+    step reads (pipeline, MoE, context, precision, meta) passed on."""
+    import jax
+
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+    from pjax.step import build_trainer
+
+    cfg = load_config(config, overrides)
+    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)

@@ -5,7 +5,7 @@
 
 1. Bytes: each layout's step compiled from shapes on 8 forced CPU devices per mode, the collectives read from
    the HLO: what one device sends per step by kind, each op's bytes times a ring algorithm's share for its
-   group (`wire_factor`; `comm.py` counts operands instead, which halves an all-reduce's traffic).
+   group (`pjax.observe.hlo.link_factor`; `comm.py` counts operands instead, which halves an all-reduce's traffic).
 2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
    the held-out loss every `--eval-every` steps. A mode `diloco:H` is DiLoCo (`train.local_steps=H`), whose
    bytes are its inner and outer steps compiled apart, inner + outer / H per step.
@@ -68,21 +68,11 @@ def reduction_bytes(config: object, replicas: int, mode: str) -> float:
     return ring * total
 
 
-def wire_factor(kind: str, group: int) -> float:
-    """Bytes one device sends per byte of the op's result in HLO, by ring algorithms over a group of `group`:
-    an all-reduce sends 2(g-1)/g of its operand, a reduce-scatter (g-1) of its result, an all-gather and an
-    all-to-all (g-1)/g, a permute all of it."""
-    if group <= 1:
-        return 0.0
-    return {"all-reduce": 2 * (group - 1) / group, "reduce-scatter": group - 1.0, "all-gather": (group - 1) / group,
-            "all-to-all": (group - 1) / group, "collective-permute": 1.0}[kind]
-
-
 def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: list[str]) -> list[dict]:
     """Per layout and mode, the bytes each device sends per step, by collective kind, from the compiled HLO."""
     from common import compile_step
     from comm import runs_per_appearance
-    from pjax.observe.hlo import collective_stats, device_groups
+    from pjax.observe.hlo import collective_stats, device_groups, link_factor
 
     rows = []
     for layout in layouts:
@@ -93,7 +83,7 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
             def scale(kind: str, line: str) -> float:
                 groups = device_groups(line, n)
                 group = 2 if kind == "collective-permute" else max(len(g) for g in groups)
-                return runs(kind, line) * wire_factor(kind, group)
+                return runs(kind, line) * link_factor(kind, group)
 
             if mode.startswith("diloco:"):
                 row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, int(mode.partition(":")[2]))}

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import tempfile
+from typing import Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -52,8 +53,9 @@ def train_model(kind: str, steps: int, inner_steps: int, inner_lr: float, tmp: s
     return f"{tmp}/{kind}/ckpt"
 
 
-def adaptation(params: object, k: int, lr: float, eval_batches: int) -> list[float]:
-    """Held-out loss on the held-out novel after 0..k SGD steps (8 windows each) on its first windows."""
+def adaptation(k: int, eval_batches: int) -> Callable[[object, float], list[float]]:
+    """`adapt(params, lr)`: the held-out novel's held-out loss after 0..k SGD steps at `lr` (8 windows each, its
+    first windows, the same for every model and rate); the data is read and the steps compiled once."""
     import jax
 
     from mesh.mesh import make_mesh
@@ -62,31 +64,32 @@ def adaptation(params: object, k: int, lr: float, eval_batches: int) -> list[flo
     from pjax.step import build_trainer
 
     cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", "train.batch_size=8", "train.grad_accum=1",
-                                "meta.algorithm=reptile", f"meta.inner_lr={lr}", f"meta.tasks=[{_path(HELD_OUT)}]",
-                                "data.eval_fraction=0.2"])
+                                "meta.algorithm=reptile", f"meta.tasks=[{_path(HELD_OUT)}]", "data.eval_fraction=0.2"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     learner = build_trainer(mesh, cfg.model, cfg.train, meta_cfg=cfg.meta).learner
     data, _, _ = build_data(cfg.data, cfg.train, mesh, cfg.meta.tasks)
-    held_out = list(data.eval_batches(eval_batches))
+    support, held_out = [next(data) for _ in range(k)], list(data.eval_batches(eval_batches))
+    first = lambda batch: jax.tree.map(lambda x: x[0], batch)  # noqa: E731 - the one micro-batch
 
     @jax.jit
-    def sgd(p, batch):
-        micro = jax.tree.map(lambda x: x[0], batch)
-        grads = jax.grad(learner.task_loss)(p, micro)
+    def sgd(p, batch, lr):
+        grads = jax.grad(learner.task_loss)(p, first(batch))
         return jax.tree.map(lambda w, g: w - lr * g, p, grads)
 
     @jax.jit
     def loss(p, batch):
-        return learner.task_loss(p, jax.tree.map(lambda x: x[0], batch))
+        return learner.task_loss(p, first(batch))
 
-    curve = []
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, jax.devices()[0])
-        for step in range(k + 1):
-            curve.append(round(sum(float(loss(params, b)) for b in held_out) / len(held_out), 4))
-            if step < k:
-                params = sgd(params, next(data))
-    return curve
+    def adapt(params: object, lr: float) -> list[float]:
+        curve = []
+        with jax.set_mesh(mesh):
+            params = jax.device_put(params, jax.devices()[0])
+            for step in range(k + 1):
+                curve.append(round(sum(float(loss(params, b)) for b in held_out) / len(held_out), 4))
+                if step < k:
+                    params = sgd(params, support[step], lr)
+        return curve
+    return adapt
 
 
 def final_params(checkpoint: str | None) -> object:
@@ -138,14 +141,14 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("overrides", nargs="*", default=[], help="for every training run, e.g. train.lr=3e-3")
     args = ap.parse_args()
-    rows = []
+    rows, adapt = [], adaptation(args.k, args.eval_batches)
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ["untrained", *args.models.split(",")]:
             checkpoint = None if kind == "untrained" else train_model(kind, args.steps, args.inner_steps,
                                                                      args.inner_lr, tmp, args.overrides)
             params = final_params(checkpoint)
             for lr in map(float, args.adapt_lrs.split(",")):
-                curve = adaptation(params, args.k, lr, args.eval_batches)
+                curve = adapt(params, lr)
                 rows.append({"model": kind, "steps": args.steps, "inner_steps": args.inner_steps,
                              "meta_inner_lr": args.inner_lr, "adapt_lr": lr, "held_out_loss": curve})
                 print(json.dumps(rows[-1]), flush=True)

@@ -71,7 +71,7 @@ def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
     error on the measured points stays within a factor of the data's own spread."""
     import dataclasses
 
-    from pjax.plan.curves import _LINK_SHARE, Curves
+    from pjax.plan.curves import Curves, link_bytes
     from pjax.plan.estimate import comm_seconds
     from pjax.plan.profiles import PROFILES
 
@@ -82,5 +82,6 @@ def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
     row = {"count": 3, "link_bytes": 1e6, "inter_host": False}
     assert comm_seconds(row, profile, 8) == pytest.approx(3 * latency + 1e6 * per_byte)
     psum = next(c for c in record["collectives"] if c["kind"] == "psum")
-    fitted = latency + _LINK_SHARE["psum"](8) * psum["megabytes"] * 2**20 * per_byte
+    assert link_bytes(psum) == pytest.approx(2 * 7 / 8 * psum["megabytes"] * 2**20)  # a ring all-reduce's
+    fitted = latency + link_bytes(psum) * per_byte
     assert 0.2 < fitted / psum["seconds"] < 5

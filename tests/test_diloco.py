@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,24 +15,21 @@ import optax
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.mesh import make_mesh
 from pjax.config_io import load_config
 from pjax.parallel import outer
-from pjax.step import TrainState, build_trainer, train_step
+from pjax.step import TrainState, train_step
 from pjax.train import train
 from pjax.validate import validate_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import random_batch  # noqa: E402
+from common import random_batch, trainer_for  # noqa: E402
+from run_helpers import preempted_after  # noqa: E402
 
 SMALL = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32"]
 
 
-def _trainer(overrides: list[str], config: str = "debug"):
-    cfg = load_config(config, [*SMALL, *overrides])
-    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
+def _trainer(overrides: list[str]):
+    return trainer_for("debug", [*SMALL, *overrides])
 
 
 def _close(a, b, rtol=2e-5, atol=2e-7) -> None:
@@ -116,16 +112,10 @@ def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global
 
     straight = run("a")
 
-    def preempted_after_step_3(name: str) -> None:
-        shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / name / "ckpt",
-                        ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
-        lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:3]
-        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-
-    preempted_after_step_3("b")
+    preempted_after(tmp_path / "a", tmp_path / "b", 3)
     assert run("b") == straight[3:]
     assert "starts from the global parameters" not in capfd.readouterr().err
-    preempted_after_step_3("c")
+    preempted_after(tmp_path / "a", tmp_path / "c", 3)
     assert len(run("c", "mesh.dp=4")) == 1
     assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
 
@@ -157,3 +147,17 @@ def test_the_planner_counts_one_parameter_average_every_h_steps():
         return analytic_comm(cfg, Layout(dp=8, grad_accum=2), 4, 8)["dp"]["link_bytes"]
 
     assert link("train.local_steps=16") == pytest.approx(link() / 16)
+
+
+def test_a_resume_across_optimizer_trees_is_one_line_naming_the_keys():
+    """DiLoCo's outer SGD state cannot continue AdamW's (nor Reptile's); a new clip value or outer lr can."""
+    from pjax.checkpoint.checkpointer import check_compatible
+
+    plain = load_config("debug", [])
+    diloco = load_config("debug", ["train.local_steps=4"])
+    with pytest.raises(ConfigError, match=r"train.local_steps=4 \(checkpoint: 0\)"):
+        check_compatible(plain, diloco, "here")
+    with pytest.raises(ConfigError, match=r"train.outer_momentum=0.0 \(checkpoint: 0.9\)"):
+        check_compatible(diloco, load_config("debug", ["train.local_steps=4", "train.outer_momentum=0"]), "here")
+    check_compatible(diloco, load_config("debug", ["train.local_steps=8", "train.grad_clip=0.5",
+                                                   "train.outer_lr=0.3"]), "here")

@@ -3,7 +3,6 @@ is lost (reduced sum + the replicas' residuals = the exact sum), error feedback 
 bounded where plain rounding drifts, and a resume continues with the saved residual."""
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -13,13 +12,12 @@ import numpy as np
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.mesh import make_mesh
 from pjax.config_io import load_config
-from pjax.step import build_trainer
 from pjax.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import random_batch  # noqa: E402
+from common import random_batch, trainer_for  # noqa: E402
+from run_helpers import preempted_after  # noqa: E402
 
 SMALL = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32"]
 # (name, config, overrides): tp blocks, ZeRO-1's compressed reduce-scatter, cp as a data axis, MoE experts kept local.
@@ -36,10 +34,7 @@ REL_ERROR = {"bf16": 0.005, "int8": 0.03, "powersgd": 1.0}  # PowerSGD's sum pro
 
 
 def _trainer(config: str, overrides: list[str]):
-    cfg = load_config(config, [*SMALL, *overrides])
-    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision)
+    return trainer_for(config, [*SMALL, *overrides])
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -123,16 +118,10 @@ def test_powersgd_starts_exact_and_a_resume_continues_with_the_saved_state_bit_f
     straight = run("a", *compressed)
     assert straight[:2] == exact[:2] and straight[2] != exact[2]  # step 2's loss precedes its compressed update
 
-    def preempted_after_step_2(name: str) -> None:  # that checkpoint and the first two metrics lines
-        shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / name / "ckpt",
-                        ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
-        lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:2]
-        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-
-    preempted_after_step_2("b")
+    preempted_after(tmp_path / "a", tmp_path / "b", 2)
     assert run("b", *compressed) == straight[2:]  # fp32 on CPU: exactly equal, the residuals and Q included
     assert "starts at zero" not in capfd.readouterr().err
-    preempted_after_step_2("c")
+    preempted_after(tmp_path / "a", tmp_path / "c", 2)
     assert len(run("c", *compressed, "mesh.dp=4")) == 2
     assert "the error-feedback residual starts at zero" in capfd.readouterr().err
 

@@ -4,7 +4,6 @@ the dp groups adapt to their tasks in parallel exactly as one device does them i
 on dp2 x tp2; each group's rows hold its task; a resume continues bit for bit."""
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,12 +18,12 @@ from pjax import assets
 from pjax.config_io import load_config
 from pjax.data.batches import read_windows
 from pjax.data.tasks import TaskIterator
-from pjax.step import build_trainer
 from pjax.train import train
 from pjax.validate import validate_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import random_batch  # noqa: E402
+from common import random_batch, trainer_for  # noqa: E402
+from run_helpers import preempted_after  # noqa: E402
 
 SMALL = ["train.batch_size=8", "train.seq_len=32", "train.dtype=float32", "train.grad_clip=0"]
 
@@ -36,10 +35,7 @@ def _meta(algorithm: str, steps: int = 1, tasks: int = 2) -> list[str]:
 
 
 def _trainer(overrides: list[str]):
-    cfg = load_config("debug", [*SMALL, *overrides])
-    n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+    return trainer_for("debug", [*SMALL, *overrides])
 
 
 def _on(trainer, fn, *args):
@@ -146,10 +142,7 @@ def test_a_resume_continues_bit_for_bit(tmp_path, task_files):
         return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
 
     straight = run("a")
-    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "b" / "ckpt",
-                    ignore=lambda d, names: ["4"] if d == str(tmp_path / "a" / "ckpt") else [])
-    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:2]
-    (tmp_path / "b" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    preempted_after(tmp_path / "a", tmp_path / "b", 2)
     assert run("b") == straight[2:]
 
 

@@ -264,17 +264,22 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     keys = (*shape_keys(cfg.model.num_local_experts), "make_vocab_size_divisible_by")
     diff = [f"model.{k}={ours['model'][k]} (checkpoint: {theirs['model'][k]})"
             for k in keys if ours["model"][k] != theirs["model"][k]]
-    if (cfg.train.grad_clip > 0) != (saved.train.grad_clip > 0):  # clipping adds an optimizer-state node
-        diff.append(f"train.grad_clip={cfg.train.grad_clip} (checkpoint: {saved.train.grad_clip})")
-    if (cfg.meta.algorithm == "reptile") != (saved.meta.algorithm == "reptile"):  # Reptile's outer SGD: no AdamW
-        diff.append(f"meta.algorithm={cfg.meta.algorithm} (checkpoint: {saved.meta.algorithm})")
-    for key in ("local_steps", "outer_momentum"):  # DiLoCo's outer optimizer state replaces AdamW's; momentum adds one
-        ours_on, theirs_on = bool(getattr(cfg.train, key)), bool(getattr(saved.train, key))
-        if ours_on != theirs_on and (key == "local_steps" or cfg.train.local_steps or cfg.meta.algorithm == "reptile"):
-            diff.append(f"train.{key}={getattr(cfg.train, key)} (checkpoint: {getattr(saved.train, key)})")
+    ours_tree, theirs_tree = _optimizer_tree(cfg), _optimizer_tree(saved)
+    value = lambda c, key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    diff += [f"{key}={value(cfg, key)} (checkpoint: {value(saved, key)})" for key in ours_tree
+             if ours_tree[key] != theirs_tree[key]]
     if diff:
         raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
                           f"values, or checkpoint.resume=false with a new checkpoint.dir.")
+
+
+def _optimizer_tree(cfg: Config) -> dict[str, bool]:
+    """The settings that shape the optimizer state's tree, as they shape it: DiLoCo's and Reptile's outer SGD
+    replaces AdamW's state (momentum adds a trace); clipping adds a node to AdamW's, DiLoCo's inner one included."""
+    reptile = cfg.meta.algorithm == "reptile"
+    outer = bool(cfg.train.local_steps) or reptile
+    return {"train.grad_clip": not reptile and cfg.train.grad_clip > 0, "train.local_steps": bool(cfg.train.local_steps),
+            "meta.algorithm": reptile, "train.outer_momentum": outer and cfg.train.outer_momentum > 0}
 
 
 def _sync(name: str) -> None:

@@ -85,10 +85,15 @@ def local_shardings(mesh: Mesh, inner: optax.GradientTransformation, p_sharding:
     return {"params": stacked(p_sharding), "opt_state": stacked(inner_sharding)}
 
 
+def copies(params: Any, groups: int) -> Any:
+    """`params` once per group: a [groups, ...] leading axis."""
+    return jax.tree.map(lambda p: jnp.broadcast_to(p, (groups, *p.shape)), params)
+
+
 def fresh_local(params: Any, inner: optax.GradientTransformation, groups: int) -> Any:
     """Every group at the global parameters, with a fresh inner optimizer state."""
-    copies = jax.tree.map(lambda p: jnp.broadcast_to(p, (groups, *p.shape)), params)
-    return {"params": copies, "opt_state": jax.vmap(inner.init)(copies)}
+    start = copies(params, groups)
+    return {"params": start, "opt_state": jax.vmap(inner.init)(start)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,5 +146,4 @@ class DiLoCo:
         average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), local["params"])
         params, opt_state = outer_step(self.outer, params, opt_state, average)
         groups = jax.tree.leaves(local["params"])[0].shape[0]
-        copies = jax.tree.map(lambda p: jnp.broadcast_to(p, (groups, *p.shape)), params)
-        return params, opt_state, {**local, "params": copies}
+        return params, opt_state, {**local, "params": copies(params, groups)}

@@ -13,6 +13,8 @@ import json
 import math
 from typing import Any
 
+from pjax.observe.hlo import link_factor
+
 _NEAREST = 3
 
 
@@ -49,17 +51,24 @@ class Curves:
         return flops / _nearest(self._attention, (math.log(seq), math.log(head_dim)))
 
 
-# Link bytes one device sends per byte of its buffer, by ring algorithms over n devices (`calibrate.collective`
-# times a per-device buffer: an all-gather's is its input, the others' their operand).
-_LINK_SHARE = {"psum": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1, "psum_scatter": lambda n: (n - 1) / n,
-               "all_to_all": lambda n: (n - 1) / n, "ppermute": lambda n: 1.0}
+# `calibrate.collective`'s ops as HLO names, and their result's size per byte of the per-device buffer it times.
+_AS_HLO = {"psum": ("all-reduce", lambda n: 1.0), "all_gather": ("all-gather", lambda n: n),
+           "psum_scatter": ("reduce-scatter", lambda n: 1 / n), "all_to_all": ("all-to-all", lambda n: 1.0),
+           "ppermute": ("collective-permute", lambda n: 1.0)}
+
+
+def link_bytes(record: dict) -> float:
+    """Link bytes one device sent in a calibrated collective, by ring algorithms (`observe.hlo.link_factor`)."""
+    kind, result = _AS_HLO[record["kind"]]
+    n = record["devices"]
+    return link_factor(kind, n) * result(n) * record["megabytes"] * 2**20
 
 
 def _fit_link(records: list[dict]) -> tuple[float, float] | None:
     """seconds = latency + link bytes x seconds per byte, fitted to the measured collectives by least squares of
     the relative error (sizes span 256x: a plain fit would leave the small ones' latency to chance): the
     roofline's link for this device set, its sharing of a host included. None without two sizes."""
-    points = [(_LINK_SHARE[r["kind"]](r["devices"]) * r["megabytes"] * 2**20, r["seconds"]) for r in records]
+    points = [(link_bytes(r), r["seconds"]) for r in records]
     if len({x for x, _ in points}) < 2:
         return None
     w = [1.0 / y**2 for _, y in points]
