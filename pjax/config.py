@@ -62,7 +62,7 @@ class TrainConfig:
     local_steps: int = 0  # DiLoCo's inner steps per outer step, H (pjax/parallel/outer.py); 0: synchronous
     outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate and Nesterov momentum (the paper's values)
     outer_momentum: float = 0.9
-    diloco_groups: int | None = None  # null: one group per dp replica
+    diloco_groups: int | None = None  # null: one group per dp replica; else groups of dp / diloco_groups replicas
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -204,6 +204,7 @@ class MetaConfig:
     inner_steps: int = 1  # SGD steps that adapt to a task, one micro-batch each
     inner_lr: float = 0.1
     tasks: tuple[str, ...] = ()  # data sources, one task each, read like data.path with data.tokenizer
+    task_field: str | None = None  # set: `tasks` are values of this field of data.path's .jsonl/.parquet records
 
     def __post_init__(self) -> None:
         if self.algorithm is not None:
@@ -214,6 +215,8 @@ class MetaConfig:
                 "name at least one data source per dp group, e.g. meta.tasks=[data/emma.txt,data/persuasion.txt]")
         require(self.algorithm is not None or not self.tasks, "meta.tasks", list(self.tasks),
                 "it applies only with a meta.algorithm: set one, or leave meta.tasks unset")
+        require(self.task_field is None or (self.algorithm is not None and bool(self.task_field)), "meta.task_field",
+                self.task_field, "name a field of data.path's records, and only with a meta.algorithm")
 
     @property
     def query(self) -> int:

@@ -66,6 +66,13 @@ class Accumulation:
         local = functools.partial(accumulate, spec=self.spec)
         return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero, self.compression, residual)
 
+    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1
+                                   ) -> tuple[jax.Array, Any]:
+        """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
+        [replicas, ...] parameters (`data_parallel.per_replica`)."""
+        local = functools.partial(accumulate, spec=self.spec)
+        return data_parallel.per_replica(local, stacked_params, batch, self.spec.cfg, group_size)
+
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) of a batch without gradients."""
         def micro_step(carry, micro):
@@ -203,8 +210,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
         strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
-    diloco = outer.DiLoCo(spec, inner, optimizer, tc) if tc.local_steps else None
-    learner = meta.Meta(spec, meta_cfg, optimizer, tc) if meta_cfg.algorithm else None
+    diloco = outer.DiLoCo(strategy, inner, optimizer, tc) if tc.local_steps else None
+    learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
     return Trainer(

@@ -129,7 +129,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
                                     Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
-    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, cfg.meta.tasks,
+    train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, cfg.meta.tasks, cfg.meta.task_field,
                                           sequence_layout=zigzag_layout(mesh.shape[CP]), curriculum=curriculum)
     if tokenizer.get_vocab_size() > mc.vocab_size:
         raise ConfigError(f"the tokenizer {cfg.data.tokenizer} has {tokenizer.get_vocab_size()} tokens but "

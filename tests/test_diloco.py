@@ -13,10 +13,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from pjax.config_io import load_config
-from pjax.parallel import outer
+from pjax.parallel import groups, outer
 from pjax.step import TrainState, train_step
 from pjax.train import train
 from pjax.validate import validate_run
@@ -42,8 +43,9 @@ def _embedding(params) -> np.ndarray:
 
 
 def test_one_local_step_at_outer_lr_1_without_momentum_is_synchronous_training():
-    """dp2 x tp2, two steps: SGD's update of the global mean gradient = the mean of the groups' SGD steps."""
-    layout = ["mesh.dp=2", "mesh.tp=2"]
+    """dp2 x pp2 x tp2 (a group is a 1F1B pipeline with tp inside), two steps: SGD's update of the global mean
+    gradient = the mean of the groups' SGD steps."""
+    layout = ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]
     _, sync = _trainer(layout)
     _, local = _trainer([*layout, "train.local_steps=1", "train.outer_lr=1.0", "train.outer_momentum=0"])
     sgd = optax.sgd(optax.constant_schedule(0.5))  # a schedule: the step reports its lr from the count
@@ -102,13 +104,17 @@ def test_the_outer_nesterov_step_moves_the_global_parameters_by_the_groups_mean_
 
 
 def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global_parameters(tmp_path, capfd):
-    """dp2, H=2, saved at step 3 (mid-round: the groups hold one inner step the global parameters do not)."""
+    """dp2, H=2, saved at step 3 (mid-round: the groups hold one inner step the global parameters do not);
+    resumed as it was, onto dp4, and onto interleaved pipelines (dp2 x pp2, 2 virtual stages: the groups'
+    layers stored in another order)."""
     def run(name: str, *extra: str) -> list[float]:
         overrides = [*SMALL, "mesh.dp=2", "mesh.tp=1", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     "model.num_hidden_layers=4",
                      "train.local_steps=2", f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt",
                      "checkpoint.every=3", *extra]
         cfg = load_config("debug", overrides)
-        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:cfg.mesh.dp])]
+        devices = jax.devices()[:cfg.mesh.dp * cfg.mesh.pp]
+        return [r["loss"] for r in train(cfg, progress=False, devices=devices)]
 
     straight = run("a")
 
@@ -118,13 +124,57 @@ def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global
     preempted_after(tmp_path / "a", tmp_path / "c", 3)
     assert len(run("c", "mesh.dp=4")) == 1
     assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
+    preempted_after(tmp_path / "a", tmp_path / "d", 3)
+    assert run("d", "mesh.pp=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2") == pytest.approx(
+        straight[3:], rel=1e-5)
+    assert "starts from the global parameters" not in capfd.readouterr().err
+    preempted_after(tmp_path / "a", tmp_path / "e", 3)
+    assert len(run("e", "train.diloco_groups=1")) == 1  # the same replicas in other groups
+    assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_group_sum_is_each_groups_exact_sum_on_every_replica_alike(size):
+    """dp8: groups of `size` consecutive replicas, a leaf that does not split into `size` chunks evenly."""
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.random.normal(jax.random.key(0), (8, 3, 5))
+    summed = jax.jit(jax.shard_map(lambda v: groups.group_sum(v, size), mesh=mesh, in_specs=P("dp"),
+                                   out_specs=P("dp")))(jax.device_put(x, NamedSharding(mesh, P("dp"))))
+    got, want = np.asarray(summed), np.asarray(x).reshape(8 // size, size, 3, 5).sum(axis=1)
+    for replica in range(8):
+        np.testing.assert_allclose(got[replica], want[replica // size], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[replica], got[replica - replica % size])  # bit for bit within a group
+
+
+def test_groups_of_two_replicas_step_as_one_replica_with_their_rows():
+    """dp4 in 2 groups against dp2 (a replica per group), one inner SGD step (H=2: no synchronisation yet): each
+    group's replicas hold what the dp2 replica with the same rows holds, and alike to the bit."""
+    overrides = ["mesh.tp=1", "train.local_steps=2"]
+    sgd = optax.sgd(optax.constant_schedule(0.5))
+    batch, after = None, []
+    for layout in (["mesh.dp=4", "train.diloco_groups=2"], ["mesh.dp=2"]):
+        _, trainer = _trainer([*layout, *overrides])
+        batch = jax.tree.map(np.asarray, random_batch(trainer)) if batch is None else batch
+        params = trainer.init(jax.random.key(0)).params
+        replicas = trainer.mesh.shape["dp"]
+        state = TrainState(np.int32(0), params, trainer.optimizer.init(params), None,
+                           outer.fresh_local(params, sgd, replicas))
+        with jax.set_mesh(trainer.mesh):
+            new = jax.jit(dataclasses.replace(trainer.diloco, inner=sgd).step)(
+                state, jax.device_put(batch, trainer.batch_sharding))[0]
+        after.append(jax.tree.map(np.asarray, new.local["params"]))
+    for replica in range(4):
+        mine = jax.tree.map(lambda x: x[replica], after[0])
+        _close(mine, jax.tree.map(lambda x: x[replica // 2], after[1]))
+        _close(mine, jax.tree.map(lambda x: x[replica - replica % 2], after[0]), rtol=0, atol=0)
+    assert not np.allclose(_embedding(jax.tree.map(lambda x: x[0], after[0])),
+                           _embedding(jax.tree.map(lambda x: x[2], after[0])))
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.dp=2", "mesh.pp=2"], "does not run with mesh.pp=2"),
     (["mesh.dp=2", "train.zero=1"], "does not run with train.zero=1"),
     (["mesh.dp=2", "train.grad_compression=int8"], "does not run with train.grad_compression=int8"),
-    (["mesh.dp=2", "train.diloco_groups=1"], "set train.diloco_groups=2 or null"),
+    (["mesh.dp=4", "train.diloco_groups=3"], "the groups split the mesh.dp=4 replicas evenly; use a divisor of 4"),
 ])
 def test_layouts_diloco_does_not_run_on_are_one_line(overrides, message):
     cfg = load_config("debug", ["train.local_steps=4", *overrides])
@@ -147,6 +197,8 @@ def test_the_planner_counts_one_parameter_average_every_h_steps():
         return analytic_comm(cfg, Layout(dp=8, grad_accum=2), 4, 8)["dp"]["link_bytes"]
 
     assert link("train.local_steps=16") == pytest.approx(link() / 16)
+    # groups of 4 replicas sum each step's gradient on a ring of 4: 2 * 3/4 of it against dp8's 2 * 7/8
+    assert link("train.local_steps=16", "train.diloco_groups=2") == pytest.approx(link() * (1 / 16 + 6 / 7))
 
 
 def test_a_resume_across_optimizer_trees_is_one_line_naming_the_keys():

@@ -4,6 +4,8 @@ the dp groups adapt to their tasks in parallel exactly as one device does them i
 on dp2 x tp2; each group's rows hold its task; a resume continues bit for bit."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from mesh.mesh import make_mesh
 from pjax import assets
 from pjax.config_io import load_config
 from pjax.data.batches import read_windows
-from pjax.data.tasks import TaskIterator
+from pjax.data.tasks import TaskIterator, build_tasks
+from pjax.data.text import load_tokenizer, load_tokens
 from pjax.train import train
 from pjax.validate import validate_run
 
@@ -87,16 +90,19 @@ def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
         assert abs(g_first @ v - numeric) > 0.5 * abs(numeric)
 
 
-@pytest.mark.parametrize("algorithm", ["reptile", "fomaml", "maml"])
-def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorithm):
-    """dp2 x tp2: the mean over the groups of what each returns equals one device's `per_task` on each group's
-    rows, averaged."""
+@pytest.mark.parametrize("algorithm, layout", [("reptile", "tp"), ("fomaml", "tp"), ("maml", "tp"), ("reptile", "pp"),
+                                               ("fomaml", "pp"), ("reptile", "cp"), ("maml", "cp")])
+def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorithm, layout):
+    """dp2 x tp2; dp2 x pp2 (each group a 1F1B pipeline, one micro-batch per inner step); dp2 x cp2 (each inner
+    step's gradient summed over cp; maml differentiates through that): the mean over the groups of what each
+    returns equals one device's `per_task` on each group's rows, averaged."""
     meta = _meta(algorithm)
-    _, parallel = _trainer(["mesh.dp=2", "mesh.tp=2", *meta])
+    _, parallel = _trainer(["mesh.dp=2", f"mesh.{layout}=2", *(["mesh.tp=1"] if layout != "tp" else []), *meta])
     _, single = _trainer(["mesh.dp=1", "mesh.tp=1", *meta])
     params, batch = parallel.init(jax.random.key(0)).params, random_batch(parallel)
     got = _on(parallel, parallel.learner.over_tasks, params, batch)
-    host = jax.tree.map(np.asarray, (params, batch))
+    order = np.argsort(np.asarray(batch["positions"])[0, 0])  # cp's zigzag columns back in token order
+    host = jax.tree.map(np.asarray, params), {k: np.asarray(v)[..., order] for k, v in batch.items()}
     rows = batch["inputs"].shape[1] // 2
     per_task = jax.jit(single.learner.per_task)  # one compile for both groups' rows
     with jax.set_mesh(single.mesh):
@@ -132,6 +138,32 @@ def test_each_groups_rows_hold_its_task_in_turn():
             np.testing.assert_array_equal(inputs[:, 2 * g:2 * g + 2], want[g])
 
 
+def test_tasks_can_be_the_values_of_a_jsonl_field(tmp_path):
+    """meta.task_field=genre: task "b" is exactly the tokens of the records whose genre is b (as text: 2 is "2"),
+    in file order; a record without the field, or a .txt source, is one line."""
+    lines = [{"text": f"Document {i} of the corpus, in genre {g}. " * 3, "genre": g} for i, g in enumerate("abab")]
+    lines.append({"text": "A record filed under a number, twice as short. " * 2, "genre": 2})
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("\n".join(json.dumps(x) for x in lines), encoding="utf-8")
+    only_b = tmp_path / "b.jsonl"
+    only_b.write_text("\n".join(json.dumps(x) for x in lines if x["genre"] == "b"), encoding="utf-8")
+    cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", f"data.path={source}", f"data.cache_dir={tmp_path}/cache",
+                                "data.eval_fraction=0", "train.seq_len=8", "train.batch_size=2", "train.grad_accum=1"])
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    it = build_tasks(cfg.data, ("b", "2"), cfg.train, None, tokenizer, field="genre")
+    want = load_tokens(dataclasses.replace(cfg.data, path=str(only_b)), tokenizer)
+    np.testing.assert_array_equal(np.asarray(it.tasks[0].tokens), np.asarray(want))
+    assert len(it.tasks[1].tokens) < len(it.tasks[0].tokens)
+    with pytest.raises(ConfigError, match="holds no text with genre=c"):
+        build_tasks(cfg.data, ("c",), cfg.train, None, tokenizer, field="genre")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no genre"}), encoding="utf-8")
+    for path, message in [(tmp_path / "bad.jsonl", "bad.jsonl:1 has no \"genre\" field, which meta.task_field"),
+                          (assets.locate("data/prideprejudice.txt"), "is plain text, with no fields")]:
+        with pytest.raises(ConfigError, match=message):
+            build_tasks(dataclasses.replace(cfg.data, path=str(path)), ("a",), cfg.train, None, tokenizer,
+                        field="genre")
+
+
 def test_a_resume_continues_bit_for_bit(tmp_path, task_files):
     """fomaml on dp2, saved at step 2 (the tasks' positions and the meta-step in the data state)."""
     def run(name: str) -> list[float]:
@@ -150,7 +182,9 @@ def test_a_resume_continues_bit_for_bit(tmp_path, task_files):
     (["mesh.dp=2", *_meta("maml", tasks=3)], "meta.tasks names 3 tasks, which do not divide over the mesh.dp=2"),
     (["mesh.dp=2", *_meta("maml")[:1], "meta.tasks=[a.txt,b.txt]", "train.grad_accum=1"],
      "reads 2 micro-batches per step \\(1 to adapt and 1 to take the meta-gradient on\\): set train.grad_accum=2"),
-    (["mesh.dp=2", "mesh.pp=2", *_meta("reptile")], "meta.algorithm=reptile does not run with mesh.pp=2"),
+    (["mesh.dp=2", "mesh.pp=2", *_meta("maml")], "meta.algorithm=maml differentiates through the inner steps"),
+    (["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=interleaved", "model.num_hidden_layers=4",
+      "pipeline.virtual_stages=2", *_meta("reptile", steps=2)], "pipeline.schedule=interleaved needs them in groups"),
     (["mesh.dp=2", "train.local_steps=4", *_meta("reptile")], "does not run with train.local_steps=4"),
 ])
 def test_runs_meta_learning_cannot_do_are_one_line(overrides, message):

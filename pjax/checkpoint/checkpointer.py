@@ -306,11 +306,14 @@ def _reorder_layers(tree: Any, rows: np.ndarray, axis: int = 0) -> Any:
 
 def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
     # A gather across pp stages: jit it, keeping every leaf where it was. The feedback state's layers are axis 1
-    # of its residuals ([replicas, layers, ...]) and axis 2 of PowerSGD's Q ([replicas, tp, layers, ...]).
+    # of its residuals ([replicas, layers, ...]) and axis 2 of PowerSGD's Q ([replicas, tp, layers, ...]);
+    # DiLoCo's groups' are axis 1 ([groups, layers, ...]).
     def permute(state):
         residual = None if state.residual is None else {
             k: _reorder_layers(v, rows, axis=1 if k == "error" else 2) for k, v in state.residual.items()}
-        return _reorder_layers(state._replace(residual=None), rows)._replace(residual=residual)
+        local = None if state.local is None else _reorder_layers(state.local, rows, axis=1)
+        return _reorder_layers(state._replace(residual=None, local=None), rows)._replace(residual=residual,
+                                                                                       local=local)
 
     shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(permute, out_shardings=shardings)(state)

@@ -20,7 +20,7 @@ def save_args(state: Any, meta: dict) -> dict[str, Any]:
         meta["residual_replicas"] = _replicas(state.residual["error"])
     if state.local is not None:
         items["local"] = ocp.args.StandardSave(state.local)
-        meta["local_groups"] = _replicas(state.local["params"])
+        meta["local_groups"] = _replicas(state.local["params"])  # the replicas' copies: one per dp replica
     return items
 
 
@@ -42,11 +42,13 @@ def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, m
                  f"(step {step} was saved without one, or with other data replicas).")
             residual = fresh_residual(trainer)
     if target.local is not None:
-        if meta.get("local_groups") == _replicas(target.local["params"]):
+        replicas = _replicas(target.local["params"])
+        saved_groups = saved.train.diloco_groups or meta.get("local_groups")  # null: one group per replica
+        if (meta.get("local_groups"), saved_groups) == (replicas, cfg.train.diloco_groups or replicas):
             local = _read(manager, step, "local", target.local)
         else:
             warn(f"train.local_steps={cfg.train.local_steps}: every DiLoCo group starts from the global parameters "
-                 f"(step {step} was saved without groups, or with other ones).")
+                 f"(step {step} was saved without groups, or with other replicas or groups).")
             local = fresh_local(trainer, params)
     return residual, local
 

@@ -76,11 +76,17 @@ class TaskIterator:
 
 
 def build_tasks(data_cfg: Any, tasks: tuple[str, ...], train_cfg: Any, mesh: Mesh | None, tokenizer: Any,
-                sequence_layout: SequenceLayout = identity_layout) -> TaskIterator:
-    """A TaskIterator over `tasks`, each tokenized (and cached) like data.path, its held-out tail split off."""
+                sequence_layout: SequenceLayout = identity_layout, field: str | None = None) -> TaskIterator:
+    """A TaskIterator over `tasks`, each tokenized (and cached) like data.path, its held-out tail split off; with
+    a `field` (meta.task_field) the tasks are that field's values in data.path's records, each one the records
+    that hold it."""
     if data_cfg.streaming or data_cfg.curriculum:
         raise ConfigError("meta.tasks are read whole: set data.streaming=false and data.curriculum=null.")
-    split = [split_eval(load_tokens(dataclasses.replace(data_cfg, path=task), tokenizer), data_cfg.eval_fraction)
-             for task in tasks]
+    def tokens(task: str) -> np.ndarray:
+        if field is None:
+            return load_tokens(dataclasses.replace(data_cfg, path=task), tokenizer)
+        return load_tokens(data_cfg, tokenizer, where=(field, task))
+
+    split = [split_eval(tokens(task), data_cfg.eval_fraction) for task in tasks]
     return TaskIterator(split, train_cfg.seq_len, train_cfg.batch_size, train_cfg.grad_accum, train_cfg.seed, mesh,
                         sequence_layout)

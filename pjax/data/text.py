@@ -23,6 +23,7 @@ SOURCE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_FORMAT = 1  # bump when the cache layout or the tokenization procedure changes
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 _BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
+_MISSING = object()
 
 
 def _local_path(spec: str) -> Path | None:
@@ -118,30 +119,42 @@ def _show(value: Any) -> str:
     return "null" if value is None else f"of type {type(value).__name__}"
 
 
-def _jsonl_documents(path: Path, column: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, column: str, where: tuple[str, str] | None = None) -> Iterator[str]:
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
+            place = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not valid JSON ({e.msg}); fix or remove that line.") from None
+                raise ConfigError(f"{place} is not valid JSON ({e.msg}); fix or remove that line.") from None
             if not isinstance(record, dict) or column not in record:
-                raise ConfigError(f"{where} has no \"{column}\" field; every JSON line needs one, e.g. "
+                raise ConfigError(f"{place} has no \"{column}\" field; every JSON line needs one, e.g. "
                                   f"{{\"{column}\": \"...\"}}, or set data.column to the field holding the text.")
-            yield _text(where, record[column], column)
+            if where is None or _selected(place, record.get(where[0], _MISSING), where):
+                yield _text(place, record[column], column)
 
 
-def _file_documents(path: Path, column: str) -> Iterator[str]:
+def _selected(place: str, value: Any, where: tuple[str, str]) -> bool:
+    """Whether a record's `where[0]` field, compared as text, is `where[1]` (meta.task_field's tasks)."""
+    if value is _MISSING:
+        raise ConfigError(f"{place} has no \"{where[0]}\" field, which meta.task_field={where[0]} reads; give every "
+                          f"record one, or name another field.")
+    return str(value) == where[1]
+
+
+def _file_documents(path: Path, column: str, where: tuple[str, str] | None = None) -> Iterator[str]:
     try:
         if path.suffix == ".txt":
+            if where is not None:
+                raise ConfigError(f"{path} is plain text, with no fields for meta.task_field={where[0]} to read; "
+                                  f"point data.path at .jsonl or .parquet files.")
             yield _text(str(path), path.read_text(encoding="utf-8"))
         elif path.suffix == ".jsonl":
-            yield from _jsonl_documents(path, column)
+            yield from _jsonl_documents(path, column, where)
         else:
-            yield from _parquet_documents(path, column)
+            yield from _parquet_documents(path, column, where)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                           f"convert it to UTF-8 or point data.path at a text file.") from None
@@ -149,7 +162,7 @@ def _file_documents(path: Path, column: str) -> Iterator[str]:
         raise ConfigError(f"{path} cannot be read ({e.strerror or e}); check the file and its permissions.") from None
 
 
-def _parquet_documents(path: Path, column: str) -> Iterator[str]:
+def _parquet_documents(path: Path, column: str, where: tuple[str, str] | None = None) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq  # optional: only parquet sources need it
     except ImportError as e:
@@ -161,17 +174,26 @@ def _parquet_documents(path: Path, column: str) -> Iterator[str]:
     if column not in parquet.schema_arrow.names:
         raise ConfigError(f"{path} has no \"{column}\" column (it has {', '.join(parquet.schema_arrow.names)}); "
                           f"set data.column to the one holding the text.")
+    if where is not None and where[0] not in parquet.schema_arrow.names:
+        raise ConfigError(f"{path} has no \"{where[0]}\" column, which meta.task_field={where[0]} reads (it has "
+                          f"{', '.join(parquet.schema_arrow.names)}); name one of those.")
     row = 0
-    for batch in parquet.iter_batches(columns=[column]):
-        for text in batch.column(0).to_pylist():
-            yield _text(f"{path} row {row}", text, column)
+    for batch in parquet.iter_batches(columns=[column] if where is None else [column, where[0]]):
+        keys = batch.column(1).to_pylist() if where is not None else [None] * batch.num_rows
+        for text, key in zip(batch.column(0).to_pylist(), keys):
+            if where is None or _selected(f"{path} row {row}", key, where):
+                yield _text(f"{path} row {row}", text, column)
             row += 1
 
 
 def documents(spec: str, *, split: str = "train", column: str = "text", start: int = 0,
-              streaming: bool = False) -> Iterator[str]:
-    """Every document of `data.path` from document `start` on, in a fixed order (local files read lazily)."""
+              streaming: bool = False, where: tuple[str, str] | None = None) -> Iterator[str]:
+    """Every document of `data.path` from document `start` on, in a fixed order (local files read lazily);
+    with `where` = (field, value) only the records whose field, as text, is that value."""
     files = source_files(spec)
+    if files is None and where is not None:
+        raise ConfigError(f"meta.task_field={where[0]} reads local .jsonl or .parquet files; data.path={spec} is a "
+                          f"dataset: save the split as .jsonl or .parquet and point data.path at it.")
     if files is None:
         rows = hub_documents(spec, saved_dataset(spec), split, column, start, streaming)
         for row, text in enumerate(rows, start):
@@ -180,7 +202,7 @@ def documents(spec: str, *, split: str = "train", column: str = "text", start: i
     if split != "train":
         raise ConfigError(f"data.split={split} applies only to a HuggingFace dataset (a hub name or a folder saved "
                           f"with save_to_disk); data.path={spec} is neither, so leave data.split at train.")
-    yield from islice((doc for path in files for doc in _file_documents(path, column)), start, None)
+    yield from islice((doc for path in files for doc in _file_documents(path, column, where)), start, None)
 
 
 # Tokenization and cache
@@ -229,8 +251,10 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size < 2**16 else np.uint32
 
 
-def cache_key(spec: str, tokenizer: Any, split: str = "train", column: str = "text") -> str:
-    """A hash of the sources (paths, sizes, mtimes, split, column) and the tokenizer's full definition."""
+def cache_key(spec: str, tokenizer: Any, split: str = "train", column: str = "text",
+              where: tuple[str, str] | None = None) -> str:
+    """A hash of the sources (paths, sizes, mtimes, split, column, selected records) and the tokenizer's full
+    definition."""
     files, saved = source_files(spec), saved_dataset(spec)
     if saved is not None:
         files = sorted(p for p in saved.rglob("*") if p.is_file())
@@ -238,16 +262,17 @@ def cache_key(spec: str, tokenizer: Any, split: str = "train", column: str = "te
     vocab_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
     key = {"format": _CACHE_FORMAT, "sources": sources, "tokenizer": vocab_hash}
     # Only when not the defaults: the caches of runs made before these keys existed stay valid.
-    key.update({name: value for name, value, default in (("split", split, "train"), ("column", column, "text"))
-                if value != default})
+    key.update({name: value for name, value, default in (("split", split, "train"), ("column", column, "text"),
+                                                         ("where", where and list(where), None)) if value != default})
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
 
 
-def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
-    """The whole corpus as a read-only memory-mapped token array, tokenizing it on first use."""
+def load_tokens(data_cfg: DataConfig, tokenizer: Any, where: tuple[str, str] | None = None) -> np.memmap:
+    """The whole corpus (or the records `where` selects: `documents`) as a read-only memory-mapped token array,
+    tokenizing it on first use."""
     dtype = np.dtype(token_dtype(tokenizer.get_vocab_size()))
     cache_dir = data_cfg.cache_path
-    key = cache_key(data_cfg.path, tokenizer, data_cfg.split, data_cfg.column)
+    key = cache_key(data_cfg.path, tokenizer, data_cfg.split, data_cfg.column, where)
     path = cache_dir / f"tokens-{key}-{dtype.name}.bin"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -255,11 +280,12 @@ def load_tokens(data_cfg: DataConfig, tokenizer: Any) -> np.memmap:
         tmp = cache_dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with tmp.open("wb") as f:
-                docs = documents(data_cfg.path, split=data_cfg.split, column=data_cfg.column)
+                docs = documents(data_cfg.path, split=data_cfg.split, column=data_cfg.column, where=where)
                 for chunk in tokenize(docs, tokenizer):
                     f.write(chunk.astype(dtype).tobytes())
             if tmp.stat().st_size == 0:
-                raise ConfigError(f"data.path={data_cfg.path} holds no text; point it at a non-empty corpus.")
+                which = "" if where is None else f" with {where[0]}={where[1]}"
+                raise ConfigError(f"data.path={data_cfg.path} holds no text{which}; point it at a non-empty corpus.")
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -15,7 +15,7 @@ from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import logical_to_spec, param_rules
 from models import llama
 from models.config import LlamaConfig
-from pjax.parallel import feedback
+from pjax.parallel import feedback, groups
 
 _is_names = lambda x: isinstance(x, tuple)
 
@@ -152,3 +152,36 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
     out = jax.shard_map(body, in_specs=(data_specs(cfg, axes), batch_spec(axes), res_specs), out_specs=specs,
                         axis_names=set(axes))(params, batch, residual)
     return out if residual is not None else out[:3]
+
+
+def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConfig, group_size: int = 1
+                ) -> tuple[jax.Array, Any]:
+    """Each dp replica's own mean gradient, with no reduction over dp beyond its group of `group_size` replicas
+    (DiLoCo's groups, `pjax.parallel.outer`): `stacked_params` carry a leading [replicas] axis over dp, and so
+    do the gradients returned with the global mean loss. Sums over cp and the group; tp stays with the
+    partitioner."""
+    axes = replica_axes(current())
+    in_group = axes[1:]
+
+    def body(params, batch):
+        one = jax.tree.map(lambda x: x[0], params)
+        loss, count, grads, _ = accumulate(vary(one, in_group), batch)
+        grads, (loss, count) = _psum([grads, (loss, count)], in_group)
+        total, tokens = lax.psum((loss, count), DP)
+        grads, count = groups.group_sum((grads, count), group_size)
+        return total / tokens, jax.tree.map(lambda g: g[None] / count, grads)
+
+    specs = stacked_specs(data_specs(cfg, axes))
+    return jax.shard_map(body, in_specs=(specs, batch_spec(axes)), out_specs=(P(), specs),
+                         axis_names=set(axes))(stacked_params, batch)
+
+
+def replica_axes(mesh: Any) -> tuple[str, ...]:
+    """The manual axes of a per-replica step: dp (even at 1: the replicas' axis), then cp when it splits tokens."""
+    return (DP, CP) if mesh.shape[CP] > 1 else (DP,)
+
+
+def stacked_specs(specs: Any) -> Any:
+    """Specs with a leading [replicas] axis over dp in front of each."""
+    return jax.tree.map(lambda s: P(DP, *s), specs)
+

@@ -1,8 +1,9 @@
 """Meta-learning on the outer loop: Reptile, first-order MAML and MAML over tasks (`meta.*`).
 
-A task is a data source (`meta.tasks`); each dp replica is a group that adapts the meta-parameters
-`TrainState.params` to its step's task by `meta.inner_steps` SGD steps at `meta.inner_lr`, one micro-batch
-each, with no communication; the groups then meet once, in one mean over dp:
+A task is a data source (`meta.tasks`, or a value of `meta.task_field`); each dp replica is a group that
+adapts the meta-parameters `TrainState.params` to its step's task by `meta.inner_steps` SGD steps at
+`meta.inner_lr`, one micro-batch each, with no communication between groups (with pp or cp > 1 each group
+adapts a copy through the strategy: `over_copies`); the groups then meet once, in one mean over dp:
 - reptile: the adapted parameters are averaged and the outer loop's step (`outer.outer_step`, DiLoCo's:
   SGD with `train.outer_lr` and Nesterov `train.outer_momentum`) moves the meta-parameters toward them;
 - fomaml: the gradient of the task's loss on one more micro-batch (the query), at the adapted parameters;
@@ -22,7 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import DP, current
+from mesh.mesh import CP, DP, PP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import data_parallel, outer
@@ -34,8 +35,15 @@ def check_run(run: Any) -> None:
     if meta.algorithm is None:
         return
     head = f"meta.algorithm={meta.algorithm}"
-    refused = [(mesh.pp > 1, f"mesh.pp={mesh.pp}", "mesh.pp=1"), (mesh.cp > 1, f"mesh.cp={mesh.cp}", "mesh.cp=1"),
-               (tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
+    if mesh.pp > 1 and meta.algorithm == "maml":
+        raise ConfigError(f"{head} differentiates through the inner steps, and a pipeline's ticks run in a "
+                          f"lax.while_loop, which reverse-mode differentiation cannot enter: use mesh.pp=1, or "
+                          f"meta.algorithm=fomaml or reptile.")
+    if mesh.pp > 1 and run.pipeline.schedule == "interleaved":
+        raise ConfigError(f"{head} with mesh.pp={mesh.pp} runs the pipeline on one micro-batch per inner step, and "
+                          f"pipeline.schedule=interleaved needs them in groups of pp: use pipeline.schedule=1f1b "
+                          f"(or afab, zb_h1, zb_v).")
+    refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
                (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
                 "train.grad_compression=none"),
                (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0"),
@@ -66,6 +74,7 @@ class Meta:
     meta: Any  # MetaConfig
     optimizer: optax.GradientTransformation  # `meta_optimizer`'s
     tc: Any  # TrainConfig
+    strategy: Any = None  # with pp or cp > 1 the groups adapt through its per_replica_loss_and_grads (`over_copies`)
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One meta-step: {loss (before adapting), adapted_loss, grad_norm, lr, finite}."""
@@ -87,6 +96,8 @@ class Meta:
     def over_tasks(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """`per_task` in every group at once (a shard_map manual over dp), then the mean over the groups."""
         axes = data_parallel.data_axes(current())
+        if current().shape[PP] > 1 or CP in axes:
+            return self.over_copies(params, batch)
         if not axes:
             return self.per_task(params, batch)
 
@@ -94,6 +105,33 @@ class Meta:
             return lax.pmean(self.per_task(data_parallel.vary(params, axes), batch), DP)
         return jax.shard_map(body, in_specs=(P(), data_parallel.batch_spec(axes)), out_specs=(P(), P(), P()),
                              axis_names=set(axes))(params, batch)
+
+    def over_copies(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
+        """`over_tasks` with pp or cp > 1: every group's parameters stacked [groups, ...] and adapted by the
+        strategy's step without dp (a pipeline per group, a sum over cp), one micro-batch per inner step."""
+        n, lr = self.meta.inner_steps, self.meta.inner_lr
+        grads_of = lambda p, micro: self.strategy.per_replica_loss_and_grads(  # noqa: E731
+            p, jax.tree.map(lambda x: x[None], micro))
+
+        def one(p, micro):
+            loss, grads = grads_of(p, micro)
+            return jax.tree.map(lambda w, g: w - lr * g.astype(w.dtype), p, grads), loss
+
+        def adapt(p):
+            return lax.scan(one, outer.copies(p, current().shape[DP]), jax.tree.map(lambda x: x[:n], batch))
+
+        query = jax.tree.map(lambda x: x[n], batch) if self.meta.query else None
+        if self.meta.algorithm == "maml":  # the mean query loss differentiated through every group's adaptation
+            def through_adaptation(p):
+                adapted, losses = adapt(p)
+                return grads_of(adapted, query)[0], losses[0]
+            (after, before), grads = jax.value_and_grad(through_adaptation, has_aux=True)(params)
+            return grads, before, after
+        adapted, losses = adapt(params)
+        if self.meta.algorithm == "reptile":
+            return jax.tree.map(lambda a: jnp.mean(a, axis=0), adapted), losses[0], losses[-1]
+        after, grads = grads_of(adapted, query)
+        return jax.tree.map(lambda g: jnp.mean(g, axis=0), grads), losses[0], after
 
     def per_task(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """One task's (adapted parameters or meta-gradient, loss before adapting, loss after)."""

@@ -1,9 +1,11 @@
 """The outer loop: `outer_step`, which DiLoCo (here) and Reptile (`meta.py`) share, and DiLoCo (Douillard
 et al., 2023), data parallelism that talks once every H steps.
 
-Each dp replica is a group that keeps its own copy of the parameters and of the inner AdamW state
-(`TrainState.local`, a leading [groups] axis split over dp) and steps on its own rows of every batch, with no
-dp communication: its gradient is summed over cp only, tp stays with the partitioner as in every step. Every
+Each group of dp replicas (one each, or dp / `train.diloco_groups`) keeps its own copy of the parameters and
+of the inner AdamW state (`TrainState.local`: one copy per replica, a leading [replicas] axis split over dp,
+alike within a group) and steps on its own rows of every batch, with no communication between groups: its
+gradient is summed over cp and over the group's replicas only (`groups.group_sum`), tp stays with the
+partitioner as in every step, and with pp > 1 the pipeline runs once per replica. Every
 `train.local_steps` (H) steps the groups' parameters are averaged (one fp32 all-reduce of the model over dp),
 their distance from the global parameters `TrainState.params` is the outer gradient, and an outer SGD with
 Nesterov momentum (`train.outer_lr`, `train.outer_momentum`; the paper's 0.7 and 0.9) moves the global
@@ -25,11 +27,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, current
+from mesh.mesh import DP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
-from pjax.parallel import data_parallel
-from pjax.spec import accumulate
 
 
 def check_run(run: Any) -> None:
@@ -41,12 +41,10 @@ def check_run(run: Any) -> None:
     if mesh.dp < 2:
         raise ConfigError(f"{head} syncs dp groups, and this mesh has dp={mesh.dp}: set mesh.dp >= 2, or "
                           f"train.local_steps=0.")
-    if tc.diloco_groups not in (None, mesh.dp):
-        raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: groups are the dp replicas "
-                          f"(mesh.dp={mesh.dp}); set train.diloco_groups={mesh.dp} or null, and put the devices "
-                          f"of a group on tp, cp (groups of several dp replicas are not built).")
-    refused = [(mesh.pp > 1, f"mesh.pp={mesh.pp}", "mesh.pp=1"),
-               (tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0 (a group has no dp replicas to split over)"),
+    if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
+        raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
+                          f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
+    refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0 (a group has no dp replicas to split over)"),
                (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
                 "train.grad_compression=none (the groups reduce no gradients)"),
                (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
@@ -100,7 +98,7 @@ def fresh_local(params: Any, inner: optax.GradientTransformation, groups: int) -
 class DiLoCo:
     """The step with `train.local_steps` > 0: inner steps per group, the outer step every H."""
 
-    spec: Any  # pjax.spec.StepSpec
+    strategy: Any  # pjax.step.Accumulation or pipeline.step.Pipelined: per_replica_loss_and_grads
     inner: optax.GradientTransformation
     outer: optax.GradientTransformation
     tc: Any  # TrainConfig
@@ -118,27 +116,20 @@ class DiLoCo:
         return state._replace(step=state.step + 1, params=params, opt_state=opt_state, local=local), metrics
 
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
-        """Each group's AdamW step on its rows, summed over cp only: (new local state, global mean loss,
-        mean of the groups' gradient norms). The loss, token count and norm are all that crosses dp."""
-        mesh_axes = data_parallel.data_axes(current())
-        in_group = tuple(a for a in mesh_axes if a == CP)
+        """Each group's AdamW step on its rows, its gradient summed over cp only (`per_replica_loss_and_grads`),
+        the update vmapped over the groups: (new local state, global mean loss, mean of the groups' gradient
+        norms). The loss and token count are all that crosses dp."""
+        loss, grads = self.strategy.per_replica_loss_and_grads(local["params"], batch, self.group_size())
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt_state = jax.vmap(self.inner.update)(grads, local["opt_state"], local["params"])
+        params = optax.apply_updates(local["params"], updates)
+        norm = jnp.mean(jax.vmap(optax.tree.norm)(grads))
+        return {"params": params, "opt_state": opt_state}, loss, norm
 
-        def body(local, batch):
-            one = jax.tree.map(lambda x: x[0], local)
-            params = data_parallel.vary(one["params"], in_group)
-            loss, count, grads, _ = accumulate(params, batch, self.spec)
-            grads = lax.psum(grads, in_group) if in_group else grads
-            loss, count = lax.psum((loss, count), in_group) if in_group else (loss, count)
-            grads = jax.tree.map(lambda g: (g / count).astype(jnp.float32), grads)
-            updates, opt_state = self.inner.update(grads, one["opt_state"], one["params"])
-            new = {"params": optax.apply_updates(one["params"], updates), "opt_state": opt_state}
-            norm = optax.tree.norm(grads)
-            total, tokens = lax.psum((loss, count), DP)
-            return jax.tree.map(lambda x: x[None], new), total / tokens, lax.pmean(norm, DP)
-
-        specs = jax.tree.map(lambda _: P(DP), local)
-        return jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(mesh_axes)),
-                             out_specs=(specs, P(), P()), axis_names=set(mesh_axes))(local, batch)
+    def group_size(self) -> int:
+        """Replicas per group: 1, or dp / `train.diloco_groups`."""
+        replicas = current().shape[DP]
+        return replicas // (self.tc.diloco_groups or replicas)
 
     def synchronise(self, params: Any, opt_state: Any, local: Any) -> tuple[Any, Any, Any]:
         """Average the groups (the all-reduce over dp), step the global parameters by the outer optimizer

@@ -87,7 +87,7 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     if dp * cp > 1 and layout.zero >= 3 and dp > 1:
         out["dp"] = k * params / dp + 2 * k * params
     elif dp * cp > 1:  # the gradient sum in train.grad_compression's payload; ZeRO-1's fp32 parameter gather
-        out["dp"] = params * _payload(config) + (params / dp if layout.zero == 1 and dp > 1 else 0)
+        out["dp"] = params * _payload(config, dp) + (params / dp if layout.zero == 1 and dp > 1 else 0)
     if tp > 1 and layout.sequence_parallel:
         out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
     elif tp > 1:
@@ -99,13 +99,16 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     return out
 
 
-def _payload(config: Config) -> float:
+def _payload(config: Config, dp: int) -> float:
     """A gradient value's link bytes per step under train.grad_compression, per fp32 byte; under DiLoCo
-    (`train.local_steps` = H) the fp32 parameter average once every H steps (a cp group's per-step
-    gradient sum is counted at that rate too: an underestimate with cp > 1)."""
-    if config.train.local_steps:
-        return 1.0 / config.train.local_steps
-    return bytes_per_value(config.train.grad_compression) / 4
+    (`train.local_steps` = H) the fp32 parameter average once every H steps, plus each step's gradient sum
+    within a group of k = dp / train.diloco_groups replicas, a ring of k at 2(k-1)/k where dp's is 2(dp-1)/dp
+    (a cp group's per-step gradient sum is counted at the outer rate: an underestimate with cp > 1)."""
+    tc = config.train
+    if tc.local_steps:
+        k = max(1, dp // (tc.diloco_groups or dp))
+        return 1.0 / tc.local_steps + (((k - 1) / k) / ((dp - 1) / dp) if k > 1 else 0.0)
+    return bytes_per_value(tc.grad_compression) / 4
 
 
 def cp_bytes(config: Config, layout: Layout, tokens: int, act_bytes: int) -> tuple[float, float, int]:
@@ -158,8 +161,8 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
             rows["dp+cp" if cp > 1 else "dp"] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
         else:  # a reduce-scatter and an all-gather of the gradient in the compression's payload (ZeRO-1:
             # the gather is of the fp32 parameters)
-            gather = 1.0 if layout.zero == 1 and dp > 1 else _payload(config)
-            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * (n - 1) / n * (_payload(config) + gather))
+            gather = 1.0 if layout.zero == 1 and dp > 1 else _payload(config, dp)
+            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * (n - 1) / n * (_payload(config, dp) + gather))
     if tp > 1 and layout.sequence_parallel:
         act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
         rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
 from models.config import LlamaConfig
-from pjax.parallel import data_parallel, feedback
+from pjax.parallel import data_parallel, feedback, groups
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.executor import Batch, executor
 from pjax.parallel.pipeline.stage import Stage, make_stage
@@ -49,6 +49,25 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
     return out if residual is not None else out[:3]
 
 
+def _run_per_replica(sched: ps.Schedule, stage: Stage, stacked_params: Any, batch: Batch, lockstep: bool,
+                     cfg: LlamaConfig, group_size: int) -> tuple[jax.Array, Any]:
+    """The executor once per dp replica on [replicas, ...] parameters: each replica's gradients summed over cp
+    and its group of `group_size` replicas (`groups.group_sum`), stacked again (DiLoCo's groups,
+    `pjax.parallel.outer`), and the loss summed over everything."""
+    data = data_parallel.replica_axes(current())
+    in_group = data[1:]
+    run, table = executor(sched, stage, lockstep,
+                          lambda g: groups.group_sum(lax.psum(g, in_group) if in_group else g, group_size))
+
+    def body(params, batch, table):
+        loss, grads, _ = run(jax.tree.map(lambda x: x[0], params), batch, table)
+        return loss, jax.tree.map(lambda g: g[None], grads)
+
+    specs = data_parallel.stacked_specs(data_parallel.data_specs(cfg, data, pipelined=True))
+    return jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)), out_specs=(P(), specs),
+                         axis_names={PP, *data})(stacked_params, batch, jnp.asarray(table))
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
     """The gradients with pp > 1, run by `pipeline.schedule`'s table or by `schedule` (`ps.from_orders`; same p, m, v)."""
@@ -77,6 +96,17 @@ class Pipelined:
         if self.grad_sharding is not None:
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router, residual
+
+    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1
+                                   ) -> tuple[jax.Array, Any]:
+        """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
+        [replicas, ...] parameters (`data_parallel.per_replica`'s, through the pipeline)."""
+        lockstep = needs_lockstep()
+        count = current().shape[DP] // group_size  # groups, each of group_size replicas
+        stage = make_stage(self.spec, count / batch["labels"].size, data_manual=True)
+        sched = self._table(batch["inputs"].shape[0], lockstep)
+        loss, grads = _run_per_replica(sched, stage, stacked_params, batch, lockstep, self.spec.cfg, group_size)
+        return loss / count, grads
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""
