@@ -8,7 +8,8 @@
    group (`pjax.observe.hlo.link_factor`; `comm.py` counts operands instead, which halves an all-reduce's traffic).
 2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
    the held-out loss every `--eval-every` steps. A mode `diloco:H` is DiLoCo (`train.local_steps=H`), whose
-   bytes are its inner and outer steps compiled apart, inner + outer / H per step.
+   bytes are its inner and outer steps compiled apart, inner + outer / H per step; `diloco:H+int8` sends
+   its outer average in int8 (or bf16, powersgd) with error feedback.
 3. A time model: the dp reduction of a real model (`--model`, e.g. smollm-360m) on 8 replicas at each link
    speed, bytes / bandwidth, against one H100's compute time for the step at the MFU measured there
    (benchmarks/README.md, "One GPU"), assuming none of it overlaps.
@@ -32,10 +33,12 @@ MODES = ("none", "bf16", "int8", "powersgd", "powersgd:4")  # powersgd:R = train
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4, 'diloco:16' -> DiLoCo with H=16)."""
+    """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4, 'diloco:16' -> DiLoCo with H=16,
+    'diloco:16+int8' -> its outer average in int8)."""
     name, _, rank = mode.partition(":")
     if name == "diloco":
-        return [f"train.local_steps={rank}"]
+        steps, _, payload = rank.partition("+")
+        return [f"train.local_steps={steps}", *([f"train.grad_compression={payload}"] if payload else [])]
     return [f"train.grad_compression={name}", *([f"train.powersgd_rank={rank}"] if rank else [])]
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
          "NVLink (450 GB/s)": 450e9}
@@ -54,8 +57,9 @@ def reduction_bytes(config: object, replicas: int, mode: str) -> float:
     name, _, rank = mode.partition(":")
     ring = 2 * (replicas - 1) / replicas
     shapes = jax.eval_shape(lambda: llama.init_params(config.model, jax.random.key(0)))
-    if name == "diloco":  # the fp32 parameter average, once every H steps
-        return ring * 4.0 * sum(s.size for s in jax.tree.leaves(shapes)) / int(rank)
+    if name == "diloco":  # the parameter average in its payload (fp32 without one), once every H steps
+        steps, _, payload = rank.partition("+")
+        return ring * bytes_per_value(payload or "none") * sum(s.size for s in jax.tree.leaves(shapes)) / int(steps)
     names = jax.tree.leaves(llama.param_logical_axes(config.model), is_leaf=lambda x: isinstance(x, tuple))
     total = 0.0
     for n, s in zip(names, jax.tree.leaves(shapes)):
@@ -86,7 +90,8 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
                 return runs(kind, line) * link_factor(kind, group)
 
             if mode.startswith("diloco:"):
-                row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, int(mode.partition(":")[2]))}
+                steps = int(mode.partition(":")[2].partition("+")[0])
+                row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, steps)}
             else:
                 stats = collective_stats(built["compiled"].as_text(), scale=scale)
                 sent = {k: round(v["bytes"]) for k, v in stats.items() if v["bytes"]}
@@ -106,7 +111,8 @@ def _diloco_bytes(built: dict, scale: Any, local_steps: int) -> dict:
     trainer, state = built["trainer"], built["trainer"].abstract_state()
     with jax.set_mesh(trainer.mesh):
         inner = jax.jit(trainer.diloco.inner_step).lower(state.local, trainer.abstract_batch()).compile()
-        outer = jax.jit(trainer.diloco.synchronise).lower(state.params, state.opt_state, state.local).compile()
+        outer = jax.jit(trainer.diloco.synchronise).lower(state.params, state.opt_state, state.local,
+                                                          state.residual).compile()
     inner_b, outer_b = (round(sum(v["bytes"] for v in collective_stats(c.as_text(), scale=scale).values()))
                         for c in (inner, outer))
     return {"sent_bytes_per_device": round(inner_b + outer_b / local_steps), "inner_step_bytes": inner_b,
@@ -143,7 +149,7 @@ def time_model(model: str, replicas: int, step_s: float) -> list[dict]:
     from pjax.config_io import load_config
 
     config = load_config(model, [])
-    modes = (*MODES, "diloco:30")
+    modes = (*MODES, "diloco:30", "diloco:30+int8")
     sent = {mode: reduction_bytes(config, replicas, mode) for mode in modes}
     rows = []
     for link, bandwidth in LINKS.items():

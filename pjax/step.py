@@ -187,8 +187,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
     compressed = tc.grad_compression != "none"
-    r_sharding = feedback.shardings(mesh, data_parallel.data_axes(mesh), cfg, p_sharding,
-                                              tc.grad_compression) if compressed else None
+    r_sharding = feedback.shardings(mesh, feedback_axes(mesh, tc), cfg, p_sharding,
+                                    tc.grad_compression) if compressed else None
     l_sharding = outer.local_shardings(mesh, inner, p_sharding, params_shape) if tc.local_steps else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
@@ -197,7 +197,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        residual = feedback.zeros(params, mesh, data_parallel.data_axes(mesh), cfg, tc.grad_compression,
+        residual = feedback.zeros(params, mesh, feedback_axes(mesh, tc), cfg, tc.grad_compression,
                                   tc.compression_rank) if compressed else None
         local = outer.fresh_local(params, inner, mc.dp) if tc.local_steps else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
@@ -266,9 +266,15 @@ def fresh_residual(trainer: Trainer) -> Any:
         return None
     shapes = trainer.abstract_state().params
     tc = trainer.tc
-    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, data_parallel.data_axes(trainer.mesh), trainer.cfg,
+    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, feedback_axes(trainer.mesh, tc), trainer.cfg,
                                           tc.grad_compression, tc.compression_rank),
                    out_shardings=trainer.state_sharding.residual)()
+
+
+def feedback_axes(mesh: Mesh, tc: TrainConfig) -> tuple[str, ...]:
+    """The axes a compressed reduction sums over, whose devices each keep a residual: the data axes, or under
+    DiLoCo dp alone (the outer average; a group's copies are alike over cp)."""
+    return (DP,) if tc.local_steps else data_parallel.data_axes(mesh)
 
 
 def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:

@@ -85,3 +85,36 @@ def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
     assert link_bytes(psum) == pytest.approx(2 * 7 / 8 * psum["megabytes"] * 2**20)  # a ring all-reduce's
     fitted = latency + link_bytes(psum) * per_byte
     assert 0.2 < fitted / psum["seconds"] < 5
+
+
+def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
+    """`--explain`'s breakdown: each term's milliseconds are the prediction's, the bubble names its schedule's
+    ratio, a collective row says how it was charged, and the products' table gives the curves' own times."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.plan.breakdown import breakdown
+    from pjax.plan.curves import Curves, forward_and_backward
+    from pjax.plan.estimate import pipeline_ratio, predict, weight_share
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+
+    config = load_config("debug", ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"])
+    layout = Layout(dp=2, pp=2, grad_accum=2)
+    profile = dataclasses.replace(PROFILES["cpu"], curves=Curves(record))
+    comm = {"dp": {"count": 3, "link_bytes": 1e6, "inter_host": False}}
+    p = predict(config, layout, profile, comm, 0, 1.0)
+    text = breakdown(config, layout, profile, comm, p)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    ms = lambda name: float(rows[name].split()[1].replace(",", ""))  # noqa: E731
+    for term in ("compute", "bubble", "dp"):
+        assert ms(term) == pytest.approx(p.terms[term] * 1e3, abs=0.006)
+    assert ms("step") == pytest.approx(p.step_s * 1e3, abs=0.006)
+    ratio = pipeline_ratio(layout, weight_share(config.model, 64))
+    assert f"1f1b p=2 m=2 v=1: span / busy = {ratio:.3f}" in rows["bubble"]
+    assert "3 ops x" in rows["dp"] and "(fitted to the calibration's collectives); exposed" in rows["dp"]
+    tokens = 8 // 2 // 2 * 64
+    d = config.model.hidden_size
+    assert f"{tokens} x {d} x {config.model.num_attention_heads * config.model.head_dim}" in rows["q"]
+    assert float(rows["q"].split()[-2]) == pytest.approx(
+        forward_and_backward(profile.curves, (tokens, d, d)) * 1e3, abs=6e-4)

@@ -133,6 +133,28 @@ def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global
     assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
 
 
+def test_a_compressed_outer_average_is_the_exact_one_within_int8_and_keeps_what_it_lost():
+    """dp2 x pp2, H=1, int8 (`train.grad_compression` compresses the outer average under DiLoCo): the carried
+    mean of (global - copy) is the exact one within int8's rounding, the replicas' residuals hold the rest
+    exactly, and the outer SGD (lr 1, no momentum) moves the global parameters by the carried mean."""
+    _, trainer = _trainer(["mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "train.local_steps=1", "train.outer_lr=1.0",
+                           "train.outer_momentum=0", "train.grad_compression=int8", "train.warmup_steps=0"])
+    diloco, state, batch = trainer.diloco, trainer.init(jax.random.key(0)), random_batch(trainer)
+    with jax.set_mesh(trainer.mesh):
+        local = jax.jit(diloco.inner_step)(state.local, batch)[0]
+        delta, residual = jax.jit(diloco.compressed_delta)(state.params, local["params"], state.residual)
+    host = functools.partial(jax.tree.map, lambda x: np.asarray(x, np.float64))
+    params, copies, delta, errors = host(state.params), host(local["params"]), host(delta), host(residual["error"])
+    exact = jax.tree.map(lambda p, c: p - c.mean(axis=0), params, copies)
+    _close(jax.tree.map(lambda d, e: 2 * d + e.sum(axis=0), delta, errors),
+           jax.tree.map(lambda x: 2 * x, exact), rtol=1e-5, atol=1e-9)
+    gap = np.sqrt(sum(np.sum((d - x) ** 2) for d, x in zip(jax.tree.leaves(delta), jax.tree.leaves(exact))))
+    size = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(exact)))
+    assert 0 < gap < 0.02 * size
+    new = host(trainer.step(state, batch)[0].params)
+    _close(new, jax.tree.map(lambda p, d: p - d, params, delta), rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_group_sum_is_each_groups_exact_sum_on_every_replica_alike(size):
     """dp8: groups of `size` consecutive replicas, a leaf that does not split into `size` chunks evenly."""
@@ -173,7 +195,8 @@ def test_groups_of_two_replicas_step_as_one_replica_with_their_rows():
 
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.dp=2", "train.zero=1"], "does not run with train.zero=1"),
-    (["mesh.dp=2", "train.grad_compression=int8"], "does not run with train.grad_compression=int8"),
+    (["mesh.dp=2", "train.grad_compression=powersgd", "train.powersgd_start=3"],
+     "does not run with train.powersgd_start=3; use train.powersgd_start=0"),
     (["mesh.dp=4", "train.diloco_groups=3"], "the groups split the mesh.dp=4 replicas evenly; use a divisor of 4"),
 ])
 def test_layouts_diloco_does_not_run_on_are_one_line(overrides, message):
@@ -197,6 +220,7 @@ def test_the_planner_counts_one_parameter_average_every_h_steps():
         return analytic_comm(cfg, Layout(dp=8, grad_accum=2), 4, 8)["dp"]["link_bytes"]
 
     assert link("train.local_steps=16") == pytest.approx(link() / 16)
+    assert link("train.local_steps=16", "train.grad_compression=bf16") == pytest.approx(link() / 32)
     # groups of 4 replicas sum each step's gradient on a ring of 4: 2 * 3/4 of it against dp8's 2 * 7/8
     assert link("train.local_steps=16", "train.diloco_groups=2") == pytest.approx(link() * (1 / 16 + 6 / 7))
 

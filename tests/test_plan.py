@@ -136,9 +136,13 @@ def test_explain_shows_shardings_memory_and_collectives_per_axis(capsys):
     assert "overrides: mesh.dp=2 mesh.pp=1 mesh.cp=1 mesh.tp=2 train.zero=1" in out
     assert "layers/wq" in out and "(None, None, 'tp', None)" in out
     assert "AdamW moments" in out and "temporaries" in out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("tp ", "dp "))}
+    rows = {}
+    for line in out.splitlines():  # the collectives' table (the breakdown's rows come after it)
+        if line.startswith(("tp ", "dp ")):
+            rows.setdefault(line.split()[0], line)
     assert set(rows) == {"tp", "dp"} and "reduce-scatter" in rows["dp"]  # ZeRO-1: the gradient in dp slices
     assert "MFU" in out and "fits" in out
+    assert "of step" in out and "the profile's MFU at hidden 128" in out  # the breakdown, uncalibrated
 
 
 @pytest.mark.parametrize("name", ["dp2-cp2-tp2-m2", "dp2-cp2-tp2-all_gather-m2", "dp2-cp2-tp2-ulysses-m2",

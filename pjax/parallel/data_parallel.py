@@ -94,12 +94,12 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "none", state: Any = None
-                     ) -> tuple[Any, Any]:
-    """Sum partial gradients over the manual data axes; experts over cp only (all_to_all's backward took them home).
-    With a compression `mode` the dense sums are compressed with error feedback (`feedback.reduce_leaf`):
-    (sums, the new feedback state)."""
-    axes = data_axes(current())
+def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "none", state: Any = None,
+                     axes: tuple[str, ...] | None = None) -> tuple[Any, Any]:
+    """Sum partial gradients over the manual data axes (or `axes`); experts over cp only (all_to_all's backward
+    took them home). With a compression `mode` the dense sums are compressed with error feedback
+    (`feedback.reduce_leaf`): (sums, the new feedback state)."""
+    axes = data_axes(current()) if axes is None else axes
     leaves, treedef = jax.tree.flatten(grads)
     names = jax.tree.leaves(llama.param_logical_axes(cfg), is_leaf=_is_names)
     dense = [i for i, n in enumerate(names) if not is_expert(n)]

@@ -27,9 +27,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import DP, current
+from mesh.mesh import DP, PP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
+from pjax.parallel import data_parallel, feedback
 
 
 def check_run(run: Any) -> None:
@@ -44,9 +45,9 @@ def check_run(run: Any) -> None:
     if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
         raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
                           f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
-    refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0 (a group has no dp replicas to split over)"),
-               (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
-                "train.grad_compression=none (the groups reduce no gradients)"),
+    refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0 (every replica keeps a whole copy)"),
+               (tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
+                "train.powersgd_start=0 (the outer average is compressed from the first synchronisation)"),
                (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
     for bad, what, fix in refused:
         if bad:
@@ -62,7 +63,13 @@ def outer_optimizer(tc: Any) -> optax.GradientTransformation:
 def outer_step(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, average: Any
                ) -> tuple[Any, Any]:
     """The step both outer loops take (DiLoCo's, Reptile's): `params - average` is the outer gradient."""
-    delta = jax.tree.map(lambda p, a: (p - a).astype(p.dtype), params, average)
+    return outer_update(optimizer, params, opt_state, jax.tree.map(jnp.subtract, params, average))
+
+
+def outer_update(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, delta: Any
+                 ) -> tuple[Any, Any]:
+    """`outer_step` from the outer gradient `delta` itself (DiLoCo's compressed average arrives as one)."""
+    delta = jax.tree.map(lambda p, d: d.astype(p.dtype), params, delta)
     updates, opt_state = optimizer.update(delta, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -110,10 +117,12 @@ class DiLoCo:
         if self.tc.on_nonfinite == "skip":
             local = keep_if_finite(finite, local, state.local)
         sync = (state.step + 1) % self.tc.local_steps == 0
-        params, opt_state, local = lax.cond(sync, self.synchronise, lambda *a: a, state.params, state.opt_state, local)
+        params, opt_state, local, residual = lax.cond(sync, self.synchronise, lambda *a: a, state.params,
+                                                      state.opt_state, local, state.residual)
         lr = lr_schedule(self.tc)(schedule_count(state.local["opt_state"])[0])  # every group's count is the same
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state, local=local), metrics
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state, local=local,
+                              residual=residual), metrics
 
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """Each group's AdamW step on its rows, its gradient summed over cp only (`per_replica_loss_and_grads`),
@@ -131,10 +140,33 @@ class DiLoCo:
         replicas = current().shape[DP]
         return replicas // (self.tc.diloco_groups or replicas)
 
-    def synchronise(self, params: Any, opt_state: Any, local: Any) -> tuple[Any, Any, Any]:
+    def synchronise(self, params: Any, opt_state: Any, local: Any, residual: Any = None) -> tuple[Any, ...]:
         """Average the groups (the all-reduce over dp), step the global parameters by the outer optimizer
-        along (global - average), and start every group from the result."""
-        average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), local["params"])
-        params, opt_state = outer_step(self.outer, params, opt_state, average)
-        groups = jax.tree.leaves(local["params"])[0].shape[0]
-        return params, opt_state, {**local, "params": copies(params, groups)}
+        along (global - average), and start every group from the result; with `train.grad_compression` the
+        average of (global - copy) in its payload, with error feedback in `residual`."""
+        if residual is None:
+            average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), local["params"])
+            params, opt_state = outer_step(self.outer, params, opt_state, average)
+        else:
+            delta, residual = self.compressed_delta(params, local["params"], residual)
+            params, opt_state = outer_update(self.outer, params, opt_state, delta)
+        replicas = jax.tree.leaves(local["params"])[0].shape[0]
+        return params, opt_state, {**local, "params": copies(params, replicas)}, residual
+
+    def compressed_delta(self, params: Any, stacked_params: Any, residual: Any) -> tuple[Any, Any]:
+        """The mean over the replicas of (global - copy), summed in `train.grad_compression`'s payload by the
+        gradient reduction's code (`data_parallel.reduce_gradients` over dp alone), and the new residuals."""
+        cfg, pipelined = self.strategy.spec.cfg, current().shape[PP] > 1
+        specs = data_parallel.data_specs(cfg, (DP,), pipelined=pipelined)
+        r_specs = (feedback.pipelined_specs(cfg, (DP,), residual) if pipelined
+                   else jax.tree.map(lambda _: P(DP), residual))
+
+        def body(params, stacked, residual):
+            delta = jax.tree.map(lambda p, c: p.astype(jnp.float32) - c[0].astype(jnp.float32), params, stacked)
+            total, residual = data_parallel.reduce_gradients(delta, cfg, False, self.tc.grad_compression, residual,
+                                                             axes=(DP,))
+            return jax.tree.map(lambda t: t / lax.axis_size(DP), total), residual
+
+        return jax.shard_map(body, in_specs=(specs, data_parallel.stacked_specs(specs), r_specs),
+                             out_specs=(specs, r_specs), axis_names={DP, PP} if pipelined else {DP}
+                             )(params, stacked_params, residual)

@@ -101,13 +101,15 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
 
 def _payload(config: Config, dp: int) -> float:
     """A gradient value's link bytes per step under train.grad_compression, per fp32 byte; under DiLoCo
-    (`train.local_steps` = H) the fp32 parameter average once every H steps, plus each step's gradient sum
+    (`train.local_steps` = H) the parameter average in that payload once every H steps, plus each step's fp32
+    gradient sum
     within a group of k = dp / train.diloco_groups replicas, a ring of k at 2(k-1)/k where dp's is 2(dp-1)/dp
     (a cp group's per-step gradient sum is counted at the outer rate: an underestimate with cp > 1)."""
     tc = config.train
     if tc.local_steps:
         k = max(1, dp // (tc.diloco_groups or dp))
-        return 1.0 / tc.local_steps + (((k - 1) / k) / ((dp - 1) / dp) if k > 1 else 0.0)
+        outer = bytes_per_value(tc.grad_compression) / 4 / tc.local_steps
+        return outer + (((k - 1) / k) / ((dp - 1) / dp) if k > 1 else 0.0)
     return bytes_per_value(tc.grad_compression) / 4
 
 

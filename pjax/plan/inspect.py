@@ -77,9 +77,11 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
 
 
 def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int) -> str:
-    """One layout in full: parameter shardings, the compiled step's memory and collectives, its prediction."""
+    """One layout in full: parameter shardings, the compiled step's memory and collectives, its prediction and
+    why (`breakdown`: each term and what it came from)."""
     from mesh.mesh import make_mesh
     from models.llama import param_logical_axes
+    from pjax.plan.breakdown import breakdown
     from pjax.plan.estimate import predict
     from pjax.step import build_trainer
 
@@ -98,4 +100,5 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int)
                f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "
                f"{'fits' if p.fits else 'does NOT fit'}")
     return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
-                        step_report(cfg, mesh, compiled, devices_per_host, comm), verdict])
+                        step_report(cfg, mesh, compiled, devices_per_host, comm), verdict,
+                        breakdown(cfg, layout, profile, comm, p)])

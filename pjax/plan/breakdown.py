@@ -1,0 +1,88 @@
+"""Why a layout's predicted step takes what it takes (`python -m pjax.plan --explain`): each term of
+`estimate.predict` next to what it was computed from — the matmul shapes and the rates the calibrated curves
+gave them (or the profile's one MFU number), the schedule's bubble ratio, each set of mesh axes' collectives
+as ops x latency + ring bytes / bandwidth, and whether the roofline hides it behind compute."""
+from __future__ import annotations
+
+from typing import Any
+
+from pjax.plan.curves import forward_and_backward, layer_matmuls
+from pjax.plan.estimate import (DP_AXES, REMAT_RECOMPUTE, Prediction, per_device, pipeline_ratio,
+                                weight_share)
+from pjax.plan.layouts import Layout
+from pjax.plan.profiles import Profile
+
+
+def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
+              prediction: Prediction) -> str:
+    """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves)."""
+    mc, tc = config.model, config.train
+    devices = layout.dp * layout.pp * layout.cp * layout.tp
+    share = min(devices, profile.devices_per_host) if profile.shares_host else 1
+    remat = REMAT_RECOMPUTE.get(layout.remat, 1.0)
+    again = f" x {remat:.3g} (remat={layout.remat} computes the forward twice)" if remat != 1 else ""
+    if profile.curves is None:
+        source = (f"model FLOPs{again} at {100 * profile.efficiency(mc.hidden_size):.1f}% of "
+                  f"{per_device(profile, devices)[0] / 1e12:,.2f} TFLOP/s (the profile's MFU at hidden "
+                  f"{mc.hidden_size})")
+    else:
+        source = (f"the matmuls and attention below at the calibrated rates of {profile.curves.device_kind}{again}"
+                  + (f", x {share} devices sharing the host" if share > 1 else ""))
+    ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
+    bubble = (f"{layout.schedule} p={layout.pp} m={layout.grad_accum} v={layout.virtual_stages}: span / busy = "
+              f"{ratio:.3f}" if layout.pp > 1 else "no pipeline")
+    terms = [("compute", prediction.terms["compute"], source), ("bubble", prediction.terms["bubble"], bubble)]
+    for axes, row in sorted(comm.items(), key=lambda kv: -prediction.terms[kv[0]]):
+        hidden = "overlapped with compute" if axes in DP_AXES and profile.overlap_dp else "exposed"
+        terms.append((axes, prediction.terms[axes], f"{_link(row, profile, devices)}; {hidden}"))
+    total = prediction.step_s
+    how = "max(compute + bubble, dp traffic) + the rest" if profile.overlap_dp else "the sum of the terms"
+    rows = [("term", "ms", "of step", "from")]
+    rows += [(name, _ms(t), f"{100 * t / total:.0f}%", why) for name, t, why in terms]
+    rows.append(("step", _ms(total), "100%", how))
+    parts = [_table(rows)]
+    if profile.curves is not None:
+        parts.append(_matmul_table(profile.curves, config, layout))
+    return "\n\n".join(parts)
+
+
+def _link(row: dict[str, Any], profile: Profile, devices: int) -> str:
+    """How `estimate.comm_seconds` charged one row of collectives."""
+    ops, size = f"{row['count']:g}", row["link_bytes"] / 1e6
+    if profile.curves is not None and profile.curves.link is not None and not row["inter_host"]:
+        latency, per_byte = profile.curves.link
+        return (f"{ops} ops x {latency * 1e6:,.1f} us + {size:,.2f} MB at {1 / per_byte / 1e9:,.2f} GB/s "
+                f"(fitted to the calibration's collectives)")
+    bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
+    if profile.shares_host:
+        bw /= min(devices, profile.devices_per_host)
+    where = "between hosts" if row["inter_host"] else "within a host"
+    return f"{ops} ops x {profile.latency_s * 1e6:,.1f} us + {size:,.2f} MB at {bw / 1e9:,.2f} GB/s ({where})"
+
+
+def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:
+    """Each product of one layer and the output layer on one device: its shape, forward + backward time, rate."""
+    mc, tc = config.model, config.train
+    rows_per_micro = tc.batch_size // layout.grad_accum // layout.dp
+    tokens = rows_per_micro * tc.seq_len // layout.cp
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    shapes = list(zip(names, layer_matmuls(mc, tokens, layout.tp)))
+    shapes.append(("output", (tokens, mc.hidden_size, mc.vocab_size // layout.tp)))
+    rows = [("product (per micro-batch)", "rows x contraction x columns", "fwd+bwd ms", "TFLOP/s")]
+    for name, (m, k, n) in shapes:
+        seconds = forward_and_backward(curves, (m, k, n))
+        rows.append((name, f"{m} x {k} x {n}", f"{seconds * 1e3:,.3f}", f"{3 * 2 * m * k * n / seconds / 1e12:,.2f}"))
+    attention = curves.attention_seconds(rows_per_micro, tc.seq_len // layout.cp, mc.num_attention_heads / layout.tp,
+                                         mc.head_dim)
+    rows.append(("attention", f"{rows_per_micro} x {tc.seq_len // layout.cp} tokens",
+                 f"{attention * 1e3:,.3f}" if attention else "not calibrated (0)", ""))
+    return _table(rows)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
