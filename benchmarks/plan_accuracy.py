@@ -1,6 +1,6 @@
 """How right is `pjax.plan`? Its predicted step time against the measured one, layout by layout.
 
-    python benchmarks/plan_accuracy.py                       # picotron-cpu and a wider variant, 12 layouts each
+    python benchmarks/plan_accuracy.py        # picotron-cpu and a wider variant, 22 layouts each; mixtral-tiny, 5
     python benchmarks/plan_accuracy.py --configs picotron-cpu --layouts dp8-m2,dp2-tp4-m2 --plot acc.png
 
 For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
@@ -26,14 +26,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# name: (the shipped config, its overrides, its layouts)
+DENSE = ("1-m4,dp8-m2,dp8-zero1-m2,dp8-zero3-m2,dp4-tp2-m2,dp2-tp4-m2,dp2-tp4-zero1-m2,dp4-cp2-m2,"
+         "dp2-cp2-tp2-m2,dp2-pp2-tp2-m2,dp4-pp2-m4,dp4-tp2-remat-m2,"
+         "dp4-tp2-zero3-m2,dp2-tp4-sp-m2,dp4-tp2-sp-m2,dp4-cp2-all_gather-m2,dp2-cp2-tp2-ulysses-m2,"
+         "dp4-pp2-afab-m4,dp4-pp2-zb_h1-m4,dp2-pp2-tp2-interleaved2-m4,dp2-pp2-cp2-m2,dp8-remat-m2")
 CONFIGS = {
-    "picotron-cpu": [],
+    "picotron-cpu": ("picotron-cpu", [], DENSE),
     # 3.6x picotron-cpu's FLOPs per token: wider matmuls, the same 4 layers and batch
-    "picotron-cpu-wide": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_attention_heads=8",
-                          "model.num_key_value_heads=4"],
+    "picotron-cpu-wide": ("picotron-cpu", ["model.hidden_size=512", "model.intermediate_size=1376",
+                                           "model.num_attention_heads=8", "model.num_key_value_heads=4"], DENSE),
+    "mixtral-tiny": ("mixtral-tiny", [], "1-m2,dp8-m2,dp4-tp2-m2,dp2-tp2-m2,dp4-m2"),
 }
-LAYOUTS = ("1-m4,dp8-m2,dp8-zero1-m2,dp8-zero3-m2,dp4-tp2-m2,dp2-tp4-m2,dp2-tp4-zero1-m2,dp4-cp2-m2,"
-           "dp2-cp2-tp2-m2,dp2-pp2-tp2-m2,dp4-pp2-m4,dp4-tp2-remat-m2")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -43,14 +47,14 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def measure(config: str, overrides: list[str], layout, steps: int) -> dict:
-    """benchmarks/step.py for this layout, in a process of its own."""
+    """benchmarks/step.py for this layout of the shipped `config`, in a process of its own."""
     from pjax.malloc import huge_pages_env
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     env.update(huge_pages_env(env))
     bench = f"dp{layout.dp}-pp{layout.pp}-cp{layout.cp}-tp{layout.tp}"
-    cmd = [sys.executable, os.path.join(HERE, "step.py"), "--one", bench, "--config", "picotron-cpu",
+    cmd = [sys.executable, os.path.join(HERE, "step.py"), "--one", bench, "--config", config,
            "--steps", str(steps), "--warmup", "1", *overrides, *layout.overrides()]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -61,7 +65,7 @@ def measure(config: str, overrides: list[str], layout, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--layouts", default=LAYOUTS)
+    ap.add_argument("--layouts", default=None, help="comma-separated planner names (default: each config's own)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--plot", default=None, help="predicted against measured step time, to this PNG")
     ap.add_argument("--calibration", default=None,
@@ -88,22 +92,22 @@ def main() -> None:
         calibrated = dataclasses.replace(profile, curves=Curves.load(args.calibration))
     summary = {}
     for name in args.configs.split(","):
-        overrides = CONFIGS[name]
-        config = load_config("picotron-cpu", overrides)
+        shipped, overrides, layouts = CONFIGS[name]
+        config = load_config(shipped, overrides)
         rows = []
-        for layout in map(Layout.parse, args.layouts.split(",")):
+        for layout in map(Layout.parse, (args.layouts or layouts).split(",")):
             check(config, layout)
             devices = layout.dp * layout.pp * layout.cp * layout.tp
             analytic = score(config, layout, profile, devices, 1.0)
             compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
             planned = predict(config, layout, profile, compiled["comm"], compiled["memory"]["total"], 1.0)
-            measured = measure(name, overrides, layout, args.steps)
+            measured = measure(shipped, overrides, layout, args.steps)
             row = {"config": name, "layout": layout.name, "devices": devices,
                    "analytic_ms": round(analytic.step_s * 1e3, 1), "predicted_ms": round(planned.step_s * 1e3, 1),
                    "limit": planned.limit, "measured_ms": measured.get("step_ms"),
                    "compiled_memory_mb": round(compiled["memory"]["total"] / 2**20, 1),
                    "measured_memory_mb": None, "error": measured.get("error")}
-            if calibrated is not None:
+            if calibrated is not None and not config.model.num_local_experts:  # the curves hold no expert MLPs
                 row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"],
                                                      compiled["memory"]["total"], 1.0).step_s * 1e3, 1)
             print(json.dumps(row), flush=True)
@@ -111,7 +115,7 @@ def main() -> None:
         ok = [r for r in rows if r["measured_ms"]]
         meas = [r["measured_ms"] for r in ok]
         stats = {}
-        for key in ("analytic_ms", "predicted_ms", *(["calibrated_ms"] if calibrated is not None else [])):
+        for key in ("analytic_ms", "predicted_ms", *(["calibrated_ms"] if ok and "calibrated_ms" in ok[0] else [])):
             pred = [r[key] for r in ok]
             stats[key] = {"spearman": round(spearman(pred, meas), 3),
                           "median_rel_error": round(float(np.median([abs(p - m) / m for p, m in zip(pred, meas)])), 3)}

@@ -6,7 +6,8 @@ of the inner AdamW state (`TrainState.local`: one copy per replica, a leading [r
 alike within a group) and steps on its own rows of every batch, with no communication between groups: its
 gradient is summed over cp and over the group's replicas only (`groups.group_sum`), tp stays with the
 partitioner as in every step, and with pp > 1 the pipeline runs once per replica. Every
-`train.local_steps` (H) steps the groups' parameters are averaged (one fp32 all-reduce of the model over dp),
+`train.local_steps` (H) steps the groups' parameters are averaged (one fp32 all-reduce of the model over dp, or
+its difference from the global parameters in `train.grad_compression`'s payload with error feedback),
 their distance from the global parameters `TrainState.params` is the outer gradient, and an outer SGD with
 Nesterov momentum (`train.outer_lr`, `train.outer_momentum`; the paper's 0.7 and 0.9) moves the global
 parameters, which every group then starts its next round from. `TrainState.opt_state` is that outer
@@ -125,9 +126,9 @@ class DiLoCo:
                               residual=residual), metrics
 
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
-        """Each group's AdamW step on its rows, its gradient summed over cp only (`per_replica_loss_and_grads`),
-        the update vmapped over the groups: (new local state, global mean loss, mean of the groups' gradient
-        norms). The loss and token count are all that crosses dp."""
+        """Each group's AdamW step on its rows, its gradient summed over cp and the group's replicas only
+        (`per_replica_loss_and_grads`), the update vmapped over the replicas: (new local state, global mean
+        loss, mean of the replicas' gradient norms). The loss and token count are all that crosses groups."""
         loss, grads = self.strategy.per_replica_loss_and_grads(local["params"], batch, self.group_size())
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = jax.vmap(self.inner.update)(grads, local["opt_state"], local["params"])
