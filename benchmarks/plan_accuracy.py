@@ -7,7 +7,8 @@ For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
 - the planner's two predictions: the analytic one it ranks all layouts with before compiling,
   and the one from the compiled step's collectives and memory (what its table prints), with
   the `cpu` device profile;
-- the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up).
+- the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up), in
+  `--repeats` passes over all the layouts: the passes' median is compared, their range reported.
 Then per config: Spearman's rank correlation and the median relative error of each prediction.
 Per-device memory is compared only where the backend reports it (`memory_stats()`: GPUs);
 XLA:CPU keeps no allocator statistics, so on CPU the memory column is the compiled figure alone.
@@ -62,11 +63,46 @@ def measure(config: str, overrides: list[str], layout, steps: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def predictions(name: str, config, layout, profile, calibrated) -> dict:
+    """One layout's row: the analytic, compiled and (with a calibration) calibrated predictions."""
+    from pjax.plan.compile import Compiler
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import check
+    from pjax.plan.search import score
+
+    check(config, layout)
+    devices = layout.dp * layout.pp * layout.cp * layout.tp
+    analytic = score(config, layout, profile, devices, 1.0)
+    compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
+    memory = compiled["memory"]["total"]
+    planned = predict(config, layout, profile, compiled["comm"], memory, 1.0)
+    row = {"config": name, "layout": layout.name, "devices": devices, "analytic_ms": round(analytic.step_s * 1e3, 1),
+           "predicted_ms": round(planned.step_s * 1e3, 1), "limit": planned.limit,
+           "compiled_memory_mb": round(memory / 2**20, 1), "measured_memory_mb": None, "error": None}
+    if calibrated is not None and not config.model.num_local_experts:  # the curves hold no expert MLPs
+        row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"], memory, 1.0).step_s * 1e3, 1)
+    return row
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Spearman and median relative error of each prediction against the measured medians."""
+    ok = [r for r in rows if r["measured_ms"]]
+    meas = [r["measured_ms"] for r in ok]
+    stats = {"layouts": len(ok)}
+    for key in ("analytic_ms", "predicted_ms", *(["calibrated_ms"] if ok and "calibrated_ms" in ok[0] else [])):
+        pred = [r[key] for r in ok]
+        stats[key] = {"spearman": round(spearman(pred, meas), 3),
+                      "median_rel_error": round(float(np.median([abs(p - m) / m for p, m in zip(pred, meas)])), 3)}
+    return stats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--layouts", default=None, help="comma-separated planner names (default: each config's own)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measurement passes over all layouts: the median is compared, the range reported")
     ap.add_argument("--plot", default=None, help="predicted against measured step time, to this PNG")
     ap.add_argument("--calibration", default=None,
                     help="a `python -m pjax.plan.calibrate` record of this machine: adds the calibrated predictions")
@@ -76,11 +112,8 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from pjax.config_io import load_config
-    from pjax.plan.compile import Compiler
-    from pjax.plan.estimate import predict
-    from pjax.plan.layouts import Layout, check
+    from pjax.plan.layouts import Layout
     from pjax.plan.profiles import PROFILES
-    from pjax.plan.search import score
 
     profile = PROFILES["cpu"]
     calibrated = None
@@ -94,33 +127,21 @@ def main() -> None:
     for name in args.configs.split(","):
         shipped, overrides, layouts = CONFIGS[name]
         config = load_config(shipped, overrides)
-        rows = []
-        for layout in map(Layout.parse, (args.layouts or layouts).split(",")):
-            check(config, layout)
-            devices = layout.dp * layout.pp * layout.cp * layout.tp
-            analytic = score(config, layout, profile, devices, 1.0)
-            compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
-            planned = predict(config, layout, profile, compiled["comm"], compiled["memory"]["total"], 1.0)
-            measured = measure(shipped, overrides, layout, args.steps)
-            row = {"config": name, "layout": layout.name, "devices": devices,
-                   "analytic_ms": round(analytic.step_s * 1e3, 1), "predicted_ms": round(planned.step_s * 1e3, 1),
-                   "limit": planned.limit, "measured_ms": measured.get("step_ms"),
-                   "compiled_memory_mb": round(compiled["memory"]["total"] / 2**20, 1),
-                   "measured_memory_mb": None, "error": measured.get("error")}
-            if calibrated is not None and not config.model.num_local_experts:  # the curves hold no expert MLPs
-                row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"],
-                                                     compiled["memory"]["total"], 1.0).step_s * 1e3, 1)
+        parsed = list(map(Layout.parse, (args.layouts or layouts).split(",")))
+        rows = [predictions(name, config, layout, profile, calibrated) for layout in parsed]
+        times: list[list[float]] = [[] for _ in parsed]
+        for _ in range(args.repeats):  # whole passes, so the machine's drift over the run shows in each spread
+            for layout, row, seen in zip(parsed, rows, times):
+                measured = measure(shipped, overrides, layout, args.steps)
+                row["error"] = measured.get("error") or row.get("error")
+                if measured.get("step_ms"):
+                    seen.append(measured["step_ms"])
+        for row, seen in zip(rows, times):
+            row["measured_ms"] = round(float(np.median(seen)), 1) if seen else None
+            row["measured_range_ms"] = [min(seen), max(seen)] if seen else None
             print(json.dumps(row), flush=True)
-            rows.append(row)
-        ok = [r for r in rows if r["measured_ms"]]
-        meas = [r["measured_ms"] for r in ok]
-        stats = {}
-        for key in ("analytic_ms", "predicted_ms", *(["calibrated_ms"] if ok and "calibrated_ms" in ok[0] else [])):
-            pred = [r[key] for r in ok]
-            stats[key] = {"spearman": round(spearman(pred, meas), 3),
-                          "median_rel_error": round(float(np.median([abs(p - m) / m for p, m in zip(pred, meas)])), 3)}
-        summary[name] = {"layouts": len(ok), **stats, "rows": rows}
-        print(json.dumps({"config": name, "layouts": len(ok), **stats}), flush=True)
+        summary[name] = {**summarise(rows), "rows": rows}
+        print(json.dumps({"config": name, **summarise(rows)}), flush=True)
     if args.plot:
         plot(summary, args.plot)
 
