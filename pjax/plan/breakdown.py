@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pjax.plan.curves import forward_and_backward, layer_matmuls
-from pjax.plan.estimate import (DP_AXES, REMAT_RECOMPUTE, Prediction, per_device, pipeline_ratio,
-                                weight_share)
+from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
+from pjax.plan.estimate import (DP_AXES, REMAT_RECOMPUTE, Prediction, host_share, link_model, per_device,
+                                pipeline_ratio, weight_share)
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import Profile
 
@@ -18,7 +18,7 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
     """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves)."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
-    share = min(devices, profile.devices_per_host) if profile.shares_host else 1
+    share = host_share(profile, devices)
     remat = REMAT_RECOMPUTE.get(layout.remat, 1.0)
     again = f" x {remat:.3g} (remat={layout.remat} computes the forward twice)" if remat != 1 else ""
     if profile.curves is None:
@@ -48,25 +48,16 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
 
 def _link(row: dict[str, Any], profile: Profile, devices: int) -> str:
     """How `estimate.comm_seconds` charged one row of collectives."""
-    ops, size = f"{row['count']:g}", row["link_bytes"] / 1e6
-    if profile.curves is not None and profile.curves.link is not None and not row["inter_host"]:
-        latency, per_byte = profile.curves.link
-        return (f"{ops} ops x {latency * 1e6:,.1f} us + {size:,.2f} MB at {1 / per_byte / 1e9:,.2f} GB/s "
-                f"(fitted to the calibration's collectives)")
-    bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
-    if profile.shares_host:
-        bw /= min(devices, profile.devices_per_host)
-    where = "between hosts" if row["inter_host"] else "within a host"
-    return f"{ops} ops x {profile.latency_s * 1e6:,.1f} us + {size:,.2f} MB at {bw / 1e9:,.2f} GB/s ({where})"
+    latency, per_byte, source = link_model(row, profile, devices)
+    return (f"{row['count']:g} ops x {latency * 1e6:,.1f} us + {row['link_bytes'] / 1e6:,.2f} MB at "
+            f"{1 / per_byte / 1e9:,.2f} GB/s ({source})")
 
 
 def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:
     """Each product of one layer and the output layer on one device: its shape, forward + backward time, rate."""
     mc, tc = config.model, config.train
-    rows_per_micro = tc.batch_size // layout.grad_accum // layout.dp
-    tokens = rows_per_micro * tc.seq_len // layout.cp
-    names = ("q", "k", "v", "o", "gate", "up", "down")
-    shapes = list(zip(names, layer_matmuls(mc, tokens, layout.tp)))
+    rows_per_micro, tokens = micro_batch(config, layout)
+    shapes = list(zip(LAYER_PRODUCTS, layer_matmuls(mc, tokens, layout.tp)))
     shapes.append(("output", (tokens, mc.hidden_size, mc.vocab_size // layout.tp)))
     rows = [("product (per micro-batch)", "rows x contraction x columns", "fwd+bwd ms", "TFLOP/s")]
     for name, (m, k, n) in shapes:

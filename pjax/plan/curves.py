@@ -86,8 +86,18 @@ def _nearest(points: list[tuple[tuple[float, ...], float]], at: tuple[float, ...
     return math.exp(sum(w * math.log(p[1]) for w, p in zip(weights, ranked)) / sum(weights))
 
 
+LAYER_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # `layer_matmuls`' order
+
+
+def micro_batch(config: Any, layout: Any) -> tuple[int, int]:
+    """(sequences, tokens) of one micro-batch on one device of `layout`."""
+    tc = config.train
+    rows = tc.batch_size // layout.grad_accum // layout.dp
+    return rows, rows * tc.seq_len // layout.cp
+
+
 def layer_matmuls(cfg: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(rows, contraction, columns) of one decoder layer's forward products on one device."""
+    """(rows, contraction, columns) of one decoder layer's forward products on one device (`LAYER_PRODUCTS`)."""
     d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * dh // tp, cfg.num_key_value_heads * dh // tp
     return [(tokens, d, q), (tokens, d, kv), (tokens, d, kv), (tokens, q, d),
@@ -103,8 +113,7 @@ def forward_and_backward(curves: Curves, shape: tuple[int, int, int]) -> float:
 def compute_seconds(curves: Curves, config: Any, layout: Any) -> float:
     """One device's matmuls and attention for a whole step of `layout` (every micro-batch, its stage's layers)."""
     mc, tc = config.model, config.train
-    rows = tc.batch_size // layout.grad_accum // layout.dp
-    tokens = rows * tc.seq_len // layout.cp
+    rows, tokens = micro_batch(config, layout)
     layers = mc.num_hidden_layers // layout.pp
     if mc.num_local_experts:
         raise ValueError("the calibrated compute model has no MoE expert matmuls; plan MoE without --calibration")

@@ -35,9 +35,14 @@ class Prediction:
         return self.memory_bytes <= self.usable_bytes
 
 
+def host_share(profile: Profile, devices: int) -> int:
+    """How many devices share one host's peak, memory and links: fake CPU devices do, GPUs do not."""
+    return min(devices, profile.devices_per_host) if profile.shares_host else 1
+
+
 def per_device(profile: Profile, devices: int) -> tuple[float, int]:
     """(peak FLOP/s, memory bytes) of one device; fake CPU devices share their host's."""
-    share = min(devices, profile.devices_per_host) if profile.shares_host else 1
+    share = host_share(profile, devices)
     return profile.peak_flops / share, profile.memory_bytes // share
 
 
@@ -207,16 +212,19 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     return state_bytes(config, layout)["total"] + batch + saved + logits
 
 
-def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
-    """One row of collectives: latency per op + link bytes over the link the group uses (within a host, the
-    fit to a calibration's measured collectives when the profile has one)."""
+def link_model(row: dict[str, Any], profile: Profile, devices: int) -> tuple[float, float, str]:
+    """(seconds per op, seconds per link byte, where they come from) for one row of collectives: within a
+    host the fit to a calibration's measured collectives when the profile has one, else the profile's link."""
     if profile.curves is not None and profile.curves.link is not None and not row["inter_host"]:
-        latency, per_byte = profile.curves.link
-        return row["count"] * latency + row["link_bytes"] * per_byte
-    bw = profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw
-    if profile.shares_host:
-        bw /= min(devices, profile.devices_per_host)
-    return row["count"] * profile.latency_s + row["link_bytes"] / bw
+        return (*profile.curves.link, "fitted to the calibration's collectives")
+    bw = (profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw) / host_share(profile, devices)
+    return profile.latency_s, 1.0 / bw, "between hosts" if row["inter_host"] else "within a host"
+
+
+def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
+    """One row of collectives: latency per op + link bytes over the link the group uses (`link_model`)."""
+    latency, per_byte, _ = link_model(row, profile, devices)
+    return row["count"] * latency + row["link_bytes"] * per_byte
 
 
 def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
@@ -231,8 +239,8 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     if profile.curves is None:
         compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
     else:  # measured on the whole host: devices that share it share its rate
-        share = min(devices, profile.devices_per_host) if profile.shares_host else 1
-        compute = compute_seconds(profile.curves, config, layout) * REMAT_RECOMPUTE.get(layout.remat, 1.0) * share
+        compute = (compute_seconds(profile.curves, config, layout) * REMAT_RECOMPUTE.get(layout.remat, 1.0)
+                   * host_share(profile, devices))
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
