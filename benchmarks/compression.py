@@ -37,9 +37,17 @@ def mode_overrides(mode: str) -> list[str]:
     'diloco:16+int8' -> its outer average in int8)."""
     name, _, rank = mode.partition(":")
     if name == "diloco":
-        steps, _, payload = rank.partition("+")
-        return [f"train.local_steps={steps}", *([f"train.grad_compression={payload}"] if payload else [])]
+        steps, payload = diloco_mode(mode)
+        return [f"train.local_steps={steps}", *([f"train.grad_compression={payload}"] if payload != "none" else [])]
     return [f"train.grad_compression={name}", *([f"train.powersgd_rank={rank}"] if rank else [])]
+
+
+def diloco_mode(mode: str) -> tuple[int, str]:
+    """(H, the outer average's payload) of a mode 'diloco:H' or 'diloco:H+int8'."""
+    steps, _, payload = mode.partition(":")[2].partition("+")
+    return int(steps), payload or "none"
+
+
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
          "NVLink (450 GB/s)": 450e9}
 
@@ -58,8 +66,8 @@ def reduction_bytes(config: object, replicas: int, mode: str) -> float:
     ring = 2 * (replicas - 1) / replicas
     shapes = jax.eval_shape(lambda: llama.init_params(config.model, jax.random.key(0)))
     if name == "diloco":  # the parameter average in its payload (fp32 without one), once every H steps
-        steps, _, payload = rank.partition("+")
-        return ring * bytes_per_value(payload or "none") * sum(s.size for s in jax.tree.leaves(shapes)) / int(steps)
+        steps, payload = diloco_mode(mode)
+        return ring * bytes_per_value(payload) * sum(s.size for s in jax.tree.leaves(shapes)) / steps
     names = jax.tree.leaves(llama.param_logical_axes(config.model), is_leaf=lambda x: isinstance(x, tuple))
     total = 0.0
     for n, s in zip(names, jax.tree.leaves(shapes)):
@@ -90,8 +98,7 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
                 return runs(kind, line) * link_factor(kind, group)
 
             if mode.startswith("diloco:"):
-                steps = int(mode.partition(":")[2].partition("+")[0])
-                row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, steps)}
+                row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, diloco_mode(mode)[0])}
             else:
                 stats = collective_stats(built["compiled"].as_text(), scale=scale)
                 sent = {k: round(v["bytes"]) for k, v in stats.items() if v["bytes"]}
