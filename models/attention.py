@@ -9,6 +9,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from mesh.backend import target_backend
 from mesh.errors import ConfigError
 from models.chunked_attention import chunked_causal_attention
 from models.cpu_attention import blocked_causal_attention
@@ -24,7 +25,7 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
     """'reference', 'blocked' (fast on XLA:CPU), 'chunked' (no scores kept for the backward) or
     'cudnn' (GPU); 'auto': cuDNN on GPU, blocked elsewhere."""
     if impl == "auto":
-        impl = "cudnn" if jax.default_backend() == "gpu" else "blocked"
+        impl = "cudnn" if target_backend() == "gpu" else "blocked"
     if impl == "reference":
         return reference_attention
     if impl == "blocked":
@@ -32,8 +33,8 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
     if impl == "chunked":
         return chunked_causal_attention
     if impl == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {jax.default_backend()}; "
+        if target_backend() != "gpu":
+            raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {target_backend()}; "
                               f"use auto, blocked or reference.")
         if deterministic_gpu_ops():
             raise ConfigError("XLA_FLAGS asks for --xla_gpu_deterministic_ops, and with it XLA (jax 0.11.2) fails "

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mesh.backend import target_backend
 from mesh.errors import ConfigError, require, require_choice
 
 KINDS = ("embedding", "attention", "mlp", "router", "output", "norms")
@@ -63,7 +64,7 @@ class Precision:
 def compute_dtype(name: str) -> str:
     """'auto' is bf16 on accelerators and fp32 on CPU (XLA:CPU has no fast bf16 matmuls)."""
     if name == "auto":
-        return _F32 if jax.default_backend() == "cpu" else _BF16
+        return _F32 if target_backend() == "cpu" else _BF16
     return name
 
 

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from mesh.backend import target_backend
 from mesh.mesh import TP, current
 from mesh.rules import auto_size
 
@@ -53,7 +54,7 @@ def _fwd(x, ws):
 
 def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """dW_i = x^T @ g_i in each w_i's dtype; on XLA:CPU from one materialised x^T."""
-    if jax.default_backend() != "cpu":
+    if target_backend() != "cpu":
         return tuple(jnp.einsum("nd,nf->df", x, g).astype(w.dtype) for g, w in zip(gs, ws))
     xt = jax.lax.optimization_barrier(x.T)  # or XLA folds it back into the dot
     return tuple((xt @ g).astype(w.dtype) for g, w in zip(gs, ws))
@@ -79,4 +80,4 @@ transposed_projection.defvjp(_fwd, _bwd)
 
 def select_projection(remat: str = "none") -> ProjectFn:
     """The transposed form on XLA:CPU without remat, else the plain one (`dots` policies keep no custom_vjp call)."""
-    return transposed_projection if jax.default_backend() == "cpu" and remat == "none" else plain_projection
+    return transposed_projection if target_backend() == "cpu" and remat == "none" else plain_projection

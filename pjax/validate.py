@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
-
+from mesh.backend import target_backend
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
@@ -55,7 +54,7 @@ def batch_splits(run: Run) -> None:
 def accumulator_compiles(run: Run) -> None:
     """A bf16 gradient accumulator on more than one device aborts XLA:CPU (the HLO check failure of
     `pipeline.table.check_xla_cpu`): one line instead."""
-    if jax.default_backend() != "cpu" or run.precision.resolve(run.train.dtype).grad_accum.name != "bfloat16":
+    if target_backend() != "cpu" or run.precision.resolve(run.train.dtype).grad_accum.name != "bfloat16":
         return
     if any(size != 1 for size in run.mesh.shape):
         raise ConfigError("precision.grad_accum=bfloat16 on more than one device crashes XLA:CPU; on CPU keep "

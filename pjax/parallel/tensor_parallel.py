@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mesh.backend import target_backend
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, current
 from mesh.rules import auto_size, constrain
@@ -56,7 +57,7 @@ def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, v
 def output_logits(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
     """fp32 logits [N, V], backward in the operands' dtype (ARCHITECTURE.md, "The output layer's backward in the compute
     dtype"); on XLA:CPU, d(kernel) from a materialised hidden^T."""
-    if hidden.dtype == jnp.float32 and jax.default_backend() != "cpu":
+    if hidden.dtype == jnp.float32 and target_backend() != "cpu":
         return jnp.einsum("nd,dv->nv", hidden, kernel, preferred_element_type=jnp.float32)
     return _logits(hidden, kernel)
 
@@ -74,7 +75,7 @@ def _logits_bwd(res, g):
     hidden, kernel = res
     g = g.astype(hidden.dtype)
     d_hidden = jnp.einsum("nv,dv->nd", g, kernel, preferred_element_type=jnp.float32)
-    if jax.default_backend() == "cpu":
+    if target_backend() == "cpu":
         ht = jax.lax.optimization_barrier(hidden.T)
         d_kernel = jnp.matmul(ht, g, preferred_element_type=jnp.float32)
     else:

@@ -25,6 +25,10 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     ap.add_argument("--config", default="debug", help="a shipped config name (pjax/assets/configs/) or a YAML file")
     ap.add_argument("--devices", type=int, required=True, help="how many devices (GPUs) in all")
     ap.add_argument("--device-kind", dest="device_kind", default="h100", choices=list(PROFILES))
+    ap.add_argument("--xla", default="auto", choices=("auto", "cpu", "gpu"),
+                    help="the compiler whose memory plan and collectives are read: gpu compiles for the device kind on "
+                         "compile-only GPUs (pip install 'pjax[gpu-plan]'), cpu on fake CPU devices; auto: gpu for a GPU "
+                         "kind where it can")
     ap.add_argument("--hosts", type=int, default=None, help="hosts the devices are on (default: 8 devices per host)")
     ap.add_argument("--mem-fraction", dest="mem_fraction", type=float, default=None,
                     help="share of a device's memory the allocator may use (default: JAX's .75 on GPUs, 1 on CPU)")
@@ -78,29 +82,34 @@ def _run(args: Any) -> None:
         raise ConfigError(f"--mem-fraction {fraction} is not in (0, 1]; use e.g. .75 (JAX's default) or .95.")
     import jax
 
+    from pjax.plan.gpu_target import planned_profile, resolve_backend
+
+    backend = resolve_backend(args.xla, args.device_kind)
+    profile = planned_profile(profile, backend)
     try:
         jax.config.update("jax_num_cpu_devices", args.devices)
     except RuntimeError:  # JAX already started in this process (a notebook, a test): use its devices
         pass
-    if (args.workers == 0 or args.explain) and len(jax.devices("cpu")) < args.devices:
+    in_process = args.workers == 0 or args.explain
+    if backend == "cpu" and in_process and len(jax.devices("cpu")) < args.devices:
         raise ConfigError(f"this process has {len(jax.devices('cpu'))} CPU devices and the layouts need {args.devices}; "
                           f"compile in worker processes (--workers 1 or more), or start JAX with more CPU devices.")
     if args.explain:
         from pjax.plan.inspect import explain
 
-        print(explain(config, layout, profile, per_host))
+        print(explain(config, layout, profile, per_host, backend))
         return
     from pjax.plan.compile import Compiler, default_cache_dir
     from pjax.plan.search import plan
 
     cache = None if args.no_cache else (args.cache or default_cache_dir())
-    compiler = Compiler(profile, args.devices, per_host, cache, args.workers)
+    compiler = Compiler(profile, args.devices, per_host, cache, args.workers, backend)
     result = plan(config, profile, args.devices, per_host, compiler, args.max_candidates, fraction,
                   progress=None if args.json else _progress)
     if args.json:
-        print(json.dumps(_as_json(result, args), indent=1))
+        print(json.dumps({**_as_json(result, args), "compiler": f"xla:{backend}"}, indent=1))
     else:
-        print(_report(result, args))
+        print(_report(result, args, backend))
     if not any(c.prediction and c.prediction.fits for c in result.compiled):
         sys.exit(1)
 
@@ -126,10 +135,17 @@ def _progress(total: int):
     return step
 
 
-def _report(result: Any, args: Any) -> str:
+def _report(result: Any, args: Any, backend: str) -> str:
+    from pjax.plan.gpu_target import SPECS, unavailable_reason
     from pjax.plan.report import table, verdict
 
-    return "\n".join([table(result, args.top), "", verdict(result, args.config)])
+    source = f"memory and collectives compiled by XLA:{backend.upper()}, attention {result.profile.attention}"
+    other = [c for c in result.compiled if (c.compiled or {}).get("attention") not in (None, result.profile.attention)]
+    if other:  # cp strategies with their own kernel, or cuDNN's partitioner failing (gpu_target.planned_profile)
+        source += f" ({len(other)} of {len(result.compiled)} with {', '.join(sorted({c.compiled['attention'] for c in other}))})"
+    if backend == "cpu" and args.device_kind in SPECS:
+        source += f" on fake CPU devices, not {args.device_kind}'s compiler: {unavailable_reason() or 'as --xla cpu asks'}"
+    return "\n".join([source, table(result, args.top), "", verdict(result, args.config)])
 
 
 def _as_json(result: Any, args: Any) -> dict:

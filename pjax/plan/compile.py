@@ -1,4 +1,5 @@
-"""Compile candidate layouts' training steps ahead of time on fake CPU devices, in a process pool, with a cache.
+"""Compile candidate layouts' training steps ahead of time, in a process pool, with a cache: on fake CPU devices,
+or for the planned GPU kind on compile-only devices of XLA:GPU (`pjax.plan.gpu_target`).
 
 Nothing is allocated: each step (the program `pjax.train` runs, in the profile's dtype and attention) is lowered
 from `ShapeDtypeStruct`s, and XLA's memory per device and collectives per set of mesh axes are read back. A
@@ -25,30 +26,51 @@ from pjax.plan.profiles import Profile
 _SOURCE_DIRS = ("pjax", "models", "mesh")
 
 
-def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
-    """Compile one layout's step in this process (its backend needs enough CPU devices): {memory, comm, compile_s}."""
-    import jax
-
+def compile_planned(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str
+                    ) -> tuple[Config, Any, Any]:
+    """(planned config, trainer, compiled step) of one layout, on fake CPU devices of this process or on
+    compile-only GPUs of the profile's kind (`backend` 'cpu' or 'gpu', `pjax.plan.gpu_target`)."""
+    from mesh.backend import building_for
     from mesh.mesh import make_mesh
-    from pjax.observe.memory import step_memory_bytes
+    from pjax.plan.gpu_target import compile_devices, persistent_cache
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)
-    devices = layout.dp * layout.pp * layout.cp * layout.tp
-    mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
+    count = layout.dp * layout.pp * layout.cp * layout.tp
+    mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
+    try:
+        with building_for(backend), persistent_cache(backend == "cpu"):
+            trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context)
+            return cfg, trainer, trainer.compile_step()
+    except Exception:  # noqa: BLE001 - retried below, or raised as it was
+        if profile.attention != "cudnn":
+            raise
+    # jax 0.10.2's partitioner of cuDNN attention fails inside pjax's dp shard_map on several devices
+    # (benchmarks/README.md, "XLA:GPU without a GPU"): such a layout's memory is read with chunked attention
+    return compile_planned(config, layout, dataclasses.replace(profile, attention="chunked"), devices_per_host, backend)
+
+
+def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str = "cpu"
+                   ) -> dict[str, Any]:
+    """Compile one layout's step in this process: {memory, comm, compile_s} (`compile_planned`)."""
+    from pjax.observe.memory import step_memory_bytes
+
     start = time.perf_counter()
-    compiled = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context).compile_step()
+    cfg, trainer, compiled = compile_planned(config, layout, profile, devices_per_host, backend)
+    mesh = trainer.mesh
     m = compiled.memory_analysis()
     memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
     comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
-    return {"memory": memory, "comm": comm, "compile_s": round(time.perf_counter() - start, 2)}
+    return {"memory": memory, "comm": comm, "attention": cfg.train.attention,
+            "compile_s": round(time.perf_counter() - start, 2)}
 
 
-def _guarded(config: Config, layout: Layout, profile: Profile, devices_per_host: int) -> dict[str, Any]:
+def _guarded(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str
+             ) -> dict[str, Any]:
     """compile_layout, with a failure reported as {'error': one line} instead of ending the plan."""
     try:
-        return compile_layout(config, layout, profile, devices_per_host)
+        return compile_layout(config, layout, profile, devices_per_host, backend)
     except Exception as e:  # noqa: BLE001 - an XLA failure on one layout must not lose the others
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return {"error": f"{type(e).__name__}: {first}"}
@@ -70,10 +92,11 @@ class Compiler:
     devices_per_host: int
     cache_dir: str | None
     workers: int = 2
+    backend: str = "cpu"  # or "gpu": XLA:GPU on compile-only devices of the profile's kind
 
     def key(self, config: Config, layout: Layout) -> str:
         blob = json.dumps([dataclasses.asdict(config), dataclasses.asdict(layout), dataclasses.asdict(self.profile),
-                           self.devices, self.devices_per_host, _versions()], sort_keys=True, default=str)
+                           self.devices, self.devices_per_host, self.backend, _versions()], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
     def run(self, config: Config, layouts: Iterable[Layout], on_done: Callable[[], None] = lambda: None
@@ -87,7 +110,7 @@ class Compiler:
                 on_done()
             else:
                 todo.append(layout)
-        args = lambda layout: (config, layout, self.profile, self.devices_per_host)
+        args = lambda layout: (config, layout, self.profile, self.devices_per_host, self.backend)
         if not todo:
             return results
         if self.workers == 0:

@@ -11,7 +11,7 @@ from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import tick_runs
-from pjax.plan.layouts import Layout, check, planned_config, state_bytes
+from pjax.plan.layouts import Layout, check, state_bytes
 
 
 def _size(n: float) -> str:
@@ -76,25 +76,22 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
     return "\n\n".join([_table(memory), _table(rows)])
 
 
-def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int) -> str:
-    """One layout in full: parameter shardings, the compiled step's memory and collectives, its prediction and
-    why (`breakdown`: each term and what it came from)."""
-    from mesh.mesh import make_mesh
+def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int, backend: str = "cpu") -> str:
+    """One layout in full: parameter shardings, the compiled step's memory and collectives (XLA:CPU's, or
+    XLA:GPU's with `backend` 'gpu'), its prediction and why (`breakdown`: each term and what it came from)."""
     from models.llama import param_logical_axes
     from pjax.plan.breakdown import breakdown
+    from pjax.plan.compile import compile_planned
     from pjax.plan.estimate import predict
-    from pjax.step import build_trainer
 
     check(config, layout)
-    cfg = planned_config(config, layout, profile)
-    devices = layout.dp * layout.pp * layout.cp * layout.tp
-    mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:devices])
-    trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context)
-    compiled = trainer.compile_step()
+    cfg, trainer, compiled = compile_planned(config, layout, profile, devices_per_host, backend)
+    mesh, devices = trainer.mesh, trainer.mesh.devices.size
     comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
-    head = (f"{layout.name} on {devices} {profile.name} ({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
+    head = (f"{layout.name} on {devices} {profile.name}, compiled by XLA:{backend.upper()} "
+            f"({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
             f"overrides: {' '.join(layout.overrides())}")
     verdict = (f"predicted {p.step_s * 1e3:,.1f} ms per step ({terms}), {p.tokens_per_s:,.0f} tokens/s, "
                f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "

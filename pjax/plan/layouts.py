@@ -120,11 +120,12 @@ def apply(config: Config, layout: Layout) -> Config:
 
 
 def planned_config(config: Config, layout: Layout, profile: Profile) -> Config:
-    """The config the planner compiles for `layout` on `profile`: its attention, and its compute dtype
-    unless `precision.preset` names one."""
+    """The config the planner compiles for `layout` on `profile`: its attention (but where a cp strategy
+    attends with its own kernel), and its compute dtype unless `precision.preset` names one."""
     config = apply(config, layout)
     dtype = profile.compute_dtype if config.precision.preset == "auto" else "auto"
-    train = dataclasses.replace(config.train, dtype=dtype, attention=profile.attention)
+    own_kernel = layout.cp > 1 and config.context.strategy != "ulysses"  # ring, all_gather: attention stays auto
+    train = dataclasses.replace(config.train, dtype=dtype, attention="auto" if own_kernel else profile.attention)
     return dataclasses.replace(config, train=train)
 
 

@@ -36,6 +36,13 @@ def table(plan: Plan, top: int) -> str:
     return "\n".join([head, counts, "", cols, *rows])
 
 
+def run_overrides(c: Candidate, plan: Plan) -> list[str]:
+    """The layout's overrides, and chunked attention where cuDNN's would not compile for it (jax 0.10.2's
+    partitioner inside pjax's dp shard_map): the command runs what was compiled."""
+    fell_back = plan.profile.attention == "cudnn" and (c.compiled or {}).get("attention") == "chunked"
+    return c.layout.overrides() + (["train.attention=chunked"] if fell_back else [])
+
+
 def _fastest(plan: Plan) -> Candidate | None:
     return next((c for c in plan.compiled if c.prediction is not None and c.prediction.fits), None)
 
@@ -47,7 +54,7 @@ def verdict(plan: Plan, config_name: str) -> str:
         p = best.prediction
         return (f"fastest: {best.layout.name}, predicted {p.step_s * 1e3:,.1f} ms per step, {p.tokens_per_s:,.0f} "
                 f"tokens/s, {100 * p.mfu:.1f}% MFU, limited by {p.limit}; run it with\n"
-                f"  python -m pjax.train --config {config_name} {' '.join(best.layout.overrides())}")
+                f"  python -m pjax.train --config {config_name} {' '.join(run_overrides(best, plan))}")
     usable = _gib(plan.usable_bytes)
     if not plan.candidates and plan.too_big:
         layout, state = min(plan.too_big, key=lambda t: t[1]["total"])
@@ -69,10 +76,11 @@ def verdict(plan: Plan, config_name: str) -> str:
             f"(train.batch_size), more devices, or a larger --max-candidates.")
 
 
-def _candidate_json(c: Candidate) -> dict[str, Any]:
-    out: dict[str, Any] = {"layout": c.layout.name, "overrides": c.layout.overrides()}
+def _candidate_json(c: Candidate, plan: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = {"layout": c.layout.name, "overrides": run_overrides(c, plan)}
     if c.compiled is not None:
-        out.update({k: c.compiled[k] for k in ("error", "memory", "comm", "compile_s", "cached") if k in c.compiled})
+        keys = ("error", "memory", "comm", "attention", "compile_s", "cached")
+        out.update({k: c.compiled[k] for k in keys if k in c.compiled})
     if c.prediction is not None:
         p = c.prediction
         out.update(fits=p.fits, memory_bytes=p.memory_bytes, usable_bytes=p.usable_bytes, step_s=p.step_s,
@@ -86,5 +94,5 @@ def as_json(plan: Plan, config_name: str) -> dict[str, Any]:
     return {"config": config_name, "device_kind": plan.profile.name, "devices": plan.devices,
             "devices_per_host": plan.devices_per_host, "usable_bytes": plan.usable_bytes, "listed": plan.listed,
             "state_too_big": len(plan.too_big), "scored": len(plan.candidates),
-            "compiled": [_candidate_json(c) for c in plan.compiled],
-            "best": None if best is None else _candidate_json(best), "verdict": verdict(plan, config_name)}
+            "compiled": [_candidate_json(c, plan) for c in plan.compiled],
+            "best": None if best is None else _candidate_json(best, plan), "verdict": verdict(plan, config_name)}

@@ -25,7 +25,7 @@ def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtyp
     """Per output leaf of `fn(*args)`: (shape, split over tp) as XLA compiles it, on the enclosing mesh's
     shape with every axis automatic (under `jax.jit` no other size can be entered); no device runs."""
     outer = current()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:outer.size]).reshape(outer.axis_sizes), outer.axis_names)
+    mesh = jax.sharding.Mesh(np.array(_step_devices(outer.size)).reshape(outer.axis_sizes), outer.axis_names)
     over_tp = lambda a, s: NamedSharding(mesh, P(*only_tp(s, a.ndim)))
     shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=over_tp(a, s)), args, in_specs)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -34,6 +34,15 @@ def tp_specs(fn: Callable, args: Any, in_specs: Any) -> list[tuple[jax.ShapeDtyp
     specs = [only_tp(s.spec, o.ndim) if isinstance(s, NamedSharding) else None
              for o, s in zip(outs, jax.tree.leaves(compiled.output_shardings), strict=True)]
     return list(zip(outs, specs, strict=True))
+
+
+def _step_devices(size: int) -> list[jax.Device]:
+    """The devices the step is compiled for (the `jax.set_mesh` mesh's: compile-only GPUs under the planner),
+    else this process's first `size`. JAX 0.10 has no public way to read the concrete mesh under jit."""
+    from jax._src import mesh as mesh_lib
+
+    concrete = mesh_lib.get_concrete_mesh()
+    return list(concrete.devices.flat) if not concrete.empty else jax.devices()[:size]
 
 
 def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtypeStruct],

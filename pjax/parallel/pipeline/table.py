@@ -8,9 +8,9 @@ import dataclasses
 import re
 from typing import Callable
 
-import jax
 import numpy as np
 
+from mesh.backend import target_backend
 from mesh.errors import ConfigError, require, require_choice
 from mesh.mesh import CP, MeshConfig, current
 from pjax.parallel.pipeline import schedules as ps
@@ -72,7 +72,7 @@ def check_run(run) -> None:
 def check_xla_cpu(run) -> None:
     """A zero-bubble schedule under sequence parallelism in bf16 aborts XLA:CPU (jax 0.10.2: an HLO check
     failure, "Invalid binary instruction opcode copy", killing the process): one line instead."""
-    if jax.default_backend() != "cpu":
+    if target_backend() != "cpu":
         return
     policy = run.precision.resolve(run.train.dtype)
     if run.mesh.pp > 1 and (run.pipeline.schedule in SPLIT_BACKWARD and run.train.sequence_parallel and run.mesh.tp > 1
