@@ -1,7 +1,8 @@
 """Collectives in a compiled program: how many run per step and how many bytes they move.
 
 `as_text()` lists a scan body once, so this walks the call graph from the entry, multiplying by each while
-loop's `known_trip_count`. Bytes are per device, from each op's result shape (async pairs at `-start`)."""
+loop's `known_trip_count`. Bytes are per device, from each op's result shape (async pairs at `-start`: its
+outputs, where the start's result also holds its operands)."""
 from __future__ import annotations
 
 import collections
@@ -35,6 +36,26 @@ def shape_bytes(shape_text: str) -> int:
     return total
 
 
+def _start_output(result: str) -> str:
+    """The outputs in an async start's result: XLA:GPU's all-gather-, reduce-scatter- and collective-permute-start
+    return (operands, outputs[, context]) (all-reduce-start returns its outputs alone)."""
+    text = result.strip()
+    if not text.startswith("("):
+        return result
+    parts, depth, begin = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or depth == 0:  # a top-level element ends
+            parts.append(text[begin:i])
+            begin = i + 1
+        if depth == 0:
+            break
+    return parts[1] if len(parts) >= 2 else result
+
+
 def _parse(hlo_text: str, classify: Callable[[str, str], str | None], scale: Callable[[str, str], float]
            ) -> tuple[str, dict[str, list[tuple[str, int, float]]], dict[str, list[tuple[str, int]]]]:
     """(entry name, computation -> [(class, bytes, runs per appearance)], computation -> [(callee, multiplier)])."""
@@ -56,7 +77,8 @@ def _parse(hlo_text: str, classify: Callable[[str, str], str | None], scale: Cal
         if base in KINDS and not opcode.endswith("-done"):
             label = classify(base, line)
             if label is not None:
-                ops[current].append((label, shape_bytes(result), scale(base, line)))
+                shape = _start_output(result) if opcode.endswith("-start") and base != "all-reduce" else result
+                ops[current].append((label, shape_bytes(shape), scale(base, line)))
         trips = 1
         if opcode == "while":
             trip = _TRIP.search(rest)
