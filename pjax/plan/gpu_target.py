@@ -118,16 +118,18 @@ def planned_profile(profile: Any, backend: str) -> Any:
 
 @contextlib.contextmanager
 def persistent_cache(enabled: bool) -> Iterator[None]:
-    """JAX's compilation cache on or off in this block: off for compile-only devices, whose executables
-    cannot be read back without a client (JAX warns on every hit); the planner caches its own results."""
+    """JAX's compilation cache writes nothing in this block unless `enabled`: a compile-only device's executable
+    cannot be read back without a client (JAX would warn at every later hit), and the planner caches its own
+    results. JAX decides once per process whether the cache is used, so it is the writes that are stopped."""
     import jax
 
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", enabled and before)
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    if not enabled:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def resolve_backend(requested: str, kind: str) -> str:
