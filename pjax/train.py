@@ -12,7 +12,7 @@ if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables 
 import argparse
 import dataclasses
 import sys
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
@@ -126,7 +126,8 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     tc, mc = cfg.train, cfg.model
     _warn_if_longer_than_the_model(cfg)
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = build_trainer(mesh, mc, tc, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+    build = lambda train: build_trainer(mesh, mc, train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+    trainer = build(tc)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
                                     Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, cfg.meta.tasks, cfg.meta.task_field,
@@ -136,9 +137,9 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
                           f"model.vocab_size={mc.vocab_size}; raise model.vocab_size or use a smaller tokenizer.")
     if cfg.log.eval_every:
         train_iter.num_eval_batches(cfg.log.eval_batches)  # a held-out split too small for one batch fails now
-    steps = _compile_steps(trainer, curriculum)
-    compiled = steps[tc.seq_len]
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    trainer, steps = _compile_steps(trainer, build, curriculum, say)
+    compiled = steps[tc.seq_len]
     if ckpt is not None and ckpt.latest_step() is not None:
         restored = ckpt.restore(trainer, cfg)
         state, rng = restored.state, restored.rng
@@ -178,17 +179,22 @@ def _warn_if_longer_than_the_model(cfg: Config) -> None:
               file=sys.stderr, flush=True)
 
 
-def _compile_steps(trainer: Any, curriculum: Any) -> dict[int, Any]:
+def _compile_steps(trainer: Any, build: Callable[[Any], Any], curriculum: Any, say: Callable[..., None]
+                   ) -> tuple[Any, dict[int, Any]]:
     """The step compiled from shapes before any allocation, per sequence length the run trains on (the longest
-    first): a step that cannot fit fails here, and none pauses to compile. jit reuses these compilations."""
+    first): a step that cannot fit fails here, and none pauses to compile. jit reuses these compilations. The
+    trainer comes back rebuilt with chunked attention where cuDNN's does not compile (`pjax.cudnn_fallback`)."""
+    from pjax.cudnn_fallback import compile_step
     from pjax.observe.memory import check_fits
 
     lengths = (trainer.tc.seq_len,) if curriculum is None else curriculum.lengths
     steps = {}
     for length in reversed(lengths):
-        steps[length] = trainer.compile_step(batch=trainer.abstract_batch(length))
+        trainer, steps[length], warning = compile_step(trainer, build, length)
+        if warning:
+            say(warning, file=sys.stderr, flush=True)
         check_fits(steps[length], trainer.mesh)
-    return steps
+    return trainer, steps
 
 
 def _loop(cfg: Config, ckpt: Any, run: _Run, progress: bool) -> list[dict[str, Any]]:

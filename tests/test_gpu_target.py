@@ -91,3 +91,25 @@ def test_a_gpu_plan_runs_what_it_compiled(capsys, tmp_path):
     for c in plan["compiled"]:  # cuDNN's attention where it compiled, else chunked, and the command says which
         assert c["attention"] in ("cudnn", "chunked")
         assert ("train.attention=chunked" in c["overrides"]) == (c["attention"] == "chunked")
+
+
+def test_pjax_train_s_compile_falls_back_to_chunked_attention_in_one_line():
+    """`pjax.train` compiles through `cudnn_fallback.compile_step`: here for 8 compile-only H100s, where
+    jax 0.10.2's partitioner of cuDNN's attention fails inside the dp shard_map."""
+    import dataclasses
+
+    from mesh.mesh import make_mesh
+    from pjax import cudnn_fallback
+    from pjax.plan.layouts import planned_config
+    from pjax.step import build_trainer
+
+    cfg = planned_config(load_config("debug", []), LAYOUT, PROFILES["h100"])
+    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", 8, 8))
+    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
+    with building_for("gpu"), gpu_target.persistent_cache(False):
+        trainer, step, warning = cudnn_fallback.compile_step(build(dataclasses.replace(cfg.train, attention="auto")),
+                                                             build)
+    assert trainer.tc.attention == "chunked" and step.memory_analysis().temp_size_in_bytes > 0
+    assert warning.startswith("warning: cuDNN's attention (train.attention=auto) did not compile for this layout (")
+    assert len(warning.splitlines()) == 1 and warning.endswith("training with train.attention=chunked, the same "
+                                                               "memory without cuDNN's kernel.")

@@ -33,21 +33,16 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
     from mesh.backend import building_for
     from mesh.mesh import make_mesh
     from pjax.plan.gpu_target import compile_devices, persistent_cache
+    from pjax.cudnn_fallback import compile_step
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)
     count = layout.dp * layout.pp * layout.cp * layout.tp
     mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
-    try:
-        with building_for(backend), persistent_cache(backend == "cpu"):
-            trainer = build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context)
-            return cfg, trainer, trainer.compile_step()
-    except Exception:  # noqa: BLE001 - retried below, or raised as it was
-        if profile.attention != "cudnn":
-            raise
-    # jax 0.10.2's partitioner of cuDNN attention fails inside pjax's dp shard_map on several devices
-    # (benchmarks/README.md, "XLA:GPU without a GPU"): such a layout's memory is read with chunked attention
-    return compile_planned(config, layout, dataclasses.replace(profile, attention="chunked"), devices_per_host, backend)
+    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
+    with building_for(backend), persistent_cache(backend == "cpu"):
+        trainer, compiled, _ = compile_step(build(cfg.train), build)  # chunked where cuDNN's does not compile
+    return dataclasses.replace(cfg, train=trainer.tc), trainer, compiled
 
 
 def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str = "cpu"

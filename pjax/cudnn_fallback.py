@@ -1,0 +1,34 @@
+"""cuDNN's attention where it compiles, chunked attention where it does not.
+
+On GPUs `train.attention=auto` is cuDNN's fused attention. With jax 0.10.2 its partitioner fails inside the
+data-parallel step's `shard_map` on several devices (every layout with dp > 1 but ZeRO-3: benchmarks/README.md,
+"XLA:GPU without a GPU"), and only the compile shows it. `compile_step` compiles the step as configured; where
+that fails on a GPU with cuDNN's attention, it rebuilds the trainer with `chunked` attention (pure JAX, keeping
+for the backward what cuDNN keeps), compiles that, and returns the one line that says so."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from mesh.backend import target_backend
+from pjax.config import TrainConfig
+
+
+def compile_step(trainer: Any, rebuild: Callable[[TrainConfig], Any], seq_len: int | None = None
+                 ) -> tuple[Any, Any, str | None]:
+    """(trainer, its step compiled for `seq_len`, a warning or None); the trainer is `rebuild(tc)`'s with
+    chunked attention where cuDNN's did not compile, else the one given. Any other failure is raised as it was."""
+    try:
+        return trainer, trainer.compile_step(batch=trainer.abstract_batch(seq_len)), None
+    except Exception as error:  # noqa: BLE001 - XLA's and jax's partitioner errors have no common type
+        if target_backend() != "gpu" or trainer.tc.attention not in ("auto", "cudnn"):
+            raise
+        try:
+            chunked = rebuild(dataclasses.replace(trainer.tc, attention="chunked"))
+            compiled = chunked.compile_step(batch=chunked.abstract_batch(seq_len))
+        except Exception:  # noqa: BLE001 - not the attention's fault: the first error is the one to read
+            raise error from None
+        first = (str(error).strip().splitlines() or [""])[0][:160]
+        return chunked, compiled, (f"warning: cuDNN's attention (train.attention={trainer.tc.attention}) did not "
+                                   f"compile for this layout ({type(error).__name__}: {first}); training with "
+                                   f"train.attention=chunked, the same memory without cuDNN's kernel.")
