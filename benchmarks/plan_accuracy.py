@@ -75,12 +75,13 @@ def predictions(name: str, config, layout, profile, calibrated) -> dict:
     analytic = score(config, layout, profile, devices, 1.0)
     compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
     memory = compiled["memory"]["total"]
-    planned = predict(config, layout, profile, compiled["comm"], memory, 1.0)
+    planned = predict(config, layout, profile, compiled["comm"], memory, 1.0, compiled.get("dot_flops"))
     row = {"config": name, "layout": layout.name, "devices": devices, "analytic_ms": round(analytic.step_s * 1e3, 1),
            "predicted_ms": round(planned.step_s * 1e3, 1), "limit": planned.limit,
            "compiled_memory_mb": round(memory / 2**20, 1), "measured_memory_mb": None, "error": None}
     if calibrated is not None and not config.model.num_local_experts:  # the curves hold no expert MLPs
-        row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"], memory, 1.0).step_s * 1e3, 1)
+        row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"], memory, 1.0,
+                                             compiled.get("dot_flops")).step_s * 1e3, 1)
     return row
 
 

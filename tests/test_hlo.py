@@ -131,3 +131,25 @@ def test_start_ops_count_their_outputs_not_their_operands():
     assert stats["reduce-scatter"] == {"count": 1, "bytes": (8 * 4 + 2) * 4}
     assert stats["all-gather"] == {"count": 1, "bytes": 16 * 8 * 2}
     assert stats["all-reduce"] == {"count": 1, "bytes": 8 * 4}
+
+
+def test_matmul_flops_count_every_dot_as_often_as_its_loop_runs_and_a_gradient_s_two_more():
+    from pjax.observe.hlo_flops import dot_flops
+
+    m, k, n = 32, 48, 16
+
+    def f(x, w):
+        def step(c, _):
+            return jnp.tanh(c @ w), None
+        return jnp.sum(jax.lax.scan(step, x, None, length=5)[0])
+
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, k), jnp.float32)
+    forward = jax.jit(f).lower(x, w).compile().as_text()
+    assert dot_flops(forward) == 5 * 2 * m * k * k
+    both = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert dot_flops(both) == 3 * 5 * 2 * m * k * k  # forward, d(input), d(weight) per step
+    gemm = ('%w = f32[48,16]{1,0} parameter(1)\n  %x = f32[32,48]{1,0} parameter(0)\n  %g = (f32[32,16]{1,0}, '
+            's8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+            '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
+    assert dot_flops(f"HloModule m\n\nENTRY %main (x: f32[32,48], w: f32[48,16]) -> f32[32,16] {{\n  {gemm}\n}}\n"
+                     ) == 2 * m * k * n  # XLA:GPU's cuBLAS calls count too

@@ -74,6 +74,20 @@ def test_roofline_adds_critical_traffic_and_hides_dp_traffic_where_the_profile_o
     assert not cpu.fits and cpu.limit == "compute"
 
 
+def test_compute_runs_the_compiled_step_s_matmul_flops_where_a_pipeline_does_not_hide_them():
+    """A Mixture of Experts' padded buffers or remat's recompute: the step runs more FLOPs than the model
+    needs; read from the compiled HLO at pp = 1, remat's factor where a pipeline's branches hide them."""
+    config = load_config("llama2-7b")
+    layout = Layout(dp=4, tp=2, grad_accum=4)
+    model = model_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len / 8
+    plain = predict(config, layout, PROFILES["h100"], {}, 0, 0.75)
+    twice = predict(config, layout, PROFILES["h100"], {}, 0, 0.75, dot_flops=2 * model)
+    assert twice.terms["compute"] == pytest.approx(2 * plain.terms["compute"]) and twice.executed[0] == pytest.approx(2)
+    assert predict(config, layout, PROFILES["h100"], {}, 0, 0.75, dot_flops=0.9 * model).executed[0] == 1.0
+    piped = Layout(dp=2, pp=2, tp=2, grad_accum=4, remat="full")
+    assert predict(config, piped, PROFILES["h100"], {}, 0, 0.75, dot_flops=9 * model).executed[0] == pytest.approx(4 / 3)
+
+
 def test_state_alone_too_big_is_does_not_fit_with_the_reason(capsys):
     """Llama-2-7B's fp32 state (16 bytes per parameter, 100 GiB) on one 80 GB H100: nothing to compile."""
     with pytest.raises(SystemExit) as exit_:

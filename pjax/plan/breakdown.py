@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
-from pjax.plan.estimate import (DP_AXES, REMAT_RECOMPUTE, Prediction, host_share, link_model, per_device,
-                                pipeline_ratio, weight_share)
+from pjax.plan.estimate import (DP_AXES, Prediction, host_share, link_model, per_device, pipeline_ratio,
+                                weight_share)
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import Profile
 
@@ -19,8 +19,8 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     share = host_share(profile, devices)
-    remat = REMAT_RECOMPUTE.get(layout.remat, 1.0)
-    again = f" x {remat:.3g} (remat={layout.remat} computes the forward twice)" if remat != 1 else ""
+    executed, why = prediction.executed
+    again = f" x {executed:.3g} ({why})" if executed != 1 else ""
     if profile.curves is None:
         source = (f"model FLOPs{again} at {100 * profile.efficiency(mc.hidden_size):.1f}% of "
                   f"{per_device(profile, devices)[0] / 1e12:,.2f} TFLOP/s (the profile's MFU at hidden "

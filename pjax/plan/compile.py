@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from pjax.config import Config
+from pjax.observe.hlo_flops import dot_flops
 from pjax.plan.inspect import step_collectives
 from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import Profile
@@ -47,7 +48,8 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
 
 def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str = "cpu"
                    ) -> dict[str, Any]:
-    """Compile one layout's step in this process: {memory, comm, compile_s} (`compile_planned`)."""
+    """Compile one layout's step in this process: {memory, comm, dot_flops, attention, compile_s}
+    (`compile_planned`)."""
     from pjax.observe.memory import step_memory_bytes
 
     start = time.perf_counter()
@@ -56,8 +58,9 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
     m = compiled.memory_analysis()
     memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
-    comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
-    return {"memory": memory, "comm": comm, "attention": cfg.train.attention,
+    hlo = compiled.as_text()
+    comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
+    return {"memory": memory, "comm": comm, "dot_flops": dot_flops(hlo), "attention": cfg.train.attention,
             "compile_s": round(time.perf_counter() - start, 2)}
 
 

@@ -29,6 +29,7 @@ class Prediction:
     mfu: float
     memory_bytes: int
     usable_bytes: int
+    executed: tuple[float, str] = (1.0, "")  # FLOPs run per model FLOP, and why (`executed_per_model_flop`)
 
     @property
     def fits(self) -> bool:
@@ -227,20 +228,31 @@ def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
     return row["count"] * latency + row["link_bytes"] * per_byte
 
 
+def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float | None) -> tuple[float, str]:
+    """(FLOPs the step runs per model FLOP, why): the compiled step's matmul FLOPs over the model's where they
+    can be read (pp = 1: a pipeline's tick body holds every branch of its table, each counted), at least 1
+    (cuDNN's attention is no dot); else remat's recompute alone."""
+    if dot_flops and layout.pp == 1:
+        return max(dot_flops / model_flops, 1.0), "the compiled step's matmul FLOPs over the model's"
+    remat = REMAT_RECOMPUTE.get(layout.remat, 1.0)
+    return remat, (f"remat={layout.remat} computes the forward twice" if remat != 1 else "")
+
+
 def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
-            memory_bytes: int, mem_fraction: float) -> Prediction:
-    """The roofline step time of `layout` given its collectives per set of axes and its memory per device."""
+            memory_bytes: int, mem_fraction: float, dot_flops: float | None = None) -> Prediction:
+    """The roofline step time of `layout` given its collectives per set of axes, its memory per device and
+    the matmul FLOPs its compiled step runs per device (`observe.hlo_flops.dot_flops`; None: not compiled)."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     peak = per_device(profile, devices)[0]
     tokens = tc.batch_size * tc.seq_len
     group = routing_group_tokens(tc.batch_size, layout.grad_accum, tc.seq_len, layout.dp, layout.cp)
     flops = model_flops_per_token(mc, tc.seq_len, config.moe, group) * tokens / devices
+    executed = executed_per_model_flop(layout, flops, dot_flops)
     if profile.curves is None:
-        compute = flops * REMAT_RECOMPUTE.get(layout.remat, 1.0) / (peak * profile.efficiency(mc.hidden_size))
+        compute = flops * executed[0] / (peak * profile.efficiency(mc.hidden_size))
     else:  # measured on the whole host: devices that share it share its rate
-        compute = (compute_seconds(profile.curves, config, layout) * REMAT_RECOMPUTE.get(layout.remat, 1.0)
-                   * host_share(profile, devices))
+        compute = compute_seconds(profile.curves, config, layout) * executed[0] * host_share(profile, devices)
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
@@ -250,4 +262,4 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     step = (max(busy, dp_traffic) if profile.overlap_dp else busy + dp_traffic) + critical
     limit = max(terms, key=terms.get)
     return Prediction(step, terms, limit, tokens / step, flops / (step * peak), int(memory_bytes),
-                      usable_bytes(profile, devices, mem_fraction))
+                      usable_bytes(profile, devices, mem_fraction), executed)

@@ -9,6 +9,7 @@ import jax
 
 from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
+from pjax.observe.hlo_flops import dot_flops
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import tick_runs
 from pjax.plan.layouts import Layout, check, state_bytes
@@ -88,7 +89,8 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
     cfg, trainer, compiled = compile_planned(config, layout, profile, devices_per_host, backend)
     mesh, devices = trainer.mesh, trainer.mesh.devices.size
     comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
-    p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75)
+    p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75,
+                dot_flops(compiled.as_text()))
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
     head = (f"{layout.name} on {devices} {profile.name}, compiled by XLA:{backend.upper()} "
             f"({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "

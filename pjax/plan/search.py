@@ -102,7 +102,8 @@ def _compile(config: Config, profile: Profile, compiler: Compiler, batch: list[C
         c.compiled = results[c.layout]
         if "error" not in c.compiled:
             c.prediction = predict(planned_config(config, c.layout, profile), c.layout, profile,
-                                   c.compiled["comm"], c.compiled["memory"]["total"], mem_fraction)
+                                   c.compiled["comm"], c.compiled["memory"]["total"], mem_fraction,
+                                   c.compiled.get("dot_flops"))
 
 
 def _count_that_fits(c: Candidate, family: list[Candidate], usable: int) -> Candidate | None:
