@@ -26,9 +26,9 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     ap.add_argument("--devices", type=int, required=True, help="how many devices (GPUs) in all")
     ap.add_argument("--device-kind", dest="device_kind", default="h100", choices=list(PROFILES))
     ap.add_argument("--xla", default="auto", choices=("auto", "cpu", "gpu"),
-                    help="the compiler whose memory plan and collectives are read: gpu compiles for the device kind on "
-                         "compile-only GPUs (pip install 'pjax[gpu-plan]'), cpu on fake CPU devices; auto: gpu for a GPU "
-                         "kind where it can")
+                    help="the compiler whose memory plan and collectives are read: gpu compiles for the device "
+                         "kind on compile-only GPUs (pip install 'pjax[gpu-plan]'), cpu on fake CPU devices; auto: "
+                         "gpu for a GPU kind where it can")
     ap.add_argument("--hosts", type=int, default=None, help="hosts the devices are on (default: 8 devices per host)")
     ap.add_argument("--mem-fraction", dest="mem_fraction", type=float, default=None,
                     help="share of a device's memory the allocator may use (default: JAX's .75 on GPUs, 1 on CPU)")
@@ -140,11 +140,13 @@ def _report(result: Any, args: Any, backend: str) -> str:
     from pjax.plan.report import table, verdict
 
     source = f"memory and collectives compiled by XLA:{backend.upper()}, attention {result.profile.attention}"
-    other = [c for c in result.compiled if (c.compiled or {}).get("attention") not in (None, result.profile.attention)]
-    if other:  # cp strategies with their own kernel, or cuDNN's partitioner failing (gpu_target.planned_profile)
-        source += f" ({len(other)} of {len(result.compiled)} with {', '.join(sorted({c.compiled['attention'] for c in other}))})"
+    other = {c.layout: c.compiled["attention"] for c in result.compiled
+             if (c.compiled or {}).get("attention") not in (None, result.profile.attention)}
+    if other:  # cp strategies with their own kernel, or cuDNN's failing to compile (pjax.cudnn_fallback)
+        source += f" ({len(other)} of {len(result.compiled)} with {', '.join(sorted(set(other.values())))})"
     if backend == "cpu" and args.device_kind in SPECS:
-        source += f" on fake CPU devices, not {args.device_kind}'s compiler: {unavailable_reason() or 'as --xla cpu asks'}"
+        why = unavailable_reason() or "as --xla cpu asks"
+        source += f" on fake CPU devices, not {args.device_kind}'s compiler: {why}"
     return "\n".join([source, table(result, args.top), "", verdict(result, args.config)])
 
 

@@ -33,8 +33,8 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
     compile-only GPUs of the profile's kind (`backend` 'cpu' or 'gpu', `pjax.plan.gpu_target`)."""
     from mesh.backend import building_for
     from mesh.mesh import make_mesh
-    from pjax.plan.gpu_target import compile_devices, persistent_cache
     from pjax.cudnn_fallback import compile_step
+    from pjax.plan.gpu_target import compile_devices, persistent_cache
     from pjax.step import build_trainer
 
     cfg = planned_config(config, layout, profile)

@@ -88,9 +88,10 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
     check(config, layout)
     cfg, trainer, compiled = compile_planned(config, layout, profile, devices_per_host, backend)
     mesh, devices = trainer.mesh, trainer.mesh.devices.size
-    comm = step_collectives(cfg, dict(mesh.shape), compiled.as_text(), devices_per_host)
+    hlo = compiled.as_text()
+    comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75,
-                dot_flops(compiled.as_text()))
+                dot_flops(hlo))
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
     head = (f"{layout.name} on {devices} {profile.name}, compiled by XLA:{backend.upper()} "
             f"({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
