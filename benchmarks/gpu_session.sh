@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh precision   # smoke step, precision presets on SmolLM-360M/1.7B, calibration
 #   bash benchmarks/gpu_session.sh remat       # each remat policy on SmolLM-360M/1.7B: time and allocator peak
 #   bash benchmarks/gpu_session.sh calibrate   # the planner's calibration, then held-out steps to check it on
+#   bash benchmarks/gpu_session.sh cudnn       # the image's jax: does cuDNN's attention compile for 8 GPUs with dp?
 # Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
 set -u
 OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
@@ -49,6 +50,16 @@ calibrate)
   for r in dots_no_batch none; do
     step smollm-360m 120 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=32 train.grad_accum=4
     step smollm-1.7b 150 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=16 train.grad_accum=4
+  done
+  ;;
+cudnn)
+  # jax 0.10.2's partitioner of cuDNN's attention fails inside pjax's dp shard_map on several GPUs
+  # (benchmarks/README.md, "XLA:GPU without a GPU"); compile-only GPUs answer for this image's jax in seconds,
+  # and "attention chunked" in the head line means pjax.cudnn_fallback had to step in.
+  $PY -c "import jax; print('jax', jax.__version__)" | tee "$OUT/cudnn.txt"
+  for layout in dp8 dp8-zero1 dp8-zero3; do
+    timeout 120 $PY -m pjax.plan --config smollm-360m --devices 8 --xla gpu --explain $layout train.batch_size=32 \
+      2>>"$OUT/cudnn.err" | head -1 | tee -a "$OUT/cudnn.txt"
   done
   ;;
 esac
