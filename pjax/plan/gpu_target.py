@@ -4,8 +4,8 @@ JAX's CUDA plugin can describe a topology from a target description instead of f
 (`jax.experimental.topologies.get_topology_desc(platform="cuda", topology="1xHOSTSxPER_HOST",
 target_config=...)`); jit then lowers and compiles for those devices, and nothing can run on them. So the
 planner reads XLA:GPU's own memory plan and collectives (async pairs, its scheduler, its fusions) instead of
-XLA:CPU's. It needs `pip install 'pjax[gpu-plan]'` (the plugin, and ptxas from NVIDIA's nvcc wheel); without
-it the planner compiles on fake CPU devices and says so. Autotuning needs a device, so XLA picks its default
+XLA:CPU's. It needs `pip install 'pjax[gpu-plan]'` (the plugin, ptxas from NVIDIA's nvcc wheel, and cuDNN for
+its fused attention); without it the planner compiles on fake CPU devices and says so. Autotuning needs a device, so XLA picks its default
 kernels: the memory plan is the one to trust, the kernels' speed is not measured here."""
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def unavailable_reason() -> str | None:
         _topology("h100", 1, 1)
     except Exception as e:  # noqa: BLE001 - a missing plugin, a broken one, or a JAX without the API
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return (f"XLA:GPU cannot compile here ({first}); pip install 'pjax[gpu-plan]' installs JAX's CUDA plugin "
-                f"and ptxas")
+        return (f"XLA:GPU cannot compile here ({first}); pip install 'pjax[gpu-plan]' installs JAX's CUDA plugin, "
+                f"ptxas and cuDNN")
     return None
 
 
