@@ -16,7 +16,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "al
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMP_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")  # name, result, opcode, rest
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -56,61 +56,64 @@ def _start_output(result: str) -> str:
     return parts[1] if len(parts) >= 2 else result
 
 
-def _parse(hlo_text: str, classify: Callable[[str, str], str | None], scale: Callable[[str, str], float]
-           ) -> tuple[str, dict[str, list[tuple[str, int, float]]], dict[str, list[tuple[str, int]]]]:
-    """(entry name, computation -> [(class, bytes, runs per appearance)], computation -> [(callee, multiplier)])."""
+def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]) -> dict[str, int]:
+    """Each instruction to `on_instr(computation, name, result shape, opcode, rest, line)`; returns how many
+    times each computation runs per run of the entry: a while loop's body `known_trip_count` times, each
+    conditional branch once per call (an upper bound)."""
     entry, current = None, None
-    ops: dict[str, list] = collections.defaultdict(list)
-    calls: dict[str, list] = collections.defaultdict(list)
+    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for line in hlo_text.splitlines():
         header = _COMP_HEADER.match(line)
         if header:
             current = header.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
+            entry = current if line.startswith("ENTRY") else entry
             continue
         m = _INSTR.match(line) if current else None
         if not m:
             continue
-        result, opcode, rest = m.groups()
-        base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
-        if base in KINDS and not opcode.endswith("-done"):
-            label = classify(base, line)
-            if label is not None:
-                shape = _start_output(result) if opcode.endswith("-start") and base != "all-reduce" else result
-                ops[current].append((label, shape_bytes(shape), scale(base, line)))
-        trips = 1
-        if opcode == "while":
-            trip = _TRIP.search(rest)
-            trips = int(trip.group(1)) if trip else 1
-        for callee in _CALLED.findall(rest):
-            calls[current].append((callee, trips if opcode == "while" else 1))
-        for group in _BRANCHES.findall(rest):  # each branch counted once: an upper bound per call
-            calls[current].extend((name.strip().lstrip("%"), 1) for name in group.split(","))
+        name, result, opcode, rest = m.groups()
+        on_instr(current, name, result, opcode, rest, line)
+        trip = _TRIP.search(rest) if opcode == "while" else None
+        calls[current].extend((callee, int(trip.group(1)) if trip else 1) for callee in _CALLED.findall(rest))
+        for group in _BRANCHES.findall(rest):
+            calls[current].extend((branch.strip().lstrip("%"), 1) for branch in group.split(","))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    return entry, ops, calls
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(comp: str, mult: int, depth: int = 0) -> None:
+        if depth > 64:
+            raise ValueError("HLO call graph too deep (a cycle?)")
+        runs[comp] += mult
+        for callee, trips in calls.get(comp, ()):
+            visit(callee, mult * trips, depth + 1)
+
+    visit(entry, 1)
+    return dict(runs)
 
 
 def collective_stats(hlo_text: str, classify: Callable[[str, str], str | None] = lambda kind, line: kind,
                      scale: Callable[[str, str], float] = lambda kind, line: 1) -> dict[str, dict[str, Any]]:
     """Per collective kind (or `classify`'s label; None leaves an op out): {'count', 'bytes'} per device
     per step; `scale` multiplies what the HLO cannot know, such as a loop's real trip count."""
-    entry, ops, calls = _parse(hlo_text, classify, scale)
-    totals: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    ops: dict[str, list[tuple[Any, int, float]]] = collections.defaultdict(list)
+
+    def collective(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
+        base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+        if base in KINDS and not opcode.endswith("-done"):
+            label = classify(base, line)
+            if label is not None:
+                shape = _start_output(result) if opcode.endswith("-start") and base != "all-reduce" else result
+                ops[comp].append((label, shape_bytes(shape), scale(base, line)))
+
+    runs = walk(hlo_text, collective)
+    totals: dict[Any, dict[str, Any]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for kind in KINDS:
         totals[kind]  # always present
-
-    def visit(comp: str, mult: int, depth: int = 0) -> None:
-        if depth > 64:
-            raise ValueError("HLO call graph too deep (a cycle?)")
-        for label, nbytes, runs in ops.get(comp, ()):
-            totals[label]["count"] += mult * runs
-            totals[label]["bytes"] += mult * runs * nbytes
-        for callee, trips in calls.get(comp, ()):
-            visit(callee, mult * trips, depth + 1)
-
-    visit(entry, 1)
+    for comp, mult in runs.items():
+        for label, nbytes, per_call in ops.get(comp, ()):
+            totals[label]["count"] += mult * per_call
+            totals[label]["bytes"] += mult * per_call * nbytes
     return dict(totals)
 
 
@@ -185,7 +188,6 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
     return out
 
 
-_ANY_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .+? ([\w\-]+)\((.*)$")
 _WORK = ("fusion", "custom-call", "convolution", "dot")
 
 
@@ -199,9 +201,10 @@ def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
         if header:
             current = header.group(1)
             continue
-        m = _ANY_INSTR.match(line) if current else None
+        m = _INSTR.match(line) if current else None
         if m:
-            body[current].append(m.groups())
+            name, _, opcode, rest = m.groups()
+            body[current].append((name, opcode, rest))
     holds = {comp: op for comp, instrs in body.items() for _, op, _ in instrs if op in KINDS}
     out = {kind: {"sites": 0, "overlapped": 0} for kind in KINDS}
     wrapped = set()

@@ -1,5 +1,5 @@
 """The matmul FLOPs a compiled program executes per device: every `dot` (fused or not) and cuBLAS GEMM call, each
-counted as often as the loops around it run (a while loop's `known_trip_count`, as `hlo.collective_stats` walks).
+counted as often as the loops around it run (`hlo.walk`: a while loop's `known_trip_count`).
 
 Model FLOPs count what the model needs; this counts what XLA runs: a remat policy's recomputed forward, a
 Mixture of Experts whose grouped matmuls run every expert over a padded buffer, a masked block of attention.
@@ -11,10 +11,8 @@ import collections
 import math
 import re
 
-from pjax.observe.hlo import _BRANCHES, _CALLED, _COMP_HEADER, _SHAPE, _TRIP
+from pjax.observe.hlo import _SHAPE, walk
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
-_PARAMS = re.compile(r"([\w.\-]+): ([a-z]+\d*(?:e\dm\d(?:fn)?)?\[[\d,]*\])")
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
@@ -43,33 +41,11 @@ def _flops(result: str, opcode: str, rest: str, shapes: dict[str, str]) -> float
 
 def dot_flops(hlo_text: str) -> float:
     """Matmul FLOPs per device per run of the program `hlo_text` (`compiled.as_text()`)."""
-    entry, current = None, None
-    shapes: dict[str, str] = {}
+    shapes: dict[str, str] = {}  # every instruction's result shape (parameters included): a dot's operand shapes
     own: dict[str, float] = collections.defaultdict(float)
-    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-    for line in hlo_text.splitlines():
-        header = _COMP_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            entry = current if line.startswith("ENTRY") else entry
-            shapes.update(_PARAMS.findall(line))
-            continue
-        m = _INSTR.match(line) if current else None
-        if not m:
-            continue
-        name, result, opcode, rest = m.groups()
+
+    def matmul(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
         shapes[name] = result
-        own[current] += _flops(result, opcode, rest, shapes)
-        trip = _TRIP.search(rest) if opcode == "while" else None
-        calls[current].extend((callee, int(trip.group(1)) if trip else 1) for callee in _CALLED.findall(rest))
-        for group in _BRANCHES.findall(rest):
-            calls[current].extend((branch.strip().lstrip("%"), 1) for branch in group.split(","))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+        own[comp] += _flops(result, opcode, rest, shapes)
 
-    def total(comp: str, depth: int = 0) -> float:
-        if depth > 64:
-            raise ValueError("HLO call graph too deep (a cycle?)")
-        return own.get(comp, 0.0) + sum(runs * total(callee, depth + 1) for callee, runs in calls.get(comp, ()))
-
-    return total(entry)
+    return sum(own.get(comp, 0.0) * runs for comp, runs in walk(hlo_text, matmul).items())
