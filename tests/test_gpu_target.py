@@ -1,38 +1,57 @@
 """XLA:GPU on a host without a GPU (pjax/plan/gpu_target.py): the planner compiles a layout's step for
 compile-only H100s and reads XLA:GPU's memory plan and collectives; without the plugin it says so in one line."""
+import dataclasses
+import json
+
 import pytest
 
 from mesh.backend import building_for, target_backend
+from mesh.mesh import make_mesh
+from pjax import cudnn_fallback
 from pjax.config_io import load_config
 from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
-from pjax.plan.compile import compile_layout, compile_planned
-from pjax.plan.layouts import Layout
+from pjax.plan.compile import compile_planned
+from pjax.plan.inspect import step_collectives
+from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import PROFILES
+from pjax.step import build_trainer
 
 LAYOUT = Layout.parse("dp4-tp2-zero1")
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """debug's dp4 x tp2 ZeRO-1 step, compiled once by XLA:GPU for 8 H100s and once by XLA:CPU."""
+    """debug's dp4 x tp2 ZeRO-1 step compiled once by XLA:GPU for 8 compile-only H100s the way `pjax.train`
+    compiles (`cudnn_fallback.compile_step`, train.attention=auto), and once by XLA:CPU."""
     assert gpu_target.unavailable_reason() is None, gpu_target.unavailable_reason()
     config = load_config("debug", [])
-    return {backend: compile_planned(config, LAYOUT, gpu_target.planned_profile(PROFILES["h100"], backend), 8, backend)
-            for backend in ("gpu", "cpu")}
+    cfg = planned_config(config, LAYOUT, PROFILES["h100"])
+    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", 8, 8))
+    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
+    with building_for("gpu"), gpu_target.persistent_cache(False):
+        gpu = cudnn_fallback.compile_step(build(dataclasses.replace(cfg.train, attention="auto")), build)
+    return {"gpu": gpu, "cpu": compile_planned(config, LAYOUT, PROFILES["h100"], 8, "cpu"), "config": cfg}
 
 
 def test_the_step_is_compiled_by_xla_gpu_for_the_kind_s_devices(compiled):
-    _, trainer, step = compiled["gpu"]
+    trainer, step, _ = compiled["gpu"]
     kinds = {d.device_kind for d in trainer.mesh.devices.flat}
     assert kinds == {"NVIDIA H100 80GB HBM3"} and trainer.mesh.devices.size == 8
     hlo = step.as_text()
     # XLA:GPU's form: collectives as async start/done pairs, GEMMs as fusions or cuBLAS calls
     assert "all-reduce-start" in hlo or "reduce-scatter-start" in hlo or "all-gather-start" in hlo
     assert "__cublas" in hlo or "gemm_fusion" in hlo
-    # jax 0.10.2's partitioner of cuDNN attention fails in pjax's dp shard_map on several devices: chunked then
-    assert compiled["gpu"][0].train.attention == "chunked" and "__cudnn$fmha" not in hlo
     assert "all-reduce-start" not in compiled["cpu"][2].as_text()
+
+
+def test_pjax_train_s_compile_falls_back_to_chunked_attention_in_one_line(compiled):
+    """jax 0.10.2's partitioner of cuDNN's attention fails inside the dp shard_map on several devices."""
+    trainer, step, warning = compiled["gpu"]
+    assert trainer.tc.attention == "chunked" and "__cudnn$fmha" not in step.as_text()
+    assert warning.startswith("warning: cuDNN's attention (train.attention=auto) did not compile for this layout (")
+    assert len(warning.splitlines()) == 1 and warning.endswith("training with train.attention=chunked, the same "
+                                                               "memory without cuDNN's kernel.")
 
 
 def test_one_gpu_compiles_cudnn_attention_the_kernel_pjax_train_runs():
@@ -43,16 +62,16 @@ def test_one_gpu_compiles_cudnn_attention_the_kernel_pjax_train_runs():
 
 
 def test_the_same_state_with_the_gpu_s_own_memory_plan(compiled):
-    gpu, cpu = (compiled[b][2].memory_analysis() for b in ("gpu", "cpu"))
+    gpu, cpu = (compiled[b][i].memory_analysis() for b, i in (("gpu", 1), ("cpu", 2)))
     assert gpu.argument_size_in_bytes == cpu.argument_size_in_bytes  # parameters, moments, batch: the same shards
     assert gpu.temp_size_in_bytes > 0 and gpu.temp_size_in_bytes != cpu.temp_size_in_bytes
 
 
-def test_the_planner_reads_collectives_per_axis_from_the_gpu_compile():
-    result = compile_layout(load_config("debug", []), LAYOUT, PROFILES["h100"], 8, "gpu")
-    assert {"dp", "tp"} <= set(result["comm"])
-    assert "reduce-scatter" in result["comm"]["dp"]["kinds"]  # ZeRO-1: the gradient in dp slices
-    assert result["memory"]["total"] > result["memory"]["argument"]
+def test_the_planner_reads_collectives_per_axis_from_the_gpu_compile(compiled):
+    trainer, step, _ = compiled["gpu"]
+    comm = step_collectives(compiled["config"], dict(trainer.mesh.shape), step.as_text(), 8)
+    assert {"dp", "tp"} <= set(comm)
+    assert "reduce-scatter" in comm["dp"]["kinds"]  # ZeRO-1: the gradient in dp slices
 
 
 def test_building_for_gpu_is_scoped_to_the_block():
@@ -82,34 +101,10 @@ def test_without_the_plugin_the_planner_falls_back_to_xla_cpu_and_says_why(monke
 
 
 def test_a_gpu_plan_runs_what_it_compiled(capsys, tmp_path):
-    import json
-
     assert plan_cli.main(["--config", "debug", "--devices", "8", "--device-kind", "h100", "--max-candidates", "2",
                           "--workers", "0", "--cache", str(tmp_path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["compiler"] == "xla:gpu" and len(plan["compiled"]) == 2
     for c in plan["compiled"]:  # cuDNN's attention where it compiled, else chunked, and the command says which
-        assert c["attention"] in ("cudnn", "chunked")
+        assert c["attention"] in ("cudnn", "chunked") and c["memory"]["total"] > c["memory"]["argument"]
         assert ("train.attention=chunked" in c["overrides"]) == (c["attention"] == "chunked")
-
-
-def test_pjax_train_s_compile_falls_back_to_chunked_attention_in_one_line():
-    """`pjax.train` compiles through `cudnn_fallback.compile_step`: here for 8 compile-only H100s, where
-    jax 0.10.2's partitioner of cuDNN's attention fails inside the dp shard_map."""
-    import dataclasses
-
-    from mesh.mesh import make_mesh
-    from pjax import cudnn_fallback
-    from pjax.plan.layouts import planned_config
-    from pjax.step import build_trainer
-
-    cfg = planned_config(load_config("debug", []), LAYOUT, PROFILES["h100"])
-    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", 8, 8))
-    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
-    with building_for("gpu"), gpu_target.persistent_cache(False):
-        trainer, step, warning = cudnn_fallback.compile_step(build(dataclasses.replace(cfg.train, attention="auto")),
-                                                             build)
-    assert trainer.tc.attention == "chunked" and step.memory_analysis().temp_size_in_bytes > 0
-    assert warning.startswith("warning: cuDNN's attention (train.attention=auto) did not compile for this layout (")
-    assert len(warning.splitlines()) == 1 and warning.endswith("training with train.attention=chunked, the same "
-                                                               "memory without cuDNN's kernel.")
