@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_session.sh remat       # each remat policy on SmolLM-360M/1.7B: time and allocator peak
 #   bash benchmarks/gpu_session.sh calibrate   # the planner's calibration, then held-out steps to check it on
 #   bash benchmarks/gpu_session.sh cudnn       # the image's jax: does cuDNN's attention compile for 8 GPUs with dp?
+#   bash benchmarks/gpu_session.sh products    # the calibration with SmolLM-360M's own products, two ways of timing
+#   bash benchmarks/gpu_session.sh held-out    # the steps it is checked against, with their compiled products
 # Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
 set -u
 OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
@@ -51,6 +53,23 @@ calibrate)
     step smollm-360m 120 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=32 train.grad_accum=4
     step smollm-1.7b 150 calibrate --steps 5 --warmup 1 train.remat=$r train.batch_size=16 train.grad_accum=4
   done
+  ;;
+products)
+  # Why did products timed alone run slower than inside the step (benchmarks/README.md, "One H200")? The
+  # calibration now times independent products, SmolLM-360M's own among them; matmul_timing.py also times the
+  # earlier carried sum, and compiles one at a time (XLA:GPU autotunes on the device: parallel compiles may
+  # time each other's kernels).
+  M360="--config smollm-360m train.batch_size=32 train.grad_accum=4"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/env.txt"
+  timeout 100 $PY -m pjax.plan.calibrate $M360 --only matmul,attention --out "$OUT/calibration.json" \
+    2>>"$OUT/products.err" | tail -1
+  timeout 60 $PY benchmarks/matmul_timing.py $M360 >"$OUT/timing.jsonl" 2>>"$OUT/products.err"
+  timeout 60 $PY benchmarks/matmul_timing.py $M360 --threads 1 --ways independent >>"$OUT/timing.jsonl" \
+    2>>"$OUT/products.err"
+  ;;
+held-out)  # the steps `products` is checked against: time, allocator peak and the compiled step's products
+  step smollm-360m 100 held-out --steps 5 --warmup 1 train.remat=none train.batch_size=32 train.grad_accum=4
+  step smollm-1.7b 110 held-out --steps 5 --warmup 1 train.remat=none train.batch_size=16 train.grad_accum=4
   ;;
 cudnn)
   # jax 0.10.2's partitioner of cuDNN's attention fails inside pjax's dp shard_map on several GPUs

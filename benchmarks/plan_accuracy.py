@@ -65,6 +65,7 @@ def measure(config: str, overrides: list[str], layout, steps: int) -> dict:
 
 def predictions(name: str, config, layout, profile, calibrated) -> dict:
     """One layout's row: the analytic, compiled and (with a calibration) calibrated predictions."""
+    from pjax.observe.hlo_flops import StepMatmuls
     from pjax.plan.compile import Compiler
     from pjax.plan.estimate import predict
     from pjax.plan.layouts import check
@@ -75,13 +76,14 @@ def predictions(name: str, config, layout, profile, calibrated) -> dict:
     analytic = score(config, layout, profile, devices, 1.0)
     compiled = Compiler(profile, devices, devices, None, workers=0).run(config, [layout])[layout]
     memory = compiled["memory"]["total"]
-    planned = predict(config, layout, profile, compiled["comm"], memory, 1.0, compiled.get("dot_flops"))
+    matmuls = StepMatmuls.from_json(compiled.get("matmuls"))
+    planned = predict(config, layout, profile, compiled["comm"], memory, 1.0, matmuls)
     row = {"config": name, "layout": layout.name, "devices": devices, "analytic_ms": round(analytic.step_s * 1e3, 1),
            "predicted_ms": round(planned.step_s * 1e3, 1), "limit": planned.limit,
            "compiled_memory_mb": round(memory / 2**20, 1), "measured_memory_mb": None, "error": None}
-    if calibrated is not None and not config.model.num_local_experts:  # the curves hold no expert MLPs
+    if calibrated is not None:
         row["calibrated_ms"] = round(predict(config, layout, calibrated, compiled["comm"], memory, 1.0,
-                                             compiled.get("dot_flops")).step_s * 1e3, 1)
+                                             matmuls).step_s * 1e3, 1)
     return row
 
 

@@ -33,6 +33,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     import numpy as np
 
     from pjax.observe.metrics import model_flops_per_token, peak_flops
+    from pjax.observe.hlo_flops import dot_products
     from pjax.observe.memory import step_memory_bytes
 
     built = compile_step(config, layout, overrides)
@@ -53,6 +54,8 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     }
     if hlo_count:
         result["hlo_count"] = {hlo_count: compiled.as_text().count(hlo_count)}
+    # each matmul shape the compiled step runs, and how often: the planner's calibrated compute replays them
+    result["dot_products"] = [[*shape, runs] for shape, runs in dot_products(compiled.as_text()).items()]
     if aot:
         return result
     batch = random_batch(trainer)

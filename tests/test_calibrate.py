@@ -66,6 +66,46 @@ def test_the_calibrated_roofline_reads_the_measured_rates(record):
     assert p.terms["compute"] == pytest.approx(4 * compute_seconds(curves, config, layout))
 
 
+def test_a_compiled_step_s_matmuls_are_replayed_at_their_calibrated_rates(record):
+    """With a calibration and a compile (pp = 1), compute is each compiled product's runs at its shape's rate (a
+    product and its transpose alike), plus attention's curve where cuDNN's fused kernel runs it; `--explain`
+    lists the products, the longest first."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.observe.hlo_flops import StepMatmuls
+    from pjax.plan.breakdown import breakdown
+    from pjax.plan.curves import Curves
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+
+    curves = Curves(record)
+    assert curves.matmul_seconds(64, 64, 128) == pytest.approx(curves.matmul_seconds(128, 64, 64), rel=1e-12)
+    config = load_config("debug", ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"])
+    layout, mc = Layout(dp=2, tp=2, grad_accum=2), config.model
+    profile = dataclasses.replace(PROFILES["cpu"], curves=curves)  # 4 devices share the host's rate
+    products = ((64, 64, 64, 10), (64, 64, 128, 3))
+    step = 10 * curves.matmul_seconds(64, 64, 64) + 3 * curves.matmul_seconds(64, 64, 128)
+    p = predict(config, layout, profile, {}, 0, 1.0, StepMatmuls(products))
+    assert p.terms["compute"] == pytest.approx(4 * step)
+    attention = 2 * mc.num_hidden_layers * curves.attention_seconds(2, 64, mc.num_attention_heads / 2, mc.head_dim)
+    fused = predict(config, layout, profile, {}, 0, 1.0, StepMatmuls(products, fused_attention=True))
+    assert attention > 0 and fused.terms["compute"] == pytest.approx(4 * (step + attention))
+    text = breakdown(config, layout, profile, {}, p, StepMatmuls(products))
+    assert "the compiled step's matmuls below" in text
+    ranked = {line.split()[0]: line for line in text.splitlines() if line.startswith("#")}
+    assert "64 x 64 x 64 " in ranked["#1"] and "64 x 64 x 128" in ranked["#2"]  # 10 runs take longer than 3
+
+
+def test_a_timed_call_runs_enough_products_within_the_operand_budget():
+    small = calibrate.products_per_call(8, 8, 8, 4, "gpu")
+    big = calibrate.products_per_call(16384, 8192, 49152, 2, "gpu")
+    assert small == 32 and big == 2
+    fits = calibrate.products_per_call(4096, 4096, 4096, 2, "gpu")
+    assert 2 < fits and fits * 3 * 4096 * 4096 * 2 <= 4 * 2**30
+
+
 def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
     """Collectives within a host cost the fitted latency per op and seconds per link byte; the fit's relative
     error on the measured points stays within a factor of the data's own spread."""

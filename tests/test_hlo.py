@@ -153,3 +153,20 @@ def test_matmul_flops_count_every_dot_as_often_as_its_loop_runs_and_a_gradient_s
             '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
     assert dot_flops(f"HloModule m\n\nENTRY %main (x: f32[32,48], w: f32[48,16]) -> f32[32,16] {{\n  {gemm}\n}}\n"
                      ) == 2 * m * k * n  # XLA:GPU's cuBLAS calls count too
+
+
+def test_matmul_shapes_fold_a_batch_into_rows_and_cudnn_attention_is_flagged():
+    from pjax.observe.hlo_flops import StepMatmuls, dot_flops, dot_products
+
+    def f(q, k, w):
+        return jnp.einsum("bqd,bkd->bqk", q, k), q.reshape(-1, 16) @ w
+
+    shapes = (jax.ShapeDtypeStruct((4, 8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 12, 16), jnp.float32),
+              jax.ShapeDtypeStruct((16, 24), jnp.float32))
+    hlo = jax.jit(f).lower(*shapes).compile().as_text()
+    assert dot_products(hlo) == {(4 * 8, 16, 12): 1, (32, 16, 24): 1}
+    matmuls = StepMatmuls.from_hlo(hlo)
+    assert matmuls.flops == dot_flops(hlo) == 2 * 16 * (32 * 12 + 32 * 24) and not matmuls.fused_attention
+    assert StepMatmuls.from_json(matmuls.as_json()) == matmuls
+    fmha = hlo.replace("ENTRY", '%a = f32[1] custom-call(), custom_call_target="__cudnn$fmhaSoftmax"\nENTRY', 1)
+    assert StepMatmuls.from_hlo(fmha).fused_attention

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pjax.config_io import load_config
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.metrics import model_flops_per_token
 from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
@@ -80,12 +81,13 @@ def test_compute_runs_the_compiled_step_s_matmul_flops_where_a_pipeline_does_not
     config = load_config("llama2-7b")
     layout = Layout(dp=4, tp=2, grad_accum=4)
     model = model_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len / 8
+    runs = lambda flops: StepMatmuls(((1, 1, 1, round(flops / 2)),))  # noqa: E731 - 2 FLOPs a run
     plain = predict(config, layout, PROFILES["h100"], {}, 0, 0.75)
-    twice = predict(config, layout, PROFILES["h100"], {}, 0, 0.75, dot_flops=2 * model)
+    twice = predict(config, layout, PROFILES["h100"], {}, 0, 0.75, runs(2 * model))
     assert twice.terms["compute"] == pytest.approx(2 * plain.terms["compute"]) and twice.executed[0] == pytest.approx(2)
-    assert predict(config, layout, PROFILES["h100"], {}, 0, 0.75, dot_flops=0.9 * model).executed[0] == 1.0
+    assert predict(config, layout, PROFILES["h100"], {}, 0, 0.75, runs(0.9 * model)).executed[0] == 1.0
     piped = Layout(dp=2, pp=2, tp=2, grad_accum=4, remat="full")
-    assert predict(config, piped, PROFILES["h100"], {}, 0, 0.75, dot_flops=9 * model).executed[0] == pytest.approx(4 / 3)
+    assert predict(config, piped, PROFILES["h100"], {}, 0, 0.75, runs(9 * model)).executed[0] == pytest.approx(4 / 3)
 
 
 def test_state_alone_too_big_is_does_not_fit_with_the_reason(capsys):

@@ -8,14 +8,15 @@ from typing import Any
 
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
 from pjax.plan.estimate import (DP_AXES, Prediction, host_share, link_model, per_device, pipeline_ratio,
-                                weight_share)
+                                replays, weight_share)
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import Profile
 
 
 def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
-              prediction: Prediction) -> str:
-    """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves)."""
+              prediction: Prediction, matmuls: Any = None) -> str:
+    """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves): the
+    compiled step's (`matmuls`, `observe.hlo_flops.StepMatmuls`) where `estimate.replays` them."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     share = host_share(profile, devices)
@@ -25,6 +26,11 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
         source = (f"model FLOPs{again} at {100 * profile.efficiency(mc.hidden_size):.1f}% of "
                   f"{per_device(profile, devices)[0] / 1e12:,.2f} TFLOP/s (the profile's MFU at hidden "
                   f"{mc.hidden_size})")
+    elif replays(profile, matmuls, layout):
+        source = (f"the compiled step's matmuls below ({matmuls.flops / 1e12:,.4g} TFLOP) at the calibrated rates "
+                  f"of {profile.curves.device_kind}" + (", and cuDNN's attention at its curve's"
+                                                         if matmuls.fused_attention else "")
+                  + (f", x {share} devices sharing the host" if share > 1 else ""))
     else:
         source = (f"the matmuls and attention below at the calibrated rates of {profile.curves.device_kind}{again}"
                   + (f", x {share} devices sharing the host" if share > 1 else ""))
@@ -41,7 +47,9 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
     rows += [(name, _ms(t), f"{100 * t / total:.0f}%", why) for name, t, why in terms]
     rows.append(("step", _ms(total), "100%", how))
     parts = [_table(rows)]
-    if profile.curves is not None:
+    if replays(profile, matmuls, layout):
+        parts.append(_replay_table(profile.curves, matmuls))
+    elif profile.curves is not None:
         parts.append(_matmul_table(profile.curves, config, layout))
     return "\n\n".join(parts)
 
@@ -67,6 +75,19 @@ def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:
                                          mc.head_dim)
     rows.append(("attention", f"{rows_per_micro} x {tc.seq_len // layout.cp} tokens",
                  f"{attention * 1e3:,.3f}" if attention else "not calibrated (0)", ""))
+    return _table(rows)
+
+
+def _replay_table(curves: Any, matmuls: Any, shown: int = 12) -> str:
+    """The compiled step's matmul shapes on one device, the longest first: runs per step, time, rate."""
+    timed = sorted(((runs * curves.matmul_seconds(m, k, n), (m, k, n), runs) for m, k, n, runs in matmuls.products),
+                   reverse=True)
+    rows = [("compiled matmul", "rows x contraction x columns", "runs per step", "ms", "TFLOP/s")]
+    for i, (seconds, (m, k, n), runs) in enumerate(timed[:shown]):
+        rows.append((f"#{i + 1}", f"{m} x {k} x {n}", f"{runs:,}", _ms(seconds),
+                     f"{2 * m * k * n * runs / seconds / 1e12:,.2f}"))
+    if len(timed) > shown:
+        rows.append((f"{len(timed) - shown} more", "", "", _ms(sum(t for t, _, _ in timed[shown:])), ""))
     return _table(rows)
 
 

@@ -1,25 +1,28 @@
 """Calibration: what the planner's roofline needs, measured on the machine at hand.
 
     python -m pjax.plan.calibrate --out calibration.json      # ~35 s on one H200, ~20 s on 2 CPU cores
+    python -m pjax.plan.calibrate --config smollm-360m --only matmul   # + that model's own products
 
 Matmul throughput as a function of shape and dtype, memory bandwidth, causal attention (forward and
 backward, the kernel `train.attention=auto` picks), and each collective's time by size over the devices
 present (none on one device). Every program is compiled first, in parallel threads on a GPU host (XLA:GPU
 autotunes each matmul shape for seconds), then each is timed alone: a figure is the median of timed calls
-after a warm-up; a matmul is timed as a scan over `repeat` different weights, so one call's dispatch is spread
-over several products and XLA cannot hoist a product out of the loop.
+after a warm-up; a matmul is timed as several independent products in one call (`matmul_job`), so that one
+call's dispatch is spread over them.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,38 +58,73 @@ def _platform() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
 
-# A measurement is a Job: its record's fixed fields, the jitted programs it times with their arguments,
-# and how the timed seconds complete the record. Jobs are compiled together first (XLA:GPU's autotuning
-# costs seconds per shape, and compiles run in parallel threads), then timed one at a time.
-Job = tuple[dict, list[tuple[Callable, tuple]], Callable[[dict, list[float]], None]]
+# A measurement is a Job: its record's fixed fields, the jitted programs it times each with the jitted program
+# that makes its arguments, and how the timed seconds complete the record. Jobs are compiled together first,
+# makers included (XLA:GPU's autotuning costs seconds per shape, and compiles run in parallel threads; an
+# eager op would compile one program per shape, one at a time), then timed one at a time, each program's
+# arguments made just before and dropped after: only one job's operands are on the device at a time.
+Job = tuple[dict, list[tuple[Callable, Callable[[], tuple]]], Callable[[dict, list[float]], None]]
 
 
-def matmul_job(m: int, k: int, n: int, dtype: str, repeat: int = 4) -> Job:
-    """One [m, k] x [k, n] product's seconds and FLOP/s, as the mean over a scan of `repeat` products."""
-    keys = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
-    ws = jax.random.normal(keys[1], (repeat, k, n), jnp.float32).astype(dtype)
+# The operands a matmul job may hold at once: its `repeat` products' inputs and outputs live side by side.
+_MATMUL_BYTES = {"cpu": 256 * 2**20, "gpu": 4 * 2**30}
+_CALL_FLOPS = {"cpu": 2e8, "gpu": 2e12}  # a call's products together: its dispatch is a small share of it
+
+
+def products_per_call(m: int, k: int, n: int, itemsize: int, plat: str) -> int:
+    """How many [m, k] x [k, n] products one timed call runs: enough FLOPs that its dispatch is a small share,
+    2 to 32 of them, within the platform's operand budget."""
+    want = math.ceil(_CALL_FLOPS[plat] / (2 * m * k * n))
+    room = _MATMUL_BYTES[plat] // ((m * k + k * n + m * n) * itemsize)
+    return int(max(2, min(32, want, room)))
+
+
+def matmul_job(m: int, k: int, n: int, dtype: str, repeat: int | None = None) -> Job:
+    """One [m, k] x [k, n] product's seconds and FLOP/s, as the mean of `repeat` independent products in one
+    call, each written to its own output as a layer's product is: no sum carried across them (an extra pass
+    over the output that the step does not make), no shared input (XLA would merge the products into one)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    repeat = repeat or products_per_call(m, k, n, itemsize, _platform())
+    @jax.jit
+    def operands() -> tuple:
+        keys = jax.random.split(jax.random.key(0), 2)
+        return (jax.random.normal(keys[0], (repeat, m, k), jnp.float32).astype(dtype),
+                jax.random.normal(keys[1], (repeat, k, n), jnp.float32).astype(dtype))
     out = jnp.bfloat16 if "float8" in dtype else dtype
 
     @jax.jit
-    def products(x, ws):
-        def one(acc, w):
-            return acc + jnp.dot(x, w, preferred_element_type=out), None
-        return jax.lax.scan(one, jnp.zeros((m, n), out), ws)[0]
+    def products(xs, ws):
+        return tuple(jnp.dot(xs[i], ws[i], preferred_element_type=out) for i in range(repeat))
 
     def finish(rec: dict, secs: list[float]) -> None:
         rec["seconds"] = secs[0] / repeat
         rec["flops_per_s"] = 2 * m * k * n / rec["seconds"]
-    return {"m": m, "k": k, "n": n, "dtype": dtype}, [(products, (x, ws))], finish
+    return {"m": m, "k": k, "n": n, "dtype": dtype, "repeat": repeat}, [(products, operands)], finish
+
+
+def model_products(config_name: str, overrides: Sequence[str] = ()) -> list[tuple[int, int, int]]:
+    """The matmul shapes the named config's training step runs, compiled for one device of this machine: XLA's
+    own forms (the q, k, v products it merges into one, the weight gradients it splits), every one the step's
+    `dot_products` counts."""
+    from mesh.mesh import make_mesh
+    from pjax.config_io import load_config
+    from pjax.observe.hlo_flops import dot_products
+    from pjax.step import build_trainer
+
+    one = [f"mesh.{axis}=1" for axis in ("dp", "pp", "cp", "tp")]
+    cfg = load_config(config_name, [*overrides, *one])
+    trainer = build_trainer(make_mesh(cfg.mesh, jax.devices()[:1]), cfg.model, cfg.train, cfg.pipeline, cfg.moe,
+                            cfg.context)
+    return list(dot_products(trainer.compile_step().as_text()))
 
 
 def bandwidth_job(megabytes: int) -> Job:
     """Bytes per second of an elementwise pass (read once, written once) over `megabytes` of fp32."""
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    size = megabytes * 2**20 // 4
 
     def finish(rec: dict, secs: list[float]) -> None:
-        rec["seconds"], rec["bytes_per_s"] = secs[0], 2 * x.nbytes / secs[0]
-    return {"megabytes": megabytes}, [(jax.jit(lambda x: x * 1.0001 + 1.0), (x,))], finish
+        rec["seconds"], rec["bytes_per_s"] = secs[0], 2 * 4 * size / secs[0]
+    return {"megabytes": megabytes}, [(jax.jit(lambda x: x * 1.0001 + 1.0), jax.jit(lambda: (jnp.ones((size,)),)))], finish
 
 
 def attention_job(batch: int, seq: int, heads: int, head_dim: int) -> Job:
@@ -95,9 +133,12 @@ def attention_job(batch: int, seq: int, heads: int, head_dim: int) -> Job:
     from models.attention import select_attention
 
     dtype = jnp.bfloat16 if _platform() == "gpu" else jnp.float32
-    q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
-               for key in jax.random.split(jax.random.key(1), 3))
-    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    @jax.jit
+    def qkv() -> tuple:
+        keys = jax.random.split(jax.random.key(1), 3)
+        return tuple(jax.random.normal(keys[i], (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
+                     for i in range(3))
+    pos = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
     fn = select_attention("auto")
     forward = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos))
     both = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v, pos, pos).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
@@ -107,7 +148,7 @@ def attention_job(batch: int, seq: int, heads: int, head_dim: int) -> Job:
         rec["forward_s"], rec["forward_backward_s"] = secs
         rec["forward_flops_per_s"], rec["forward_backward_flops_per_s"] = flops / secs[0], 3 * flops / secs[1]
     fixed = {"batch": batch, "seq": seq, "heads": heads, "head_dim": head_dim, "dtype": str(jnp.dtype(dtype))}
-    return fixed, [(forward, (q, k, v)), (both, (q, k, v))], finish
+    return fixed, [(forward, qkv), (both, qkv)], finish
 
 
 def collective_job(kind: str, megabytes: float, devices: list) -> Job:
@@ -123,11 +164,11 @@ def collective_job(kind: str, megabytes: float, devices: list) -> Job:
            "all_to_all": lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
            "ppermute": lambda x: jax.lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)])}
     body = jax.shard_map(ops[kind], mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
-    x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("x")))
+    x = jax.jit(lambda: (jnp.ones((n * per_device,), jnp.float32),), out_shardings=(NamedSharding(mesh, P("x")),))
 
     def finish(rec: dict, secs: list[float]) -> None:
         rec["seconds"] = secs[0]
-    return {"kind": kind, "devices": n, "megabytes": per_device * 4 / 2**20}, [(jax.jit(body), (x,))], finish
+    return {"kind": kind, "devices": n, "megabytes": per_device * 4 / 2**20}, [(jax.jit(body), x)], finish
 
 
 def run_jobs(jobs: list[Job], threads: int, verbose: bool = False) -> list[dict]:
@@ -138,9 +179,9 @@ def run_jobs(jobs: list[Job], threads: int, verbose: bool = False) -> list[dict]
     def compile_one(item):
         i, fn, args = item
         try:
-            return i, fn.lower(*args).compile(), args
+            return i, fn.lower(*jax.eval_shape(args)).compile(), args.lower().compile()
         except Exception as e:  # noqa: BLE001 - recorded, the calibration goes on
-            return i, str(e).splitlines()[0], args
+            return i, (str(e).strip().splitlines() or [type(e).__name__])[0], args
     t0, compiled = time.perf_counter(), []
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         for done in pool.map(compile_one, programs):
@@ -148,40 +189,55 @@ def run_jobs(jobs: list[Job], threads: int, verbose: bool = False) -> list[dict]
             if verbose:
                 print(f"compiled {len(compiled)}/{len(programs)} in {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
-    records, seconds = [dict(fixed) for fixed, _, _ in jobs], [[] for _ in jobs]
+    by_job: dict[int, list] = collections.defaultdict(list)
     for i, exe, args in compiled:
-        if isinstance(exe, str):
-            records[i]["error"] = exe
-        elif "error" not in records[i]:
-            seconds[i].append(timed(exe, *args))
-    for rec, secs, (_, _, finish) in zip(records, seconds, jobs):
-        if "error" not in rec:
-            finish(rec, secs)
+        by_job[i].append((exe, args))
+    records = []
+    for i, (fixed, _, finish) in enumerate(jobs):
+        rec, errors = dict(fixed), [exe for exe, _ in by_job[i] if isinstance(exe, str)]
+        if errors:
+            rec["error"] = errors[0]
+        else:
+            finish(rec, [timed(exe, *args()) for exe, args in by_job[i]])
+        records.append(rec)
         if verbose:
             print(json.dumps(rec), file=sys.stderr, flush=True)
     return records
 
 
+def default_threads() -> int:
+    """Parallel compiles: up to 16 on a GPU host; one on forced CPU devices, where a compile thread takes a
+    core from the measurement's own threads."""
+    return min(16, os.cpu_count() or 1) if _platform() == "gpu" else 1
+
+
+SECTIONS = ("matmul", "bandwidth", "attention", "collectives")
+
+
 def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = None,
-              dtypes: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Every measurement above for this machine's platform, as one JSON-able record."""
+              dtypes: tuple[str, ...] | None = None, config: str | None = None,
+              only: tuple[str, ...] = SECTIONS, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Every measurement above for this machine's platform (the `only` sections), as one JSON-able record;
+    `config` (with `overrides`): that model's own products too (`model_products`)."""
     plat = _platform()
     grid, devices = _GRIDS[plat], jax.devices()
     rows = grid["rows"][:2] if quick else grid["rows"]
-    shapes = [(k, k) for k in grid["square"]] + list(grid["rect"])
-    # On forced CPU devices a compile thread takes a core from the measurement's own threads: one at a time.
-    threads = threads or (min(16, os.cpu_count() or 1) if plat == "gpu" else 1)
-    sections = {
-        "matmul": [matmul_job(m, k, n, dtype) for dtype in dtypes or _DTYPES[plat] for m in rows for k, n in shapes],
-        "bandwidth": [bandwidth_job(mb) for mb in _BANDWIDTH_MB[plat]],
-        "attention": [attention_job(*shape) for shape in _ATTENTION[plat]],
-        "collectives": [collective_job(kind, mb, devices) for kind in _COLLECTIVES for mb in _COLLECTIVE_MB]
+    shapes = [(m, k, n) for m in rows for k, n in [(k, k) for k in grid["square"]] + list(grid["rect"])]
+    shapes += model_products(config, overrides) if config else []
+    threads = threads or default_threads()
+    makers = {
+        "matmul": lambda: [matmul_job(*s, dtype) for dtype in dtypes or _DTYPES[plat] for s in dict.fromkeys(shapes)],
+        "bandwidth": lambda: [bandwidth_job(mb) for mb in _BANDWIDTH_MB[plat]],
+        "attention": lambda: [attention_job(*shape) for shape in _ATTENTION[plat]],
+        "collectives": lambda: [collective_job(kind, mb, devices) for kind in _COLLECTIVES for mb in _COLLECTIVE_MB]
         if len(devices) > 1 else []}
+    sections = {name: makers[name]() for name in SECTIONS if name in only}
     jobs = [job for section in sections.values() for job in section]
     records = iter(run_jobs(jobs, threads, verbose))
     record: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "platform": plat, "device_kind": devices[0].device_kind,
-        "devices": len(devices), "jax": jax.__version__, "compile_threads": threads}
+        "devices": len(devices), "jax": jax.__version__, "compile_threads": threads, "config": config,
+        "overrides": list(overrides)}
     for name, section in sections.items():
         record[name] = [next(records) for _ in section]
     return record
@@ -194,20 +250,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="parallel compiles (default: up to 16 on a GPU host, 1 with forced CPU devices)")
     ap.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default: the platform's)")
+    ap.add_argument("--config", default=None, help="also time this named config's own matmul shapes")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
     ap.add_argument("--verbose", action="store_true", help="each measurement on stderr as it is taken")
+    ap.add_argument("overrides", nargs="*", help="with --config: its overrides (train.batch_size=32 ...)")
     args = ap.parse_args()
+    only = tuple(args.only.split(","))
+    if not set(only) <= set(SECTIONS) or (args.config and "matmul" not in only):
+        sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul with --config); not {args.only}")
     t0 = time.perf_counter()
     record = calibrate(args.quick, args.verbose, args.threads,
-                       tuple(args.dtypes.split(",")) if args.dtypes else None)
+                       tuple(args.dtypes.split(",")) if args.dtypes else None, args.config, only, args.overrides)
     record["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(record, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    best = max((r for r in record["matmul"] if "flops_per_s" in r), key=lambda r: r["flops_per_s"])
+    best = max((r for r in record.get("matmul", []) if "flops_per_s" in r), key=lambda r: r["flops_per_s"],
+               default=None)
     print(json.dumps({"device_kind": record["device_kind"], "wall_s": record["wall_s"],
-                      "best_matmul_tflops": round(best["flops_per_s"] / 1e12, 1), "best_shape": best,
-                      "bandwidth_gb_s": [round(b["bytes_per_s"] / 1e9) for b in record["bandwidth"]]}))
+                      "best_matmul_tflops": best and round(best["flops_per_s"] / 1e12, 1), "best_shape": best,
+                      "bandwidth_gb_s": [round(b["bytes_per_s"] / 1e9) for b in record.get("bandwidth", [])]}))
 
 
 if __name__ == "__main__":

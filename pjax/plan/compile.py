@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from pjax.config import Config
-from pjax.observe.hlo_flops import dot_flops
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.inspect import step_collectives
 from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import Profile
@@ -48,7 +48,7 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
 
 def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str = "cpu"
                    ) -> dict[str, Any]:
-    """Compile one layout's step in this process: {memory, comm, dot_flops, attention, compile_s}
+    """Compile one layout's step in this process: {memory, comm, matmuls, attention, compile_s}
     (`compile_planned`)."""
     from pjax.observe.memory import step_memory_bytes
 
@@ -60,7 +60,7 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
     hlo = compiled.as_text()
     comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
-    return {"memory": memory, "comm": comm, "dot_flops": dot_flops(hlo), "attention": cfg.train.attention,
+    return {"memory": memory, "comm": comm, "matmuls": StepMatmuls.from_hlo(hlo).as_json(), "attention": cfg.train.attention,
             "compile_s": round(time.perf_counter() - start, 2)}
 
 

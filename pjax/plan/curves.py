@@ -25,8 +25,7 @@ class Curves:
         rows = [r for r in record["matmul"] if "flops_per_s" in r]
         dtype = dtype or ("bfloat16" if record["platform"] == "gpu" else "float32")
         self.device_kind, self.dtype = record["device_kind"], dtype
-        self._matmul = [((math.log(r["m"]), math.log(r["k"]), math.log(r["n"])), r["flops_per_s"])
-                        for r in rows if r["dtype"] == dtype]
+        self._matmul = [(_at(r["m"], r["k"], r["n"]), r["flops_per_s"]) for r in rows if r["dtype"] == dtype]
         if not self._matmul:
             raise ValueError(f"the calibration of {self.device_kind} holds no {dtype} matmul")
         self._attention = [((math.log(a["seq"]), math.log(a["head_dim"])), a["forward_backward_flops_per_s"])
@@ -40,7 +39,7 @@ class Curves:
 
     def matmul_seconds(self, m: float, k: float, n: float) -> float:
         """One [m, k] x [k, n] product."""
-        return 2 * m * k * n / _nearest(self._matmul, (math.log(m), math.log(k), math.log(n)))
+        return 2 * m * k * n / _nearest(self._matmul, _at(m, k, n))
 
     def attention_seconds(self, rows: float, seq: int, heads: float, head_dim: int) -> float:
         """Causal attention forward and backward over `rows` sequences of `seq` tokens (3x the forward's
@@ -49,6 +48,12 @@ class Curves:
             return 0.0
         flops = 3 * 2 * rows * heads * seq * seq * head_dim
         return flops / _nearest(self._attention, (math.log(seq), math.log(head_dim)))
+
+
+def _at(m: float, k: float, n: float) -> tuple[float, float, float]:
+    """A product's point on the curves: its transpose ([n, k] x [k, m]) is the same work, so the larger of
+    rows and columns first, in logs."""
+    return math.log(max(m, n)), math.log(k), math.log(min(m, n))
 
 
 # `calibrate.collective`'s ops as HLO names, and their result's size per byte of the per-device buffer it times.
@@ -104,10 +109,15 @@ def layer_matmuls(cfg: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:
             (tokens, d, f // tp), (tokens, d, f // tp), (tokens, f // tp, d)]
 
 
-def forward_and_backward(curves: Curves, shape: tuple[int, int, int]) -> float:
-    """A product's forward, and its backward's two: dX = dY W^T [m, n] x [n, k], dW = X^T dY [k, m] x [m, n]."""
+def backward_products(shape: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """A forward [m, k] x [k, n] product's backward two: dX = dY W^T [m, n] x [n, k], dW = X^T dY [k, m] x [m, n]."""
     m, k, n = shape
-    return curves.matmul_seconds(m, k, n) + curves.matmul_seconds(m, n, k) + curves.matmul_seconds(k, m, n)
+    return (m, n, k), (k, m, n)
+
+
+def forward_and_backward(curves: Curves, shape: tuple[int, int, int]) -> float:
+    """A product's forward and its backward's two (`backward_products`), each at its own rate."""
+    return sum(curves.matmul_seconds(*s) for s in (shape, *backward_products(shape)))
 
 
 def compute_seconds(curves: Curves, config: Any, layout: Any) -> float:
@@ -121,3 +131,17 @@ def compute_seconds(curves: Curves, config: Any, layout: Any) -> float:
     layer += curves.attention_seconds(rows, tc.seq_len // layout.cp, mc.num_attention_heads / layout.tp, mc.head_dim)
     head = forward_and_backward(curves, (tokens, mc.hidden_size, mc.vocab_size // layout.tp)) / layout.pp
     return layout.grad_accum * (layers * layer + head)
+
+
+def replay_seconds(curves: Curves, matmuls: Any, config: Any, layout: Any) -> float:
+    """One device's step from its compiled matmuls (`observe.hlo_flops.StepMatmuls`: XLA's own shapes, merged and
+    split as it runs them, remat's recompute and MoE's expert buffers included), each at its calibrated rate;
+    plus attention where cuDNN's fused kernel runs it (no dot): every layer of every micro-batch."""
+    seconds = sum(runs * curves.matmul_seconds(m, k, n) for m, k, n, runs in matmuls.products)
+    if matmuls.fused_attention:
+        mc = config.model
+        rows, _ = micro_batch(config, layout)
+        layers = mc.num_hidden_layers // layout.pp
+        seconds += layout.grad_accum * layers * curves.attention_seconds(
+            rows, config.train.seq_len // layout.cp, mc.num_attention_heads / layout.tp, mc.head_dim)
+    return seconds

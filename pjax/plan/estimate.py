@@ -9,10 +9,11 @@ from typing import Any
 
 from models.config import LlamaConfig
 from pjax.config import Config
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
 from pjax.parallel.compression import bytes_per_value
 from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
-from pjax.plan.curves import compute_seconds
+from pjax.plan.curves import compute_seconds, replay_seconds
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -238,20 +239,28 @@ def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float
     return remat, (f"remat={layout.remat} computes the forward twice" if remat != 1 else "")
 
 
+def replays(profile: Profile, matmuls: StepMatmuls | None, layout: Layout) -> bool:
+    """Whether the compute term replays the compiled step's matmuls at calibrated rates (`curves.replay_seconds`):
+    with a calibration and a compile, and at pp = 1 (a pipeline's tick body holds every branch of its table)."""
+    return profile.curves is not None and matmuls is not None and layout.pp == 1
+
+
 def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
-            memory_bytes: int, mem_fraction: float, dot_flops: float | None = None) -> Prediction:
+            memory_bytes: int, mem_fraction: float, matmuls: StepMatmuls | None = None) -> Prediction:
     """The roofline step time of `layout` given its collectives per set of axes, its memory per device and
-    the matmul FLOPs its compiled step runs per device (`observe.hlo_flops.dot_flops`; None: not compiled)."""
+    the matmuls its compiled step runs per device (`observe.hlo_flops.StepMatmuls`; None: not compiled)."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     peak = per_device(profile, devices)[0]
     tokens = tc.batch_size * tc.seq_len
     group = routing_group_tokens(tc.batch_size, layout.grad_accum, tc.seq_len, layout.dp, layout.cp)
     flops = model_flops_per_token(mc, tc.seq_len, config.moe, group) * tokens / devices
-    executed = executed_per_model_flop(layout, flops, dot_flops)
+    executed = executed_per_model_flop(layout, flops, matmuls.flops if matmuls else None)
     if profile.curves is None:
         compute = flops * executed[0] / (peak * profile.efficiency(mc.hidden_size))
-    else:  # measured on the whole host: devices that share it share its rate
+    elif replays(profile, matmuls, layout):  # measured on the whole host: devices on it share its rate
+        compute = replay_seconds(profile.curves, matmuls, config, layout) * host_share(profile, devices)
+    else:
         compute = compute_seconds(profile.curves, config, layout) * executed[0] * host_share(profile, devices)
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     terms = {"compute": compute, "bubble": compute * (ratio - 1.0)}

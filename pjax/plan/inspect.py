@@ -9,7 +9,7 @@ import jax
 
 from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
-from pjax.observe.hlo_flops import dot_flops
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import tick_runs
 from pjax.plan.layouts import Layout, check, state_bytes
@@ -90,8 +90,9 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
     mesh, devices = trainer.mesh, trainer.mesh.devices.size
     hlo = compiled.as_text()
     comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
+    matmuls = StepMatmuls.from_hlo(hlo)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75,
-                dot_flops(hlo))
+                matmuls)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
     head = (f"{layout.name} on {devices} {profile.name}, compiled by XLA:{backend.upper()} "
             f"({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
@@ -101,4 +102,4 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
                f"{'fits' if p.fits else 'does NOT fit'}")
     return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
                         step_report(cfg, mesh, compiled, devices_per_host, comm), verdict,
-                        breakdown(cfg, layout, profile, comm, p)])
+                        breakdown(cfg, layout, profile, comm, p, matmuls)])

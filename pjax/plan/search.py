@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from models.precision import bytes_per
 from pjax.config import Config
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.compile import Compiler
 from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, predict, usable_bytes
 from pjax.plan.layouts import Layout, layouts, planned_config, policy, state_bytes
@@ -103,7 +104,7 @@ def _compile(config: Config, profile: Profile, compiler: Compiler, batch: list[C
         if "error" not in c.compiled:
             c.prediction = predict(planned_config(config, c.layout, profile), c.layout, profile,
                                    c.compiled["comm"], c.compiled["memory"]["total"], mem_fraction,
-                                   c.compiled.get("dot_flops"))
+                                   StepMatmuls.from_json(c.compiled.get("matmuls")))
 
 
 def _count_that_fits(c: Candidate, family: list[Candidate], usable: int) -> Candidate | None:
