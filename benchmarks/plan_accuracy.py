@@ -2,6 +2,7 @@
 
     python benchmarks/plan_accuracy.py        # picotron-cpu and a wider variant, 22 layouts each; mixtral-tiny, 5
     python benchmarks/plan_accuracy.py --configs picotron-cpu --layouts dp8-m2,dp2-tp4-m2 --plot acc.png
+    python benchmarks/plan_accuracy.py --measured earlier.jsonl --calibration cal.json   # predictions only
 
 For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
 - the planner's two predictions: the analytic one it ranks all layouts with before compiling,
@@ -99,6 +100,22 @@ def summarise(rows: list[dict]) -> dict:
     return stats
 
 
+def measure_all(shipped: str, overrides: list[str], layouts: list, rows: list[dict], steps: int,
+                repeats: int) -> None:
+    """Each layout's measured median and range into its row, over `repeats` whole passes (so that the
+    machine's drift over the run shows in each layout's spread)."""
+    times: list[list[float]] = [[] for _ in layouts]
+    for _ in range(repeats):
+        for layout, row, seen in zip(layouts, rows, times):
+            measured = measure(shipped, overrides, layout, steps)
+            row["error"] = measured.get("error") or row.get("error")
+            if measured.get("step_ms"):
+                seen.append(measured["step_ms"])
+    for row, seen in zip(rows, times):
+        row["measured_ms"] = round(float(np.median(seen)), 1) if seen else None
+        row["measured_range_ms"] = [min(seen), max(seen)] if seen else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -109,6 +126,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="predicted against measured step time, to this PNG")
     ap.add_argument("--calibration", default=None,
                     help="a `python -m pjax.plan.calibrate` record of this machine: adds the calibrated predictions")
+    ap.add_argument("--measured", default=None,
+                    help="an earlier run's output: take its measured times instead of measuring again")
     args = ap.parse_args()
 
     import jax
@@ -126,22 +145,22 @@ def main() -> None:
         from pjax.plan.curves import Curves
 
         calibrated = dataclasses.replace(profile, curves=Curves.load(args.calibration))
+    earlier = None
+    if args.measured:  # an earlier run's printed rows: its measured times, with this checkout's predictions
+        with open(args.measured) as f:
+            earlier = {(r["config"], r["layout"]): r for r in map(json.loads, f) if "layout" in r}
     summary = {}
     for name in args.configs.split(","):
         shipped, overrides, layouts = CONFIGS[name]
         config = load_config(shipped, overrides)
         parsed = list(map(Layout.parse, (args.layouts or layouts).split(",")))
         rows = [predictions(name, config, layout, profile, calibrated) for layout in parsed]
-        times: list[list[float]] = [[] for _ in parsed]
-        for _ in range(args.repeats):  # whole passes, so the machine's drift over the run shows in each spread
-            for layout, row, seen in zip(parsed, rows, times):
-                measured = measure(shipped, overrides, layout, args.steps)
-                row["error"] = measured.get("error") or row.get("error")
-                if measured.get("step_ms"):
-                    seen.append(measured["step_ms"])
-        for row, seen in zip(rows, times):
-            row["measured_ms"] = round(float(np.median(seen)), 1) if seen else None
-            row["measured_range_ms"] = [min(seen), max(seen)] if seen else None
+        if earlier is None:
+            measure_all(shipped, overrides, parsed, rows, args.steps, args.repeats)
+        for row in rows:
+            if earlier is not None:
+                seen = earlier.get((name, row["layout"]), {})
+                row.update(measured_ms=seen.get("measured_ms"), measured_range_ms=seen.get("measured_range_ms"))
             print(json.dumps(row), flush=True)
         summary[name] = {**summarise(rows), "rows": rows}
         print(json.dumps({"config": name, **summarise(rows)}), flush=True)
@@ -158,9 +177,13 @@ def plot(summary: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 6))
     for name, s in summary.items():
         ok = [r for r in s["rows"] if r["measured_ms"]]
-        ax.scatter([r["measured_ms"] for r in ok], [r["predicted_ms"] for r in ok], label=name)
+        dots = ax.scatter([r["measured_ms"] for r in ok], [r["predicted_ms"] for r in ok], label=name)
         for r in ok:
             ax.annotate(r["layout"], (r["measured_ms"], r["predicted_ms"]), fontsize=6)
+        calibrated = [r for r in ok if r.get("calibrated_ms")]
+        if calibrated:
+            ax.scatter([r["measured_ms"] for r in calibrated], [r["calibrated_ms"] for r in calibrated], marker="x",
+                       color=dots.get_facecolor()[0], label=f"{name}, calibrated")
     lo, hi = ax.get_xlim()
     ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
     ax.set_xlabel("measured step (ms)")

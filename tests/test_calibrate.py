@@ -30,9 +30,11 @@ def test_every_figure_is_measured(record):
     assert all(_positive(b["bytes_per_s"]) for b in record["bandwidth"])
     (att,) = record["attention"]
     assert _positive(att["forward_s"]) and att["forward_backward_s"] > att["forward_s"] / 10
-    kinds = {c["kind"] for c in record["collectives"]}
-    assert kinds == {"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"}
+    kinds = {(c["kind"], c["group"]) for c in record["collectives"]}
+    assert kinds == {(k, g) for k in ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute") for g in (2, 4, 8)}
     assert all(c["devices"] == 8 and _positive(c["seconds"]) for c in record["collectives"])
+    assert calibrate.collective_groups(8) == [2, 4, 8] and calibrate.collective_groups(6) == [2, 6]
+    assert calibrate.collective_groups(1) == []
 
 
 def test_matmul_rate_is_flops_over_time():
@@ -92,10 +94,26 @@ def test_a_compiled_step_s_matmuls_are_replayed_at_their_calibrated_rates(record
     attention = 2 * mc.num_hidden_layers * curves.attention_seconds(2, 64, mc.num_attention_heads / 2, mc.head_dim)
     fused = predict(config, layout, profile, {}, 0, 1.0, StepMatmuls(products, fused_attention=True))
     assert attention > 0 and fused.terms["compute"] == pytest.approx(4 * (step + attention))
+    moe = load_config("mixtral-tiny")  # before a compile its experts' matmuls are only in the model's FLOPs
+    plain = predict(moe, layout, PROFILES["cpu"], {}, 0, 1.0).terms["compute"]
+    assert predict(moe, layout, profile, {}, 0, 1.0).terms["compute"] == pytest.approx(plain)
+    assert predict(moe, layout, profile, {}, 0, 1.0, StepMatmuls(products)).terms["compute"] == pytest.approx(4 * step)
     text = breakdown(config, layout, profile, {}, p, StepMatmuls(products))
     assert "the compiled step's matmuls below" in text
     ranked = {line.split()[0]: line for line in text.splitlines() if line.startswith("#")}
     assert "64 x 64 x 64 " in ranked["#1"] and "64 x 64 x 128" in ranked["#2"]  # 10 runs take longer than 3
+
+
+def test_a_config_s_own_products_are_those_its_compiled_step_runs():
+    """`--config`: the shapes of the step compiled for one device, the output layer's among them."""
+    from pjax.config_io import load_config
+
+    overrides = ["train.batch_size=4", "train.grad_accum=2", "train.seq_len=64"]
+    shapes = calibrate.model_products("debug", overrides)
+    mc = load_config("debug", overrides).model
+    tokens = 4 // 2 * 64
+    assert len(shapes) == len(set(shapes)) > 3
+    assert any(k == mc.hidden_size and {m, n} == {tokens, mc.padded_vocab_size} for m, k, n in shapes)
 
 
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():
@@ -106,9 +124,10 @@ def test_a_timed_call_runs_enough_products_within_the_operand_budget():
     assert 2 < fits and fits * 3 * 4096 * 4096 * 2 <= 4 * 2**30
 
 
-def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
-    """Collectives within a host cost the fitted latency per op and seconds per link byte; the fit's relative
-    error on the measured points stays within a factor of the data's own spread."""
+def test_the_calibrated_link_is_a_fit_to_the_measured_collectives_of_each_group_size(record):
+    """Collectives within a host cost the fitted latency per op and seconds per link byte of the measured group
+    size nearest the row's (all devices without one); the fit's relative error on the measured points stays
+    within a factor of the data's own spread."""
     import dataclasses
 
     from pjax.plan.curves import Curves, link_bytes
@@ -116,15 +135,17 @@ def test_the_calibrated_link_is_a_fit_to_the_measured_collectives(record):
     from pjax.plan.profiles import PROFILES
 
     curves = Curves(record)
-    latency, per_byte = curves.link
-    assert latency >= 0 and per_byte > 0
+    assert sorted(curves.links) == [2, 4, 8] and curves.link == curves.links[8]
+    assert curves.link_for(None)[0] == 8 and curves.link_for(3)[0] == 4 and curves.link_for(64)[0] == 8
     profile = dataclasses.replace(PROFILES["cpu"], curves=curves)
-    row = {"count": 3, "link_bytes": 1e6, "inter_host": False}
-    assert comm_seconds(row, profile, 8) == pytest.approx(3 * latency + 1e6 * per_byte)
-    psum = next(c for c in record["collectives"] if c["kind"] == "psum")
-    assert link_bytes(psum) == pytest.approx(2 * 7 / 8 * psum["megabytes"] * 2**20)  # a ring all-reduce's
-    fitted = latency + link_bytes(psum) * per_byte
-    assert 0.2 < fitted / psum["seconds"] < 5
+    for group in (2, 4, 8):
+        latency, per_byte = curves.links[group]
+        assert latency >= 0 and per_byte > 0
+        row = {"count": 3, "link_bytes": 1e6, "inter_host": False, "group": group}
+        assert comm_seconds(row, profile, 8) == pytest.approx(3 * latency + 1e6 * per_byte)
+        psum = next(c for c in record["collectives"] if c["kind"] == "psum" and c["group"] == group)
+        assert link_bytes(psum) == pytest.approx(2 * (group - 1) / group * psum["megabytes"] * 2**20)  # a ring's
+        assert 0.2 < (latency + link_bytes(psum) * per_byte) / psum["seconds"] < 5
 
 
 def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
@@ -152,7 +173,7 @@ def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
     assert ms("step") == pytest.approx(p.step_s * 1e3, abs=0.006)
     ratio = pipeline_ratio(layout, weight_share(config.model, 64))
     assert f"1f1b p=2 m=2 v=1: span / busy = {ratio:.3f}" in rows["bubble"]
-    assert "3 ops x" in rows["dp"] and "(fitted to the calibration's collectives); exposed" in rows["dp"]
+    assert "3 ops x" in rows["dp"] and "(fitted to the calibration's collectives in groups of 8); exposed" in rows["dp"]
     tokens = 8 // 2 // 2 * 64
     d = config.model.hidden_size
     assert f"{tokens} x {d} x {config.model.num_attention_heads * config.model.head_dim}" in rows["q"]

@@ -161,7 +161,8 @@ def link_factor(kind: str, n: int) -> float:
 def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None,
                         scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes', 'inter_host',
-    'kinds'} per device per step; hosts are consecutive blocks of `devices_per_host` devices."""
+    'kinds', 'group' (the devices those axes span)} per device per step; hosts are consecutive blocks of
+    `devices_per_host` devices."""
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
 
@@ -179,7 +180,9 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
         if isinstance(label, str):
             continue
         kind, axes, size, inter = label
-        row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {}})
+        group = math.prod(mesh_shape[a] for a in axes.split("+") if a in mesh_shape)  # the axes' devices
+        row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {},
+                                    "group": group})
         row["count"] += stats["count"]
         row["bytes"] += stats["bytes"]
         row["link_bytes"] += stats["bytes"] * link_factor(kind, size)

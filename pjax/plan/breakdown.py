@@ -8,7 +8,7 @@ from typing import Any
 
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
 from pjax.plan.estimate import (DP_AXES, Prediction, host_share, link_model, per_device, pipeline_ratio,
-                                replays, weight_share)
+                                compute_model, weight_share)
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import Profile
 
@@ -16,17 +16,18 @@ from pjax.plan.profiles import Profile
 def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
               prediction: Prediction, matmuls: Any = None) -> str:
     """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves): the
-    compiled step's (`matmuls`, `observe.hlo_flops.StepMatmuls`) where `estimate.replays` them."""
+    compiled step's (`matmuls`, `observe.hlo_flops.StepMatmuls`) where `estimate.compute_model` replays them."""
     mc, tc = config.model, config.train
     devices = layout.dp * layout.pp * layout.cp * layout.tp
     share = host_share(profile, devices)
     executed, why = prediction.executed
     again = f" x {executed:.3g} ({why})" if executed != 1 else ""
-    if profile.curves is None:
+    model = compute_model(config, profile, matmuls, layout)
+    if model == "efficiency":
         source = (f"model FLOPs{again} at {100 * profile.efficiency(mc.hidden_size):.1f}% of "
                   f"{per_device(profile, devices)[0] / 1e12:,.2f} TFLOP/s (the profile's MFU at hidden "
                   f"{mc.hidden_size})")
-    elif replays(profile, matmuls, layout):
+    elif model == "replay":
         source = (f"the compiled step's matmuls below ({matmuls.flops / 1e12:,.4g} TFLOP) at the calibrated rates "
                   f"of {profile.curves.device_kind}" + (", and cuDNN's attention at its curve's"
                                                          if matmuls.fused_attention else "")
@@ -47,9 +48,9 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
     rows += [(name, _ms(t), f"{100 * t / total:.0f}%", why) for name, t, why in terms]
     rows.append(("step", _ms(total), "100%", how))
     parts = [_table(rows)]
-    if replays(profile, matmuls, layout):
+    if model == "replay":
         parts.append(_replay_table(profile.curves, matmuls))
-    elif profile.curves is not None:
+    elif model == "curves":
         parts.append(_matmul_table(profile.curves, config, layout))
     return "\n\n".join(parts)
 

@@ -1,14 +1,14 @@
 """Calibration: what the planner's roofline needs, measured on the machine at hand.
 
-    python -m pjax.plan.calibrate --out calibration.json      # ~35 s on one H200, ~20 s on 2 CPU cores
-    python -m pjax.plan.calibrate --config smollm-360m --only matmul   # + that model's own products
+    python -m pjax.plan.calibrate --out calibration.json      # ~25 s on 2 CPU cores as 8 devices
+    python -m pjax.plan.calibrate --config smollm-360m train.batch_size=32   # + that step's own products
 
 Matmul throughput as a function of shape and dtype, memory bandwidth, causal attention (forward and
-backward, the kernel `train.attention=auto` picks), and each collective's time by size over the devices
-present (none on one device). Every program is compiled first, in parallel threads on a GPU host (XLA:GPU
-autotunes each matmul shape for seconds), then each is timed alone: a figure is the median of timed calls
-after a warm-up; a matmul is timed as several independent products in one call (`matmul_job`), so that one
-call's dispatch is spread over them.
+backward, the kernel `train.attention=auto` picks), and each collective's time by size within groups of
+2, 4, ... of the devices present, every group at once as a mesh axis runs it (none on one device). Every
+program is compiled first, in parallel threads on a GPU host (XLA:GPU autotunes each matmul shape for
+seconds), then each is timed alone: a figure is the median of timed calls after a warm-up; a matmul is timed
+as several independent products in one call (`matmul_job`), so that one call's dispatch is spread over them.
 """
 from __future__ import annotations
 
@@ -151,24 +151,34 @@ def attention_job(batch: int, seq: int, heads: int, head_dim: int) -> Job:
     return fixed, [(forward, qkv), (both, qkv)], finish
 
 
-def collective_job(kind: str, megabytes: float, devices: list) -> Job:
-    """One collective over all `devices` (a 1-D mesh): seconds for a per-device buffer of `megabytes` fp32."""
+def collective_groups(n: int) -> list[int]:
+    """The group sizes a calibration times collectives in on `n` devices: every power of two that divides
+    `n`, and `n`: the sizes a mesh axis (or two together) can have."""
+    return sorted({g for g in (2 ** i for i in range(1, n.bit_length())) if n % g == 0} | ({n} if n > 1 else set()))
+
+
+def collective_job(kind: str, megabytes: float, devices: list, group: int | None = None) -> Job:
+    """One collective within every group of `group` consecutive devices at once (default: all of them), as a
+    mesh axis of that size runs it: seconds for a per-device buffer of `megabytes` fp32."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     n = len(devices)
-    mesh = Mesh(np.array(devices), ("x",))
-    per_device = max(n, int(megabytes * 2**20 / 4) // n * n)
+    g = group or n
+    mesh = Mesh(np.array(devices).reshape(n // g, g), ("rest", "x"))
+    per_device = max(g, int(megabytes * 2**20 / 4) // g * g)
     ops = {"psum": lambda x: jax.lax.psum(x, "x"),
            "all_gather": lambda x: jax.lax.all_gather(x, "x", tiled=True),
            "psum_scatter": lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
            "all_to_all": lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
-           "ppermute": lambda x: jax.lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)])}
-    body = jax.shard_map(ops[kind], mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
-    x = jax.jit(lambda: (jnp.ones((n * per_device,), jnp.float32),), out_shardings=(NamedSharding(mesh, P("x")),))
+           "ppermute": lambda x: jax.lax.ppermute(x, "x", [(i, (i + 1) % g) for i in range(g)])}
+    spec = P(("rest", "x"))
+    body = jax.shard_map(ops[kind], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    x = jax.jit(lambda: (jnp.ones((n * per_device,), jnp.float32),), out_shardings=(NamedSharding(mesh, spec),))
 
     def finish(rec: dict, secs: list[float]) -> None:
         rec["seconds"] = secs[0]
-    return {"kind": kind, "devices": n, "megabytes": per_device * 4 / 2**20}, [(jax.jit(body), x)], finish
+    fixed = {"kind": kind, "devices": n, "group": g, "megabytes": per_device * 4 / 2**20}
+    return fixed, [(jax.jit(body), x)], finish
 
 
 def run_jobs(jobs: list[Job], threads: int, verbose: bool = False) -> list[dict]:
@@ -229,8 +239,8 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
         "matmul": lambda: [matmul_job(*s, dtype) for dtype in dtypes or _DTYPES[plat] for s in dict.fromkeys(shapes)],
         "bandwidth": lambda: [bandwidth_job(mb) for mb in _BANDWIDTH_MB[plat]],
         "attention": lambda: [attention_job(*shape) for shape in _ATTENTION[plat]],
-        "collectives": lambda: [collective_job(kind, mb, devices) for kind in _COLLECTIVES for mb in _COLLECTIVE_MB]
-        if len(devices) > 1 else []}
+        "collectives": lambda: [collective_job(kind, mb, devices, g) for g in collective_groups(len(devices))
+                                for kind in _COLLECTIVES for mb in _COLLECTIVE_MB]}
     sections = {name: makers[name]() for name in SECTIONS if name in only}
     jobs = [job for section in sections.values() for job in section]
     records = iter(run_jobs(jobs, threads, verbose))

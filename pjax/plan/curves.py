@@ -30,7 +30,17 @@ class Curves:
             raise ValueError(f"the calibration of {self.device_kind} holds no {dtype} matmul")
         self._attention = [((math.log(a["seq"]), math.log(a["head_dim"])), a["forward_backward_flops_per_s"])
                            for a in record.get("attention", [])]
-        self.link = _fit_link(record.get("collectives", []))  # (seconds per op, seconds per link byte) or None
+        # per group size, (seconds per op, seconds per link byte); `link` is the largest group's, or None
+        self.links = _fit_links(record.get("collectives", []))
+        self.link = self.links[max(self.links)] if self.links else None
+
+    def link_for(self, group: int | None) -> tuple[int, tuple[float, float]] | None:
+        """(group size, its fit) of the measured group size nearest `group` in log (the largest for None)."""
+        if not self.links:
+            return None
+        size = max(self.links) if group is None else min(
+            self.links, key=lambda g: (abs(math.log(g) - math.log(max(group, 1))), -g))
+        return size, self.links[size]
 
     @classmethod
     def load(cls, path: str, dtype: str | None = None) -> "Curves":
@@ -65,8 +75,17 @@ _AS_HLO = {"psum": ("all-reduce", lambda n: 1.0), "all_gather": ("all-gather", l
 def link_bytes(record: dict) -> float:
     """Link bytes one device sent in a calibrated collective, by ring algorithms (`observe.hlo.link_factor`)."""
     kind, result = _AS_HLO[record["kind"]]
-    n = record["devices"]
+    n = record.get("group", record["devices"])
     return link_factor(kind, n) * result(n) * record["megabytes"] * 2**20
+
+
+def _fit_links(records: list[dict]) -> dict[int, tuple[float, float]]:
+    """`_fit_link` per group size (a record without one spans all its devices)."""
+    groups: dict[int, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r.get("group", r["devices"]), []).append(r)
+    fits = {g: _fit_link(rs) for g, rs in groups.items()}
+    return {g: fit for g, fit in fits.items() if fit is not None}
 
 
 def _fit_link(records: list[dict]) -> tuple[float, float] | None:
@@ -126,7 +145,7 @@ def compute_seconds(curves: Curves, config: Any, layout: Any) -> float:
     rows, tokens = micro_batch(config, layout)
     layers = mc.num_hidden_layers // layout.pp
     if mc.num_local_experts:
-        raise ValueError("the calibrated compute model has no MoE expert matmuls; plan MoE without --calibration")
+        raise ValueError("the layer's products hold no MoE expert matmuls: replay a compiled step (`replay_seconds`)")
     layer = sum(forward_and_backward(curves, s) for s in layer_matmuls(mc, tokens, layout.tp))
     layer += curves.attention_seconds(rows, tc.seq_len // layout.cp, mc.num_attention_heads / layout.tp, mc.head_dim)
     head = forward_and_backward(curves, (tokens, mc.hidden_size, mc.vocab_size // layout.tp)) / layout.pp

@@ -185,8 +185,9 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
         shared = shared_bytes(config, layout)
         sends = (payload["pp"] - shared) * pp / (pp * layout.virtual_stages - 1) * layout.virtual_stages
         rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1) + 1, sends + shared * ring(pp))
-    return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host)}
-            for axes, (count, link) in rows.items()}
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host),
+                   "group": math.prod(sizes[a] for a in axes.split("+"))} for axes, (count, link) in rows.items()}
 
 
 # Bytes XLA keeps per activation element without remat, fitted to compiled steps (an order of magnitude).
@@ -216,9 +217,11 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
 
 def link_model(row: dict[str, Any], profile: Profile, devices: int) -> tuple[float, float, str]:
     """(seconds per op, seconds per link byte, where they come from) for one row of collectives: within a
-    host the fit to a calibration's measured collectives when the profile has one, else the profile's link."""
-    if profile.curves is not None and profile.curves.link is not None and not row["inter_host"]:
-        return (*profile.curves.link, "fitted to the calibration's collectives")
+    host the fit to a calibration's collectives in the group size nearest the row's, when the profile has
+    one, else the profile's link."""
+    fit = profile.curves.link_for(row.get("group")) if profile.curves is not None else None
+    if fit is not None and not row["inter_host"]:
+        return (*fit[1], f"fitted to the calibration's collectives in groups of {fit[0]}")
     bw = (profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw) / host_share(profile, devices)
     return profile.latency_s, 1.0 / bw, "between hosts" if row["inter_host"] else "within a host"
 
@@ -239,10 +242,17 @@ def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float
     return remat, (f"remat={layout.remat} computes the forward twice" if remat != 1 else "")
 
 
-def replays(profile: Profile, matmuls: StepMatmuls | None, layout: Layout) -> bool:
-    """Whether the compute term replays the compiled step's matmuls at calibrated rates (`curves.replay_seconds`):
-    with a calibration and a compile, and at pp = 1 (a pipeline's tick body holds every branch of its table)."""
-    return profile.curves is not None and matmuls is not None and layout.pp == 1
+def compute_model(config: Config, profile: Profile, matmuls: StepMatmuls | None, layout: Layout) -> str:
+    """How `predict` prices compute: 'replay' (the compiled step's matmuls at calibrated rates,
+    `curves.replay_seconds`: with a calibration and a compile, at pp = 1, since a pipeline's tick body holds
+    every branch of its table), 'curves' (the layer's products at calibrated rates: a calibration, no compile
+    or a pipeline), or 'efficiency' (the profile's one MFU; also an MoE model's without a compile to replay,
+    whose expert matmuls the layer's products do not hold)."""
+    if profile.curves is None:
+        return "efficiency"
+    if matmuls is not None and layout.pp == 1:
+        return "replay"
+    return "efficiency" if config.model.num_local_experts else "curves"
 
 
 def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
@@ -256,9 +266,10 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     group = routing_group_tokens(tc.batch_size, layout.grad_accum, tc.seq_len, layout.dp, layout.cp)
     flops = model_flops_per_token(mc, tc.seq_len, config.moe, group) * tokens / devices
     executed = executed_per_model_flop(layout, flops, matmuls.flops if matmuls else None)
-    if profile.curves is None:
+    model = compute_model(config, profile, matmuls, layout)
+    if model == "efficiency":
         compute = flops * executed[0] / (peak * profile.efficiency(mc.hidden_size))
-    elif replays(profile, matmuls, layout):  # measured on the whole host: devices on it share its rate
+    elif model == "replay":  # measured on the whole host: devices on it share its rate
         compute = replay_seconds(profile.curves, matmuls, config, layout) * host_share(profile, devices)
     else:
         compute = compute_seconds(profile.curves, config, layout) * executed[0] * host_share(profile, devices)
