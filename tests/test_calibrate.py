@@ -116,6 +116,21 @@ def test_a_config_s_own_products_are_those_its_compiled_step_runs():
     assert any(k == mc.hidden_size and {m, n} == {tokens, mc.padded_vocab_size} for m, k, n in shapes)
 
 
+def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(record, tmp_path, capsys):
+    """`python -m pjax.plan --calibrate`: measured on the first call, read back from the cache on the next;
+    planning an H100 on this CPU with it is one line that says what to do instead."""
+    from pjax.plan import __main__ as plan_cli
+
+    first, path, fresh = calibrate.this_machine("cpu", str(tmp_path))
+    assert fresh and path.startswith(str(tmp_path)) and first["devices"] == jax.device_count()
+    again, same, fresh_again = calibrate.this_machine("cpu", str(tmp_path))
+    assert (again, same, fresh_again) == (first, path, False)
+    code = plan_cli.main(["--devices", "1", "--device-kind", "h100", "--xla", "cpu", "--calibrate",
+                          "--cache", str(tmp_path), "--explain", "1-m1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not h100's" in err[0] and "--calibration FILE" in err[0]
+
+
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():
     small = calibrate.products_per_call(8, 8, 8, 4, "gpu")
     big = calibrate.products_per_call(16384, 8192, 49152, 2, "gpu")

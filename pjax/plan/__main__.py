@@ -42,6 +42,10 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     ap.add_argument("--calibration", default=None, metavar="JSON",
                     help="a `python -m pjax.plan.calibrate` record of this device kind: its measured matmul and "
                          "attention rates replace the profile's single efficiency")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this machine's rates first (python -m pjax.plan.calibrate, kept in the cache "
+                         "directory per machine) and plan with them: for --device-kind cpu, or on a host with "
+                         "GPUs of the kind planned for")
     ap.add_argument("--explain", metavar="LAYOUT", default=None,
                     help="inspect one layout (e.g. dp2-tp4-zero1-m4) instead of searching")
     ap.add_argument("overrides", nargs="*", help="config overrides applied before planning, e.g. train.batch_size=64")
@@ -90,6 +94,8 @@ def _run(args: Any) -> None:
         jax.config.update("jax_num_cpu_devices", args.devices)
     except RuntimeError:  # JAX already started in this process (a notebook, a test): use its devices
         pass
+    if args.calibrate:
+        profile = dataclasses.replace(profile, curves=_this_machine(args))
     in_process = args.workers == 0 or args.explain
     if backend == "cpu" and in_process and len(jax.devices("cpu")) < args.devices:
         raise ConfigError(f"this process has {len(jax.devices('cpu'))} CPU devices and the layouts need {args.devices}; "
@@ -112,6 +118,24 @@ def _run(args: Any) -> None:
         print(_report(result, args, backend))
     if not any(c.prediction and c.prediction.fits for c in result.compiled):
         sys.exit(1)
+
+
+def _this_machine(args: Any) -> Any:
+    """This machine's calibration as curves (`calibrate.this_machine`), and one line on stderr saying whence."""
+    from pjax.plan.calibrate import this_machine
+    from pjax.plan.compile import default_cache_dir
+    from pjax.plan.curves import Curves
+
+    if args.calibration:
+        raise ConfigError("--calibrate measures this machine and --calibration reads a record: give one of them.")
+    directory = None if args.no_cache else os.path.join(args.cache or default_cache_dir(), "calibration")
+    try:
+        record, path, fresh = this_machine(args.device_kind, directory)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    where = f" ({path})" if path else ""
+    print(f"calibrated this machine{where}" if fresh else f"this machine's calibration{where}", file=sys.stderr)
+    return Curves(record)
 
 
 def _layout(name: str) -> Any:

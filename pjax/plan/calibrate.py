@@ -16,6 +16,7 @@ import argparse
 import collections
 import concurrent.futures
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -251,6 +252,29 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
     for name, section in sections.items():
         record[name] = [next(records) for _ in section]
     return record
+
+
+def this_machine(kind: str, cache_dir: str | None) -> tuple[dict[str, Any], str | None, bool]:
+    """(record, its file, measured now) of this machine's calibration for planning device kind `kind`: read
+    from `cache_dir` where one was taken with the same devices, JAX and cores, else measured now and stored
+    there. ValueError where this machine's devices are not of that kind."""
+    devices = jax.devices()
+    local = "cpu" if devices[0].platform == "cpu" else devices[0].device_kind
+    if (kind == "cpu") != (local == "cpu") or (kind != "cpu" and kind.lower() not in local.lower()):
+        raise ValueError(f"--calibrate measures this machine's devices ({len(devices)} x {local}), not {kind}'s: "
+                         f"plan for them here, or calibrate on a {kind} and pass --calibration FILE")
+    key = hashlib.sha256(json.dumps([local, len(devices), jax.__version__, os.cpu_count()]).encode()).hexdigest()
+    path = os.path.join(cache_dir, f"{kind}-{len(devices)}-{key[:16]}.json") if cache_dir else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f), path, False
+    record = calibrate()
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    return record, path, True
 
 
 def main() -> None:
