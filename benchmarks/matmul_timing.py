@@ -3,9 +3,9 @@
     python benchmarks/matmul_timing.py --config smollm-360m train.batch_size=32 train.grad_accum=4
     python benchmarks/matmul_timing.py --config smollm-360m --threads 1 --ways independent ...
 
-`carried`: a scan of 4 products that adds each into a carried [m, n] sum (pjax.plan.calibrate until
-2026-11-28); `independent`: `calibrate.matmul_job`'s independent products, each to its own output. The products are those
-of the config's step compiled for one device (`calibrate.model_products`). Prints one
+`carried`: a scan of 4 products that adds each into a carried [m, n] sum (pjax.plan.calibrate's way until
+2026-11-27); `independent`: `measurements.matmul_job`'s independent products, each to its own output. The
+products are those of the config's step compiled for one device (`measurements.model_products`). Prints one
 JSON line per product and way: its shape, the way, the compile threads and TFLOP/s."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import json
 import jax
 import jax.numpy as jnp
 
-from pjax.plan import calibrate
+from pjax.plan import calibrate, measurements
 
 
-def carried_job(m: int, k: int, n: int, dtype: str, repeat: int = 4) -> calibrate.Job:
+def carried_job(m: int, k: int, n: int, dtype: str, repeat: int = 4) -> measurements.Job:
     """The earlier way: `repeat` products of one input summed into a carried buffer by a scan."""
     @jax.jit
     def operands() -> tuple:
@@ -44,11 +44,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="parallel compiles (default: calibrate's)")
     ap.add_argument("overrides", nargs="*", help="the config's overrides")
     args = ap.parse_args()
-    dtype = calibrate._DTYPES[calibrate._platform()][0]
+    dtype = calibrate._DTYPES[measurements.platform()][0]
     threads = args.threads or calibrate.default_threads()
-    makers = {"carried": carried_job, "independent": calibrate.matmul_job}
+    makers = {"carried": carried_job, "independent": measurements.matmul_job}
     ways = args.ways.split(",")
-    shapes = calibrate.model_products(args.config, args.overrides)
+    shapes = measurements.model_products(args.config, args.overrides)
     jobs = [makers[way](*shape, dtype) for way in ways for shape in shapes]
     for i, rec in enumerate(calibrate.run_jobs(jobs, threads)):
         rec.update(way=ways[i // len(shapes)], threads=threads, config=args.config,

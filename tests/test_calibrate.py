@@ -5,7 +5,7 @@ import math
 import jax
 import pytest
 
-from pjax.plan import calibrate
+from pjax.plan import calibrate, measurements
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,12 @@ def test_every_figure_is_measured(record):
     kinds = {(c["kind"], c["group"]) for c in record["collectives"]}
     assert kinds == {(k, g) for k in ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute") for g in (2, 4, 8)}
     assert all(c["devices"] == 8 and _positive(c["seconds"]) for c in record["collectives"])
-    assert calibrate.collective_groups(8) == [2, 4, 8] and calibrate.collective_groups(6) == [2, 6]
-    assert calibrate.collective_groups(1) == []
+    assert measurements.collective_groups(8) == [2, 4, 8] and measurements.collective_groups(6) == [2, 6]
+    assert measurements.collective_groups(1) == []
 
 
 def test_matmul_rate_is_flops_over_time():
-    r = calibrate.run_jobs([calibrate.matmul_job(32, 48, 16, "float32", repeat=2)], threads=2)[0]
+    r = calibrate.run_jobs([measurements.matmul_job(32, 48, 16, "float32", repeat=2)], threads=2)[0]
     assert r["flops_per_s"] == pytest.approx(2 * 32 * 48 * 16 / r["seconds"])
 
 
@@ -109,7 +109,7 @@ def test_a_config_s_own_products_are_those_its_compiled_step_runs():
     from pjax.config_io import load_config
 
     overrides = ["train.batch_size=4", "train.grad_accum=2", "train.seq_len=64"]
-    shapes = calibrate.model_products("debug", overrides)
+    shapes = measurements.model_products("debug", overrides)
     mc = load_config("debug", overrides).model
     tokens = 4 // 2 * 64
     assert len(shapes) == len(set(shapes)) > 3
@@ -132,10 +132,10 @@ def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(reco
 
 
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():
-    small = calibrate.products_per_call(8, 8, 8, 4, "gpu")
-    big = calibrate.products_per_call(16384, 8192, 49152, 2, "gpu")
+    small = measurements.products_per_call(8, 8, 8, 4, "gpu")
+    big = measurements.products_per_call(16384, 8192, 49152, 2, "gpu")
     assert small == 32 and big == 2
-    fits = calibrate.products_per_call(4096, 4096, 4096, 2, "gpu")
+    fits = measurements.products_per_call(4096, 4096, 4096, 2, "gpu")
     assert 2 < fits and fits * 3 * 4096 * 4096 * 2 <= 4 * 2**30
 
 
