@@ -106,4 +106,4 @@ class StepMatmuls:
 
     @property
     def flops(self) -> float:
-        return product_flops({(m, k, n): runs for m, k, n, runs in self.products})
+        return float(sum(2 * m * k * n * runs for m, k, n, runs in self.products))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
 from pjax.plan.estimate import (DP_AXES, Prediction, host_share, link_model, per_device, pipeline_ratio,
                                 compute_model, weight_share)
@@ -14,7 +15,7 @@ from pjax.plan.profiles import Profile
 
 
 def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
-              prediction: Prediction, matmuls: Any = None) -> str:
+              prediction: Prediction, matmuls: StepMatmuls | None = None) -> str:
     """The terms of `prediction` as a table with their sources, then the matmuls it timed (with curves): the
     compiled step's (`matmuls`, `observe.hlo_flops.StepMatmuls`) where `estimate.compute_model` replays them."""
     mc, tc = config.model, config.train
@@ -79,7 +80,7 @@ def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:
     return _table(rows)
 
 
-def _replay_table(curves: Any, matmuls: Any, shown: int = 12) -> str:
+def _replay_table(curves: Any, matmuls: StepMatmuls, shown: int = 12) -> str:
     """The compiled step's matmul shapes on one device, the longest first: runs per step, time, rate."""
     timed = sorted(((runs * curves.matmul_seconds(m, k, n), (m, k, n), runs) for m, k, n, runs in matmuls.products),
                    reverse=True)

@@ -60,8 +60,8 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
     hlo = compiled.as_text()
     comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
-    return {"memory": memory, "comm": comm, "matmuls": StepMatmuls.from_hlo(hlo).as_json(), "attention": cfg.train.attention,
-            "compile_s": round(time.perf_counter() - start, 2)}
+    return {"memory": memory, "comm": comm, "matmuls": StepMatmuls.from_hlo(hlo).as_json(),
+            "attention": cfg.train.attention, "compile_s": round(time.perf_counter() - start, 2)}
 
 
 def _guarded(config: Config, layout: Layout, profile: Profile, devices_per_host: int, backend: str

@@ -5,8 +5,9 @@ JAX's CUDA plugin can describe a topology from a target description instead of f
 target_config=...)`); jit then lowers and compiles for those devices, and nothing can run on them. So the
 planner reads XLA:GPU's own memory plan and collectives (async pairs, its scheduler, its fusions) instead of
 XLA:CPU's. It needs `pip install 'pjax[gpu-plan]'` (the plugin, ptxas from NVIDIA's nvcc wheel, and cuDNN for
-its fused attention); without it the planner compiles on fake CPU devices and says so. Autotuning needs a device, so XLA picks its default
-kernels: the memory plan is the one to trust, the kernels' speed is not measured here."""
+its fused attention); without it the planner compiles on fake CPU devices and says so. Autotuning needs a
+device, so XLA picks its default kernels: the memory plan is the one to trust, the kernels' speed is not
+measured here."""
 from __future__ import annotations
 
 import contextlib
