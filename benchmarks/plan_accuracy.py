@@ -10,6 +10,9 @@ For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
   the `cpu` device profile;
 - the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up), in
   `--repeats` passes over all the layouts: the passes' median is compared, their range reported.
+With `--calibration`, the calibrated prediction also charges each config's pipelines at the share of the
+bubble that config's own pipeline pays here (`pjax.plan.pipeline_cost`, measured once per config unless the
+record holds that config's, as `python -m pjax.plan --calibrate` does).
 Then per config: Spearman's rank correlation and the median relative error of each prediction.
 Per-device memory is compared only where the backend reports it (`memory_stats()`: GPUs);
 XLA:CPU keeps no allocator statistics, so on CPU the memory column is the compiled figure alone.
@@ -88,6 +91,22 @@ def predictions(name: str, config, layout, profile, calibrated) -> dict:
     return row
 
 
+def with_pipeline(profile, record: dict, name: str, shipped: str, overrides: list[str]):
+    """`profile` with the calibration's curves and what a pipeline pays for this config's model here: the record's
+    own measurement where it was of this config, else measured now, as `python -m pjax.plan --calibrate` does
+    for the config it plans (`pipeline_cost.measure_pipeline`, printed as a line of its own)."""
+    import dataclasses
+
+    from pjax.plan.curves import Curves
+    from pjax.plan.pipeline_cost import measure_pipeline
+
+    measured = record.get("pipeline") or {}
+    if (measured.get("config"), measured.get("overrides")) != (shipped, overrides):
+        measured = measure_pipeline(shipped, overrides)
+        print(json.dumps({"config": name, "pipeline": measured}), flush=True)
+    return dataclasses.replace(profile, curves=Curves({**record, "pipeline": measured}))
+
+
 def summarise(rows: list[dict]) -> dict:
     """Spearman and median relative error of each prediction against the measured medians."""
     ok = [r for r in rows if r["measured_ms"]]
@@ -138,13 +157,10 @@ def main() -> None:
     from pjax.plan.profiles import PROFILES
 
     profile = PROFILES["cpu"]
-    calibrated = None
+    record = None
     if args.calibration:
-        import dataclasses
-
-        from pjax.plan.curves import Curves
-
-        calibrated = dataclasses.replace(profile, curves=Curves.load(args.calibration))
+        with open(args.calibration) as f:
+            record = json.load(f)
     earlier = None
     if args.measured:  # an earlier run's printed rows: its measured times, with this checkout's predictions
         with open(args.measured) as f:
@@ -154,6 +170,7 @@ def main() -> None:
         shipped, overrides, layouts = CONFIGS[name]
         config = load_config(shipped, overrides)
         parsed = list(map(Layout.parse, (args.layouts or layouts).split(",")))
+        calibrated = None if record is None else with_pipeline(profile, record, name, shipped, overrides)
         rows = [predictions(name, config, layout, profile, calibrated) for layout in parsed]
         if earlier is None:
             measure_all(shipped, overrides, parsed, rows, args.steps, args.repeats)

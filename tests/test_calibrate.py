@@ -195,3 +195,66 @@ def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
     assert f"{tokens} x {d} x {config.model.num_attention_heads * config.model.head_dim}" in rows["q"]
     assert float(rows["q"].split()[-2]) == pytest.approx(
         forward_and_backward(profile.curves, (tokens, d, d)) * 1e3, abs=6e-4)
+
+
+@pytest.fixture(scope="module")
+def piped():
+    """What a 2-stage pipeline of the debug model pays on these 8 devices (`pipeline_cost.measure_pipeline`)."""
+    from pjax.plan.pipeline_cost import measure_pipeline
+
+    return measure_pipeline("debug", ["train.seq_len=32"], steps=1, rounds=1)
+
+
+def test_a_pipeline_s_cost_is_its_step_measured_against_the_step_without_one(piped):
+    """The section times the model's own step at dp4 x pp2 and at dp8 (two micro-batches each) and expresses the
+    pipeline's extra time as a share of the table's bubble; a batch the layouts cannot split is one line, not a
+    traceback."""
+    from pjax.config_io import load_config
+    from pjax.plan.estimate import pipeline_ratio, weight_share
+    from pjax.plan.layouts import Layout
+    from pjax.plan.pipeline_cost import measure_pipeline
+
+    assert (piped["pipeline"], piped["flat"]) == ("dp4-pp2-m2", "dp8-m2") and piped["devices"] == 8
+    assert _positive(piped["flat_s"]) and _positive(piped["pipeline_s"])
+    config = load_config("debug", ["train.seq_len=32"])
+    ratio = pipeline_ratio(Layout(dp=4, pp=2, grad_accum=2), weight_share(config.model, 32))
+    assert piped["table_ratio"] == pytest.approx(ratio) and ratio > 1
+    assert piped["paid"] == pytest.approx(max(0.0, (piped["pipeline_s"] / piped["flat_s"] - 1) / (ratio - 1)))
+    bad = measure_pipeline("debug", ["train.batch_size=8"])
+    assert "error" in bad and "batch_size" in bad["error"] and "\n" not in bad["error"]
+
+
+def test_the_roofline_charges_the_bubble_at_the_share_measured_here(record, piped):
+    """With the measurement the bubble is the table's times the share paid; a lockstep table (cp > 1) computes on
+    its idle stages, so on a shared host it pays the whole bubble and the measured share; without a measurement,
+    the whole bubble, and `--explain` says how to measure one."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.plan.breakdown import breakdown
+    from pjax.plan.curves import Curves
+    from pjax.plan.estimate import pipeline_ratio, predict, weight_share
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+
+    config = load_config("debug", ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"])
+    plain = dataclasses.replace(PROFILES["cpu"], curves=Curves(record))
+    measured = dataclasses.replace(PROFILES["cpu"], curves=Curves({**record, "pipeline": piped}))
+    for layout, share in [(Layout(dp=2, pp=2, grad_accum=2), piped["paid"]),
+                          (Layout(pp=2, cp=2, grad_accum=2, dp=1), piped["paid"] + 1)]:
+        whole, paid = (predict(config, layout, profile, {}, 0, 1.0) for profile in (plain, measured))
+        ratio = pipeline_ratio(layout, weight_share(config.model, 64))
+        assert whole.terms["bubble"] == pytest.approx(whole.terms["compute"] * (ratio - 1))
+        assert paid.terms["bubble"] == pytest.approx(whole.terms["bubble"] * share)
+        bubble_row = next(line for line in breakdown(config, layout, measured, {}, paid).splitlines()
+                          if line.startswith("bubble"))
+        assert f"x {share:.2f}" in bubble_row and "dp4-pp2-m2 against dp8-m2 of debug" in bubble_row
+    text = breakdown(config, Layout(dp=2, pp=2, grad_accum=2), plain, {}, whole)
+    assert "the whole bubble (the calibration measured no pipeline: calibrate with --config)" in text
+
+
+def test_the_pipeline_section_without_a_model_is_one_line(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["calibrate", "--only", "pipeline"])
+    with pytest.raises(SystemExit) as exit_:
+        calibrate.main()
+    assert str(exit_.value) == "--only pipeline measures a model's step: give it --config NAME [overrides]"

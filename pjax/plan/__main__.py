@@ -130,7 +130,7 @@ def _this_machine(args: Any) -> Any:
         raise ConfigError("--calibrate measures this machine and --calibration reads a record: give one of them.")
     directory = None if args.no_cache else os.path.join(args.cache or default_cache_dir(), "calibration")
     try:
-        record, path, fresh = this_machine(args.device_kind, directory)
+        record, path, fresh = this_machine(args.device_kind, directory, args.config, args.overrides)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     where = f" ({path})" if path else ""

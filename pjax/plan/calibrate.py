@@ -2,6 +2,7 @@
 
     python -m pjax.plan.calibrate --out calibration.json      # ~25 s on 2 CPU cores as 8 devices
     python -m pjax.plan.calibrate --config smollm-360m train.batch_size=32   # + that step's own products
+    python -m pjax.plan.calibrate --config picotron-cpu --only pipeline        # what a pipeline pays here
 
 Matmul throughput as a function of shape and dtype, memory bandwidth, causal attention (forward and
 backward, the kernel `train.attention=auto` picks), and each collective's time by size within groups of
@@ -9,6 +10,7 @@ backward, the kernel `train.attention=auto` picks), and each collective's time b
 program is compiled first, in parallel threads on a GPU host (XLA:GPU autotunes each matmul shape for
 seconds), then each is timed alone: a figure is the median of timed calls after a warm-up; a matmul is timed
 as several independent products in one call (`matmul_job`), so that one call's dispatch is spread over them.
+With a config, also what that model's step pays for a pipeline of 2 stages here (`pipeline_cost`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import jax
 
 from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collective_groups, collective_job,
                                     matmul_job, model_products, platform)
+from pjax.plan.pipeline_cost import measure_pipeline
 
 # (rows, contraction, columns) per platform: a CPU's peak is ~1000x below an H100's, so its grid is smaller.
 _GRIDS = {
@@ -95,19 +98,20 @@ def default_threads() -> int:
     return min(16, os.cpu_count() or 1) if platform() == "gpu" else 1
 
 
-SECTIONS = ("matmul", "bandwidth", "attention", "collectives")
+SECTIONS = ("matmul", "bandwidth", "attention", "collectives", "pipeline")  # pipeline: with a config
 
 
 def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = None,
               dtypes: tuple[str, ...] | None = None, config: str | None = None,
               only: tuple[str, ...] = SECTIONS, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Every measurement above for this machine's platform (the `only` sections), as one JSON-able record;
-    `config` (with `overrides`): that model's own products too (`model_products`)."""
+    `config` (with `overrides`): that model's own products too (`model_products`), and what its step pays for
+    a pipeline here (`pipeline_cost.measure_pipeline`; without a config there is no model to measure)."""
     plat = platform()
     grid, devices = _GRIDS[plat], jax.devices()
     rows = grid["rows"][:2] if quick else grid["rows"]
     shapes = [(m, k, n) for m in rows for k, n in [(k, k) for k in grid["square"]] + list(grid["rect"])]
-    shapes += model_products(config, overrides) if config else []
+    shapes += model_products(config, overrides) if config and "matmul" in only else []
     threads = threads or default_threads()
     makers = {
         "matmul": lambda: [matmul_job(*s, dtype) for dtype in dtypes or _DTYPES[plat] for s in dict.fromkeys(shapes)],
@@ -115,7 +119,7 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
         "attention": lambda: [attention_job(*shape) for shape in _ATTENTION[plat]],
         "collectives": lambda: [collective_job(kind, mb, devices, g) for g in collective_groups(len(devices))
                                 for kind in _COLLECTIVES for mb in _COLLECTIVE_MB]}
-    sections = {name: makers[name]() for name in SECTIONS if name in only}
+    sections = {name: makers[name]() for name in makers if name in only}
     jobs = [job for section in sections.values() for job in section]
     records = iter(run_jobs(jobs, threads, verbose))
     record: dict[str, Any] = {
@@ -124,24 +128,29 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
         "overrides": list(overrides)}
     for name, section in sections.items():
         record[name] = [next(records) for _ in section]
+    if "pipeline" in only and config:  # after the jobs: their operands are gone, the steps have the memory
+        record["pipeline"] = measure_pipeline(config, overrides)
     return record
 
 
-def this_machine(kind: str, cache_dir: str | None) -> tuple[dict[str, Any], str | None, bool]:
-    """(record, its file, measured now) of this machine's calibration for planning device kind `kind`: read
-    from `cache_dir` where one was taken with the same devices, JAX and cores, else measured now and stored
-    there. ValueError where this machine's devices are not of that kind."""
+def this_machine(kind: str, cache_dir: str | None, config: str | None = None, overrides: Sequence[str] = ()
+                 ) -> tuple[dict[str, Any], str | None, bool]:
+    """(record, its file, measured now) of this machine's calibration for planning `config` (with `overrides`:
+    its products and pipeline are measured too) on device kind `kind`: read from `cache_dir` where one was
+    taken with the same devices, JAX, cores and config, else measured now and stored there. ValueError where
+    this machine's devices are not of that kind."""
     devices = jax.devices()
     local = "cpu" if devices[0].platform == "cpu" else devices[0].device_kind
     if (kind == "cpu") != (local == "cpu") or (kind != "cpu" and kind.lower() not in local.lower()):
         raise ValueError(f"--calibrate measures this machine's devices ({len(devices)} x {local}), not {kind}'s: "
                          f"plan for them here, or calibrate on a {kind} and pass --calibration FILE")
-    key = hashlib.sha256(json.dumps([local, len(devices), jax.__version__, os.cpu_count()]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([local, len(devices), jax.__version__, os.cpu_count(), config,
+                                     list(overrides)]).encode()).hexdigest()
     path = os.path.join(cache_dir, f"{kind}-{len(devices)}-{key[:16]}.json") if cache_dir else None
     if path and os.path.exists(path):
         with open(path) as f:
             return json.load(f), path, False
-    record = calibrate()
+    record = calibrate(config=config, overrides=overrides)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         with open(f"{path}.{os.getpid()}.tmp", "w") as f:
@@ -163,8 +172,10 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="with --config: its overrides (train.batch_size=32 ...)")
     args = ap.parse_args()
     only = tuple(args.only.split(","))
-    if not set(only) <= set(SECTIONS) or (args.config and "matmul" not in only):
-        sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul with --config); not {args.only}")
+    if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", "pipeline"} & set(only)):
+        sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul or pipeline with --config); not {args.only}")
+    if "pipeline" in only and not args.config and args.only != ",".join(SECTIONS):
+        sys.exit("--only pipeline measures a model's step: give it --config NAME [overrides]")
     t0 = time.perf_counter()
     record = calibrate(args.quick, args.verbose, args.threads,
                        tuple(args.dtypes.split(",")) if args.dtypes else None, args.config, only, args.overrides)
@@ -177,7 +188,19 @@ def main() -> None:
                default=None)
     print(json.dumps({"device_kind": record["device_kind"], "wall_s": record["wall_s"],
                       "best_matmul_tflops": best and round(best["flops_per_s"] / 1e12, 1), "best_shape": best,
-                      "bandwidth_gb_s": [round(b["bytes_per_s"] / 1e9) for b in record.get("bandwidth", [])]}))
+                      "bandwidth_gb_s": [round(b["bytes_per_s"] / 1e9) for b in record.get("bandwidth", [])],
+                      "pipeline": _pipeline_line(record)}))
+
+
+def _pipeline_line(record: dict[str, Any]) -> str:
+    """The pipeline section in a few words: the share of the bubble paid, or why it was not measured."""
+    measured = record.get("pipeline")
+    if measured is None:
+        return "not measured: it times a model's step, give --config NAME"
+    if "error" in measured:
+        return f"not measured: {measured['error']}"
+    return (f"{measured['pipeline']} pays {measured['paid']:.2f} of its table's bubble over {measured['flat']} "
+            f"({measured['pipeline_s'] * 1e3:,.0f} against {measured['flat_s'] * 1e3:,.0f} ms)")
 
 
 if __name__ == "__main__":
