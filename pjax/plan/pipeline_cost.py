@@ -89,7 +89,7 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
     from mesh.errors import ConfigError
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
-    from pjax.plan.layouts import Layout
+    from pjax.plan.layouts import Layout, apply, check
 
     devices = jax.devices()
     n = len(devices)
@@ -103,10 +103,13 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
     step = (lambda layout: _step_seconds_apart(config_name, overrides, layout, n, steps)) if apart else (
         lambda layout: _step_seconds(config_name, overrides, layout, devices, steps))
     try:
-        cfg = load_config(config_name, [*overrides, *piped.overrides()])
+        cfg = load_config(config_name, overrides)
+        for layout in (flat, piped):  # what pjax.train would refuse, said before any process starts
+            check(cfg, layout)
         runs = [(step(flat), step(piped)) for _ in range(rounds)]
     except ConfigError as e:  # e.g. a batch that dp x micro-batches does not divide: said, not raised
         return {**fixed, "error": f"{piped.name} against {flat.name}: {e}"}
+    cfg = apply(cfg, piped)
     ratio = pipeline_ratio(piped, weight_share(cfg.model, cfg.train.seq_len))
     flat_s, piped_s = (min(times) for times in zip(*runs))
     return {**fixed, "flat": flat.name, "pipeline": piped.name, "flat_s": flat_s, "pipeline_s": piped_s,
