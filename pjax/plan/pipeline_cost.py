@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 _MICRO_BATCHES = 2  # p = m = 2: the largest bubble a 1F1B table has, so the clearest signal
 
 
-def _step_seconds(config_name: str, overrides: Sequence[str], layout: Any, devices: list, steps: int) -> float:
+def _step_seconds(config_name: str, overrides: Sequence[str], layout: Layout, devices: list, steps: int) -> float:
     """The median seconds of `steps` training steps of `layout` on `devices`, after one warm-up step."""
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
@@ -51,7 +51,7 @@ def _step_seconds(config_name: str, overrides: Sequence[str], layout: Any, devic
     data = jax.device_put(batch(), trainer.batch_sharding)
     state = trainer.init(jax.random.key(0))
     times = []
-    for i in range(steps + 1):
+    for _ in range(steps + 1):
         t = time.perf_counter()
         state, metrics = trainer.step(state, data)
         jax.block_until_ready(metrics)
@@ -122,10 +122,11 @@ def bubble_share(layout: Layout, profile: Profile) -> tuple[float, str]:
     on a discard slot, so there the bubble is work: whole, plus the measured share on devices that share a
     host's cores (where the measured share is the ticks' overhead, not idling), at least whole elsewhere.
     Without one, the whole bubble."""
-    measured = profile.curves.pipeline if profile.curves is not None else None
+    if profile.curves is None:
+        return 1.0, "the whole bubble"
+    measured = profile.curves.pipeline
     if measured is None:
-        return 1.0, "the whole bubble (the calibration measured no pipeline: calibrate with --config)" \
-            if profile.curves is not None else "the whole bubble"
+        return 1.0, "the whole bubble (the calibration measured no pipeline: calibrate with --config)"
     paid, source = measured["paid"], f"{measured['pipeline']} against {measured['flat']} of {measured['config']}"
     if layout.cp == 1:
         return paid, f"x {paid:.2f}, the share a pipeline paid here ({source})"
