@@ -220,7 +220,8 @@ def test_a_pipeline_s_cost_is_its_step_measured_against_the_step_without_one(pip
     config = load_config("debug", ["train.seq_len=32"])
     ratio = pipeline_ratio(Layout(dp=4, pp=2, grad_accum=2), weight_share(config.model, 32))
     assert piped["table_ratio"] == pytest.approx(ratio) and ratio > 1
-    assert piped["paid"] == pytest.approx(max(0.0, (piped["pipeline_s"] / piped["flat_s"] - 1) / (ratio - 1)))
+    share = (piped["pipeline_s"] / piped["flat_s"] - 1) / (ratio - 1)
+    assert piped["paid"] == pytest.approx(max(0.0, share)) and piped["paid_by_round"] == [round(share, 4)]
     bad = measure_pipeline("debug", ["train.batch_size=8"])
     assert "error" in bad and "batch_size" in bad["error"] and "\n" not in bad["error"]
 

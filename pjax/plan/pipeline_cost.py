@@ -79,13 +79,14 @@ def _step_seconds_apart(config_name: str, overrides: Sequence[str], layout: Layo
     return float(proc.stdout.split()[-1])
 
 
-def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int = 5, rounds: int = 2
+def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int = 3, rounds: int = 3
                      ) -> dict[str, Any]:
     """The record of the `pipeline` calibration section: both steps' seconds, the table's ratio of span to
     busy time, and `paid`, the share of the table's bubble the pipeline's extra time amounts to; an `error`
-    where this machine has fewer than 2 devices or an odd number, or the layouts cannot split the config. Each
-    step is timed in `rounds` alternating runs (the median of `steps` steps each), and the fastest run of each
-    counts: a shared host's noise only adds time, and a pipeline's share is a small difference of two steps."""
+    where this machine has fewer than 2 devices or an odd number, or the layouts cannot split the config. The
+    two steps are timed in `rounds` pairs, one run of each after the other (the median of `steps` steps), and
+    the median pair's share counts: a share is a small difference of two steps, and one slow run on a shared
+    host moves it by as much as it measures."""
     from mesh.errors import ConfigError
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
@@ -111,9 +112,10 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
         return {**fixed, "error": f"{piped.name} against {flat.name}: {e}"}
     cfg = apply(cfg, piped)
     ratio = pipeline_ratio(piped, weight_share(cfg.model, cfg.train.seq_len))
-    flat_s, piped_s = (min(times) for times in zip(*runs))
+    shares = sorted(((piped_s / flat_s - 1.0) / (ratio - 1.0), flat_s, piped_s) for flat_s, piped_s in runs)
+    share, flat_s, piped_s = shares[len(shares) // 2]
     return {**fixed, "flat": flat.name, "pipeline": piped.name, "flat_s": flat_s, "pipeline_s": piped_s,
-            "table_ratio": ratio, "paid": max(0.0, (piped_s / flat_s - 1.0) / (ratio - 1.0))}
+            "table_ratio": ratio, "paid": max(0.0, share), "paid_by_round": [round(s[0], 4) for s in shares]}
 
 
 def bubble_share(layout: Layout, profile: Profile) -> tuple[float, str]:
