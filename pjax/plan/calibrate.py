@@ -167,14 +167,14 @@ def main() -> None:
                     help="parallel compiles (default: up to 16 on a GPU host, 1 with forced CPU devices)")
     ap.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default: the platform's)")
     ap.add_argument("--config", default=None, help="also time this named config's own matmul shapes")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections of {', '.join(SECTIONS)} (default: all)")
     ap.add_argument("--verbose", action="store_true", help="each measurement on stderr as it is taken")
     ap.add_argument("overrides", nargs="*", help="with --config: its overrides (train.batch_size=32 ...)")
     args = ap.parse_args()
-    only = tuple(args.only.split(","))
+    only = tuple(args.only.split(",")) if args.only else SECTIONS
     if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", "pipeline"} & set(only)):
         sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul or pipeline with --config); not {args.only}")
-    if "pipeline" in only and not args.config and args.only != ",".join(SECTIONS):
+    if args.only and "pipeline" in only and not args.config:
         sys.exit("--only pipeline measures a model's step: give it --config NAME [overrides]")
     t0 = time.perf_counter()
     record = calibrate(args.quick, args.verbose, args.threads,

@@ -14,6 +14,7 @@ more ticks than this one is charged as if it scaled with the bubble."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -42,13 +43,13 @@ def _step_seconds(config_name: str, overrides: Sequence[str], layout: Layout, de
                             cfg.context, cfg.precision)
     shapes = trainer.abstract_batch()["inputs"].shape
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=trainer.batch_sharding)
     def batch() -> dict:
         tokens = jax.random.randint(jax.random.key(0), (2, *shapes), 0, cfg.model.vocab_size, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(shapes[-1], dtype=jnp.int32), shapes)
         return {"inputs": tokens[0], "labels": tokens[1], "positions": positions}
 
-    data = jax.device_put(batch(), trainer.batch_sharding)
+    data = batch()
     state = trainer.init(jax.random.key(0))
     times = []
     for _ in range(steps + 1):
@@ -90,7 +91,7 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
     from mesh.errors import ConfigError
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
-    from pjax.plan.layouts import Layout, apply, check
+    from pjax.plan.layouts import Layout, check
 
     devices = jax.devices()
     n = len(devices)
@@ -110,7 +111,6 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
         runs = [(step(flat), step(piped)) for _ in range(rounds)]
     except ConfigError as e:  # e.g. a batch that dp x micro-batches does not divide: said, not raised
         return {**fixed, "error": f"{piped.name} against {flat.name}: {e}"}
-    cfg = apply(cfg, piped)
     ratio = pipeline_ratio(piped, weight_share(cfg.model, cfg.train.seq_len))
     shares = sorted(((piped_s / flat_s - 1.0) / (ratio - 1.0), flat_s, piped_s) for flat_s, piped_s in runs)
     share, flat_s, piped_s = shares[len(shares) // 2]
