@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_session.sh remat       # each remat policy on SmolLM-360M/1.7B: time and allocator peak
 #   bash benchmarks/gpu_session.sh calibrate   # the planner's calibration, then held-out steps to check it on
 #   bash benchmarks/gpu_session.sh cudnn       # the image's jax: does cuDNN's attention compile for 8 GPUs with dp?
-#   bash benchmarks/gpu_session.sh products    # the calibration with SmolLM-360M's own products, two ways of timing
+#   bash benchmarks/gpu_session.sh products    # the calibration with SmolLM-360M's and 1.7B's own products
 #   bash benchmarks/gpu_session.sh held-out    # the steps it is checked against, with their compiled products
+#   bash benchmarks/gpu_session.sh visit       # products, then held-out if time is left: one device call
 # Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
 set -u
 OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
@@ -55,24 +56,24 @@ calibrate)
   done
   ;;
 products)
-  # Why did products timed alone run slower than inside the step (benchmarks/README.md, "One H200")? The
-  # calibration now times independent products, SmolLM-360M's own among them; matmul_timing.py also times the
-  # earlier carried sum, and compiles one at a time (XLA:GPU autotunes on the device: parallel compiles may
-  # time each other's kernels).
-  M360="--config smollm-360m train.batch_size=32 train.grad_accum=4"
+  # The calibration with SmolLM-360M's and SmolLM-1.7B's own compiled products, timed as the calibration now
+  # times a GPU (4 products per call, 8 calls queued per sample: benchmarks/README.md, "One H200, third visit").
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/env.txt"
-  timeout 100 $PY -m pjax.plan.calibrate $M360 --only matmul,attention --out "$OUT/calibration.json" \
-    2>>"$OUT/products.err" | tail -1
-  timeout 60 $PY benchmarks/matmul_timing.py $M360 >"$OUT/timing.jsonl" 2>>"$OUT/products.err"
-  timeout 60 $PY benchmarks/matmul_timing.py $M360 --threads 1 --ways independent >>"$OUT/timing.jsonl" \
-    2>>"$OUT/products.err"
+  timeout 180 $PY -m pjax.plan.calibrate --quick --verbose --config smollm-360m train.batch_size=32 train.grad_accum=4 \
+    --only matmul,attention,bandwidth --out "$OUT/calibration.json" 2>>"$OUT/products.err" | tail -1
+  timeout 150 $PY -m pjax.plan.calibrate --quick --verbose --config smollm-1.7b train.batch_size=16 train.grad_accum=4 \
+    --only matmul --out "$OUT/calibration_1.7b.json" 2>>"$OUT/products.err" | tail -1
   ;;
 held-out)  # the steps `products` is checked against: time, allocator peak and the compiled step's products
   step smollm-360m 100 held-out --steps 5 --warmup 1 train.remat=none train.batch_size=32 train.grad_accum=4
   step smollm-1.7b 110 held-out --steps 5 --warmup 1 train.remat=none train.batch_size=16 train.grad_accum=4
   ;;
+visit)  # what issue 41 still needs from one GPU, in one call that ends within ~8 minutes
+  bash "$0" products
+  if [ $SECONDS -lt 330 ]; then bash "$0" held-out; fi
+  ;;
 cudnn)
-  # jax 0.10.2's partitioner of cuDNN's attention fails inside pjax's dp shard_map on several GPUs
+  # jax 0.10.2's and 0.11.2's partitioner of cuDNN's attention fails inside pjax's dp shard_map on several GPUs
   # (benchmarks/README.md, "XLA:GPU without a GPU"); compile-only GPUs answer for this image's jax in seconds,
   # and "attention chunked" in the head line means pjax.cudnn_fallback had to step in.
   $PY -c "import jax; print('jax', jax.__version__)" | tee "$OUT/cudnn.txt"

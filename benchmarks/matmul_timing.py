@@ -5,8 +5,9 @@
 
 `carried`: a scan of 4 products that adds each into a carried [m, n] sum (pjax.plan.calibrate's way until
 2026-11-27); `independent`: `measurements.matmul_job`'s independent products, each to its own output. The
-products are those of the config's step compiled for one device (`measurements.model_products`). Prints one
-JSON line per product and way: its shape, the way, the compile threads and TFLOP/s."""
+products are those of the config's step compiled for one device (`measurements.model_products`), each timed
+as the calibration times it (`calibrate.run_jobs`: on a GPU, 8 calls queued per sample). Prints one JSON line
+per product and way: its shape, the way, the compile threads and TFLOP/s."""
 from __future__ import annotations
 
 import argparse

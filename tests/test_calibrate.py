@@ -1,8 +1,10 @@
 """The planner's calibration measures every kind of figure on this machine: finite, positive, and the
 collectives on the 8 forced devices."""
 import math
+import time
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pjax.plan import calibrate, measurements
@@ -133,11 +135,24 @@ def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(reco
 
 
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():
+    """A CPU call runs up to 32 small products, a GPU call up to 4 (XLA:GPU compiles each on its own), and a
+    product too big for the operand budget still runs twice."""
+    assert measurements.products_per_call(8, 8, 8, 4, "cpu") == 32
     small = measurements.products_per_call(8, 8, 8, 4, "gpu")
     big = measurements.products_per_call(16384, 8192, 49152, 2, "gpu")
-    assert small == 32 and big == 2
-    fits = measurements.products_per_call(4096, 4096, 4096, 2, "gpu")
-    assert 2 < fits and fits * 3 * 4096 * 4096 * 2 <= 4 * 2**30
+    assert small == 4 and big == 2
+    fits = measurements.products_per_call(256, 256, 256, 4, "cpu")
+    assert 2 < fits < 32 and fits * 2 * 256**3 >= 2e8
+
+
+def test_a_timed_sample_queues_its_chain_of_calls_and_reports_seconds_per_call():
+    calls = []
+
+    def fn(x):
+        calls.append(time.perf_counter())
+        return x + 1
+    seconds = calibrate.timed(fn, jnp.ones(3), calls=2, chain=3)
+    assert len(calls) == 1 + 2 * 3 and 0 < seconds < max(calls) - min(calls)
 
 
 def test_the_calibrated_link_is_a_fit_to_the_measured_collectives_of_each_group_size(record):

@@ -27,14 +27,18 @@ Job = tuple[dict, list[tuple[Callable, Callable[[], tuple]]], Callable[[dict, li
 # The operands a matmul job may hold at once: its `repeat` products' inputs and outputs live side by side.
 _MATMUL_BYTES = {"cpu": 256 * 2**20, "gpu": 4 * 2**30}
 _CALL_FLOPS = {"cpu": 2e8, "gpu": 2e12}  # a call's products together: its dispatch is a small share of it
+# XLA:GPU compiles and autotunes every product of a call on its own and the device serialises the autotuning
+# (32 products took 11 s to compile on an H200, 4 took 2 s), so a GPU call holds at most 4; calls queued back to
+# back (`calibrate.timed`'s chain) hide the launch instead.
+_MAX_PER_CALL = {"cpu": 32, "gpu": 4}
 
 
 def products_per_call(m: int, k: int, n: int, itemsize: int, plat: str) -> int:
     """How many [m, k] x [k, n] products one timed call runs: enough FLOPs that its dispatch is a small share,
-    2 to 32 of them, within the platform's operand budget."""
+    2 to the platform's most (32 on a CPU, 4 on a GPU), within its operand budget."""
     want = math.ceil(_CALL_FLOPS[plat] / (2 * m * k * n))
     room = _MATMUL_BYTES[plat] // ((m * k + k * n + m * n) * itemsize)
-    return int(max(2, min(32, want, room)))
+    return int(max(2, min(_MAX_PER_CALL[plat], want, room)))
 
 
 def matmul_job(m: int, k: int, n: int, dtype: str, repeat: int | None = None) -> Job:
