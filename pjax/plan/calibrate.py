@@ -57,7 +57,7 @@ def timed(fn: Callable[..., Any], *args: Any, calls: int = 5, chain: int = 1) ->
     for _ in range(calls):
         t = time.perf_counter()
         for _ in range(chain):
-            out = fn(*args)  # the previous output is dropped: one call's buffers in flight, not `chain` of them
+            out = fn(*args)  # the previous output is dropped: freed once its call is done, not held to the end
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / chain)
     return statistics.median(times)

@@ -27,9 +27,9 @@ Job = tuple[dict, list[tuple[Callable, Callable[[], tuple]]], Callable[[dict, li
 # The operands a matmul job may hold at once: its `repeat` products' inputs and outputs live side by side.
 _MATMUL_BYTES = {"cpu": 256 * 2**20, "gpu": 4 * 2**30}
 _CALL_FLOPS = {"cpu": 2e8, "gpu": 2e12}  # a call's products together: its dispatch is a small share of it
-# XLA:GPU compiles and autotunes every product of a call on its own and the device serialises the autotuning
-# (32 products took 11 s to compile on an H200, 4 took 2 s), so a GPU call holds at most 4; calls queued back to
-# back (`calibrate.timed`'s chain) hide the launch instead.
+# XLA:GPU compiles and autotunes every product of a call on its own, and parallel compile threads barely overlap
+# that (32 products took 11 s to compile on an H200, 4 took 2 s), so a GPU call holds at most 4; calls queued
+# back to back (`calibrate.timed`'s chain) hide the launch instead.
 _MAX_PER_CALL = {"cpu": 32, "gpu": 4}
 
 
