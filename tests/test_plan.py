@@ -75,9 +75,10 @@ def test_roofline_adds_critical_traffic_and_hides_dp_traffic_where_the_profile_o
     assert not cpu.fits and cpu.limit == "compute"
 
 
-def test_compute_runs_the_compiled_step_s_matmul_flops_where_a_pipeline_does_not_hide_them():
+def test_compute_runs_the_compiled_step_s_matmul_flops_but_a_lockstep_pipeline_s():
     """A Mixture of Experts' padded buffers or remat's recompute: the step runs more FLOPs than the model
-    needs; read from the compiled HLO at pp = 1, remat's factor where a pipeline's branches hide them."""
+    needs, read from the compiled HLO (a pipeline's counted as its table runs them); a lockstep pipeline's idle
+    stages compute on discard slots that its bubble charges, so it keeps remat's factor."""
     config = load_config("llama2-7b")
     layout = Layout(dp=4, tp=2, grad_accum=4)
     model = model_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size * config.train.seq_len / 8
@@ -87,7 +88,9 @@ def test_compute_runs_the_compiled_step_s_matmul_flops_where_a_pipeline_does_not
     assert twice.terms["compute"] == pytest.approx(2 * plain.terms["compute"]) and twice.executed[0] == pytest.approx(2)
     assert predict(config, layout, PROFILES["h100"], {}, 0, 0.75, runs(0.9 * model)).executed[0] == 1.0
     piped = Layout(dp=2, pp=2, tp=2, grad_accum=4, remat="full")
-    assert predict(config, piped, PROFILES["h100"], {}, 0, 0.75, runs(9 * model)).executed[0] == pytest.approx(4 / 3)
+    assert predict(config, piped, PROFILES["h100"], {}, 0, 0.75, runs(1.5 * model)).executed[0] == pytest.approx(1.5)
+    lockstep = Layout(dp=1, pp=2, cp=2, tp=2, grad_accum=4, remat="full")
+    assert predict(config, lockstep, PROFILES["h100"], {}, 0, 0.75, runs(9 * model)).executed[0] == pytest.approx(4 / 3)
 
 
 def test_state_alone_too_big_is_does_not_fit_with_the_reason(capsys):
@@ -183,17 +186,33 @@ def test_analytic_link_bytes_of_cp_strategies_and_sequence_parallelism_are_the_c
     assert rows[axis]["link_bytes"] == pytest.approx(predicted[axis]["link_bytes"], rel=0.01), (rows[axis], predicted)
 
 
+@pytest.fixture(scope="module")
+def one_device_matmul_flops():
+    """The debug model's step on one device in 4 micro-batches: the matmul FLOPs a pipeline of it shares out."""
+    import jax
+
+    from mesh import make_mesh
+    from pjax.observe.hlo_flops import dot_flops
+    from pjax.step import build_trainer
+
+    config = load_config("debug", Layout.parse("1-m4").overrides())
+    trainer = build_trainer(make_mesh(config.mesh, jax.devices()[:1]), config.model, config.train, config.pipeline)
+    return dot_flops(trainer.compile_step().as_text())
+
+
 @pytest.mark.parametrize("name", ["pp2-m4", "pp2-zb_h1-m4"])
-def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(name):
-    """A tick's transfers sit in loops of zero or one trip, which the HLO shows once per tick:
+def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(name, one_device_matmul_flops):
+    """A tick's transfers and matmuls sit in loops of zero or one trip, which the HLO shows once per tick:
     weighted by the table (`tick_runs`), the compiled pp traffic is the analytic minimum, each
-    micro-batch's activation and cotangent across the boundary once, not every tick's."""
+    micro-batch's activation and cotangent across the boundary once, not every tick's; and the two stages'
+    matmuls (`step_matmuls`, XLA:CPU's fused ones without an op name included) are the one-device step's."""
     import jax
 
     from mesh import make_mesh
     from pjax.observe.hlo import collectives_by_axis
+    from pjax.observe.hlo_flops import dot_flops
     from pjax.plan.estimate import analytic_comm
-    from pjax.plan.inspect import step_collectives
+    from pjax.plan.inspect import step_collectives, step_matmuls
     from pjax.step import build_trainer
 
     layout = Layout.parse(name)
@@ -205,3 +224,6 @@ def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(n
     assert counted["link_bytes"] == pytest.approx(predicted, rel=1e-4), (counted, predicted)
     assert counted["kinds"]["collective-permute"] == 2 * layout.grad_accum  # m activations, m cotangents
     assert collectives_by_axis(text, dict(mesh.shape))["pp"]["link_bytes"] > 1.4 * predicted  # once per tick
+    per_device = step_matmuls(config, dict(mesh.shape), text).flops
+    assert 2 * per_device == pytest.approx(one_device_matmul_flops, rel=1e-6)
+    assert dot_flops(text) > 1.5 * per_device  # every part once per tick

@@ -4,16 +4,18 @@ each counted as often as the loops around it run (`hlo.walk`: a while loop's `kn
 Model FLOPs count what the model needs; this counts what XLA runs: a remat policy's recomputed forward, a
 Mixture of Experts whose grouped matmuls run every expert over a padded buffer, a masked block of attention.
 A conditional's branches are each counted once per call (an upper bound), and kernels that are not dots
-(cuDNN's fused attention) are not counted."""
+(cuDNN's fused attention) are not counted. A pipeline's tick runs its parts in loops of zero or one trip, which
+the HLO shows once per tick: `part_runs` (`pipeline.table.part_runs`) weights each dot by how often its part
+really runs."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
-from pjax.observe.hlo import _SHAPE, walk
+from pjax.observe.hlo import _BRANCHES, _CALLED, _SHAPE, walk
 
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DOT_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
@@ -53,22 +55,45 @@ def _product(result: str, opcode: str, rest: str, shapes: dict[str, str]) -> Pro
     return rows, k, math.prod(_dims(result)) // max(rows // batch, 1) // batch
 
 
-def dot_products(hlo_text: str) -> dict[Product, int]:
-    """How many times per run of the program `hlo_text` (`compiled.as_text()`) each matmul shape runs."""
+def dot_products(hlo_text: str, part_runs: Callable[[str], float | None] | None = None) -> dict[Product, float]:
+    """How many times per run of the program `hlo_text` (`compiled.as_text()`) each matmul shape runs; with
+    `part_runs` (a pipeline's), each dot weighted by its tick part's runs per tick (`_enclosing`: a dot outside
+    every part)."""
     shapes: dict[str, str] = {}  # every instruction's result shape (parameters included): a dot's operand shapes
     own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    scoped: dict[str, list[float]] = collections.defaultdict(list)  # each computation's part weights
+    parent: dict[str, str] = {}
 
     def matmul(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
         shapes[name] = result
+        weight = part_runs(line) if part_runs else 1
+        if part_runs and weight is not None:
+            scoped[comp].append(weight)
+        for callee in _CALLED.findall(rest) + [b.strip().lstrip("%") for g in _BRANCHES.findall(rest)
+                                               for b in g.split(",")]:
+            parent.setdefault(callee, comp)
         product = _product(result, opcode, rest, shapes)
         if product:
-            own[comp][product] += 1
+            own[comp][product, weight] += 1
 
     total: collections.Counter = collections.Counter()
     for comp, runs in walk(hlo_text, matmul).items():
-        for product, count in own.get(comp, {}).items():
-            total[product] += count * runs
+        for (product, weight), count in own.get(comp, {}).items():
+            total[product] += count * runs * (weight if weight is not None else _enclosing(comp, scoped, parent))
     return dict(total)
+
+
+def _enclosing(comp: str, scoped: dict[str, list[float]], parent: dict[str, str]) -> float:
+    """A dot without a tick part of its own (XLA:CPU's library fusions keep no op name, nor do the fusions that
+    call them) runs as often as the computation it sits in, or the nearest one around it, that has parts: the
+    largest of their weights (a guarded part's body holds that part and the parts nested in it); 1 outside."""
+    for _ in range(64):
+        if scoped.get(comp):
+            return max(scoped[comp])
+        if comp not in parent:
+            return 1.0
+        comp = parent[comp]
+    raise ValueError("HLO call graph too deep (a cycle?)")
 
 
 def product_flops(products: dict[Product, int]) -> float:
@@ -86,12 +111,13 @@ class StepMatmuls:
     """A compiled step's matmuls per device: (rows, contraction, columns, runs per step) of each shape, and
     whether cuDNN's fused attention (whose FLOPs are in no dot) runs in it."""
 
-    products: tuple[tuple[int, int, int, int], ...]
+    products: tuple[tuple[int, int, int, float], ...]  # a pipeline's runs: an average device's
     fused_attention: bool = False
 
     @classmethod
-    def from_hlo(cls, hlo_text: str) -> "StepMatmuls":
-        products = tuple((*shape, runs) for shape, runs in sorted(dot_products(hlo_text).items()))
+    def from_hlo(cls, hlo_text: str, part_runs: Callable[[str], float | None] | None = None) -> "StepMatmuls":
+        """A compiled step's; `part_runs`: a pipeline's tick parts' runs (`dot_products`)."""
+        products = tuple((*shape, runs) for shape, runs in sorted(dot_products(hlo_text, part_runs).items()))
         return cls(products, _FUSED_ATTENTION in hlo_text)
 
     @classmethod

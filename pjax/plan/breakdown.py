@@ -82,13 +82,15 @@ def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:
 
 
 def _replay_table(curves: Any, matmuls: StepMatmuls, shown: int = 12) -> str:
-    """The compiled step's matmul shapes on one device, the longest first: runs per step, time, rate."""
+    """The compiled step's matmul shapes on one device, the longest first: runs per step (a pipeline's: an
+    average device's, so maybe a fraction), time, rate."""
     timed = sorted(((runs * curves.matmul_seconds(m, k, n), (m, k, n), runs) for m, k, n, runs in matmuls.products),
                    reverse=True)
     rows = [("compiled matmul", "rows x contraction x columns", "runs per step", "ms", "TFLOP/s")]
     for i, (seconds, (m, k, n), runs) in enumerate(timed[:shown]):
-        rows.append((f"#{i + 1}", f"{m} x {k} x {n}", f"{runs:,}", _ms(seconds),
-                     f"{2 * m * k * n * runs / seconds / 1e12:,.2f}"))
+        count = f"{runs:,.0f}" if runs == int(runs) else f"{runs:,.2f}"
+        rate = f"{2 * m * k * n * runs / seconds / 1e12:,.2f}"
+        rows.append((f"#{i + 1}", f"{m} x {k} x {n}", count, _ms(seconds), rate))
     if len(timed) > shown:
         rows.append((f"{len(timed) - shown} more", "", "", _ms(sum(t for t, _, _ in timed[shown:])), ""))
     return _table(rows)

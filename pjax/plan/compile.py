@@ -19,8 +19,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from pjax.config import Config
-from pjax.observe.hlo_flops import StepMatmuls
-from pjax.plan.inspect import step_collectives
+from pjax.plan.inspect import step_collectives, step_matmuls
 from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import Profile
 
@@ -60,7 +59,7 @@ def compile_layout(config: Config, layout: Layout, profile: Profile, devices_per
               "temp": m.temp_size_in_bytes, "total": step_memory_bytes(compiled)}
     hlo = compiled.as_text()
     comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
-    return {"memory": memory, "comm": comm, "matmuls": StepMatmuls.from_hlo(hlo).as_json(),
+    return {"memory": memory, "comm": comm, "matmuls": step_matmuls(cfg, dict(mesh.shape), hlo).as_json(),
             "attention": cfg.train.attention, "compile_s": round(time.perf_counter() - start, 2)}
 
 

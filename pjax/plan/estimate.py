@@ -234,10 +234,11 @@ def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
 
 
 def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float | None) -> tuple[float, str]:
-    """(FLOPs the step runs per model FLOP, why): the compiled step's matmul FLOPs over the model's where they
-    can be read (pp = 1: a pipeline's tick body holds every branch of its table, each counted), at least 1
-    (cuDNN's attention is no dot); else remat's recompute alone."""
-    if dot_flops and layout.pp == 1:
+    """(FLOPs the step runs per model FLOP, why): the compiled step's matmul FLOPs over the model's (a
+    pipeline's counted as its table runs each tick's part, `inspect.step_matmuls`), at least 1 (cuDNN's
+    attention is no dot); else, and for a lockstep pipeline (cp > 1), whose idle stages compute on discard
+    slots that its bubble already charges, remat's recompute alone."""
+    if dot_flops and (layout.pp == 1 or layout.cp == 1):
         return max(dot_flops / model_flops, 1.0), "the compiled step's matmul FLOPs over the model's"
     remat = REMAT_RECOMPUTE.get(layout.remat, 1.0)
     return remat, (f"remat={layout.remat} computes the forward twice" if remat != 1 else "")
@@ -245,10 +246,10 @@ def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float
 
 def compute_model(config: Config, profile: Profile, matmuls: StepMatmuls | None, layout: Layout) -> str:
     """How `predict` prices compute: 'replay' (the compiled step's matmuls at calibrated rates,
-    `curves.replay_seconds`: with a calibration and a compile, at pp = 1, since a pipeline's tick body holds
-    every branch of its table), 'curves' (the layer's products at calibrated rates: a calibration, no compile
-    or a pipeline), or 'efficiency' (the profile's one MFU; also an MoE model's without a compile to replay,
-    whose expert matmuls the layer's products do not hold)."""
+    `curves.replay_seconds`: with a calibration and a compile, at pp = 1: replayed pipelines came out further
+    from their steps than their layer's products, benchmarks/README.md), 'curves' (the layer's products at
+    calibrated rates: a calibration, no compile or a pipeline), or 'efficiency' (the profile's one MFU; also an
+    MoE model's without a compile to replay, whose expert matmuls the layer's products do not hold)."""
     if profile.curves is None:
         return "efficiency"
     if matmuls is not None and layout.pp == 1:

@@ -11,7 +11,7 @@ from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.memory import step_memory_bytes
-from pjax.parallel.pipeline.table import tick_runs
+from pjax.parallel.pipeline.table import part_runs, tick_runs
 from pjax.plan.layouts import Layout, check, state_bytes
 
 
@@ -47,6 +47,13 @@ def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, 
     pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
     scale = tick_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
     return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)
+
+
+def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> StepMatmuls:
+    """The matmuls of a compiled step per device, a pipeline's tick parts counted as often as its table runs them."""
+    pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
+    weights = part_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
+    return StepMatmuls.from_hlo(hlo_text, weights)
 
 
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
@@ -90,7 +97,7 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
     mesh, devices = trainer.mesh, trainer.mesh.devices.size
     hlo = compiled.as_text()
     comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
-    matmuls = StepMatmuls.from_hlo(hlo)
+    matmuls = step_matmuls(cfg, dict(mesh.shape), hlo)
     p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75,
                 matmuls)
     terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)

@@ -181,13 +181,25 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
     return {name: float(r.sum()) / sched.p for name, r in runs.items()}
 
 
-def tick_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool) -> Callable[[str, str], float]:
-    """`pjax.observe.hlo.collective_stats`'s scale: an instruction's runs per tick, by its innermost scope (else 1)."""
+def part_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool
+              ) -> Callable[[str], float | None]:
+    """An HLO instruction's runs per tick, by the innermost tick part its op name is in; None outside every
+    part (or without an op name)."""
     sched = make_schedule(pipeline, pp, grad_accum, lockstep)
     weights = {scope_name(part): runs / sched.ticks for part, runs in scope_runs(sched, lockstep).items()}
 
-    def runs(kind: str, line: str) -> float:
+    def runs(line: str) -> float | None:
         name = re.search(r'op_name="([^"]*)"', line)
         found = [(name.group(1).rfind(scope), w) for scope, w in weights.items() if name and scope in name.group(1)]
-        return max(found)[1] if found else 1.0
+        return max(found)[1] if found else None
+    return runs
+
+
+def tick_runs(pipeline: PipelineConfig, pp: int, grad_accum: int, lockstep: bool) -> Callable[[str, str], float]:
+    """`pjax.observe.hlo.collective_stats`'s scale: an instruction's runs per tick, by its innermost scope (else 1)."""
+    part = part_runs(pipeline, pp, grad_accum, lockstep)
+
+    def runs(kind: str, line: str) -> float:
+        found = part(line)
+        return 1.0 if found is None else found
     return runs
