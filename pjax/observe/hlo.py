@@ -56,6 +56,13 @@ def _start_output(result: str) -> str:
     return parts[1] if len(parts) >= 2 else result
 
 
+def callees(rest: str) -> list[str]:
+    """The computations an instruction calls, from the text after its opcode: a fusion's or a reduce's, a while
+    loop's body and condition, a conditional's branches."""
+    branches = [b.strip().lstrip("%") for group in _BRANCHES.findall(rest) for b in group.split(",")]
+    return _CALLED.findall(rest) + branches
+
+
 def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]) -> dict[str, int]:
     """Each instruction to `on_instr(computation, name, result shape, opcode, rest, line)`; returns how many
     times each computation runs per run of the entry: a while loop's body `known_trip_count` times, each
@@ -73,10 +80,8 @@ def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]
             continue
         name, result, opcode, rest = m.groups()
         on_instr(current, name, result, opcode, rest, line)
-        trip = _TRIP.search(rest) if opcode == "while" else None
-        calls[current].extend((callee, int(trip.group(1)) if trip else 1) for callee in _CALLED.findall(rest))
-        for group in _BRANCHES.findall(rest):
-            calls[current].extend((branch.strip().lstrip("%"), 1) for branch in group.split(","))
+        trip = _TRIP.search(rest) if opcode == "while" else None  # a while's callees: its body and condition
+        calls[current].extend((callee, int(trip.group(1)) if trip else 1) for callee in callees(rest))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     runs: dict[str, int] = collections.defaultdict(int)

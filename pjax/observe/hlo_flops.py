@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any, Callable
 
-from pjax.observe.hlo import _BRANCHES, _CALLED, _SHAPE, walk
+from pjax.observe.hlo import _SHAPE, callees, walk
 
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DOT_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
@@ -69,8 +69,7 @@ def dot_products(hlo_text: str, part_runs: Callable[[str], float | None] | None 
         weight = part_runs(line) if part_runs else 1
         if part_runs and weight is not None:
             scoped[comp].append(weight)
-        for callee in _CALLED.findall(rest) + [b.strip().lstrip("%") for g in _BRANCHES.findall(rest)
-                                               for b in g.split(",")]:
+        for callee in callees(rest):
             parent.setdefault(callee, comp)
         product = _product(result, opcode, rest, shapes)
         if product:
