@@ -3,6 +3,7 @@
     python benchmarks/plan_accuracy.py        # picotron-cpu and a wider variant, 22 layouts each; mixtral-tiny, 5
     python benchmarks/plan_accuracy.py --configs picotron-cpu --layouts dp8-m2,dp2-tp4-m2 --plot acc.png
     python benchmarks/plan_accuracy.py --measured earlier.jsonl --calibration cal.json   # predictions only
+    python benchmarks/plan_accuracy.py --measured a.jsonl,b.jsonl,c.jsonl --calibration cal.json   # and agreement
 
 For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
 - the planner's two predictions: the analytic one it ranks all layouts with before compiling,
@@ -13,7 +14,9 @@ For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
 With `--calibration`, the calibrated prediction also charges each config's pipelines at the share of the
 bubble that config's own pipeline pays here (`pjax.plan.pipeline_cost`, measured once per config unless the
 record holds that config's, as `python -m pjax.plan --calibrate` does).
-Then per config: Spearman's rank correlation and the median relative error of each prediction.
+Then per config: Spearman's rank correlation and the median relative error of each prediction. With several
+`--measured` runs (the first fills the rows), also how well the runs rank alike (Spearman between each pair
+of them: what this host's noise leaves of a ranking) and each prediction's Spearman against each run.
 Per-device memory is compared only where the backend reports it (`memory_stats()`: GPUs);
 XLA:CPU keeps no allocator statistics, so on CPU the memory column is the compiled figure alone.
 """
@@ -119,6 +122,27 @@ def summarise(rows: list[dict]) -> dict:
     return stats
 
 
+def agreement(name: str, rows: list[dict], runs: dict[str, dict]) -> dict:
+    """Spearman between every two measured runs of config `name` (over the layouts both measured), and of each
+    prediction against each run: where two runs of the same layouts rank them alike at rho, a prediction checked
+    against either cannot be told apart from one that ranks better than rho."""
+    measured = {run: {layout: r["measured_ms"] for (config, layout), r in seen.items()
+                      if config == name and r.get("measured_ms")} for run, seen in runs.items()}
+
+    def rho(a: dict[str, float], b: dict[str, float]) -> float:
+        common = sorted(set(a) & set(b))
+        return round(spearman([a[k] for k in common], [b[k] for k in common]), 3)
+
+    names = [run for run in measured if measured[run]]
+    out = {"between_runs": {f"{a} ~ {b}": rho(measured[a], measured[b])
+                            for i, a in enumerate(names) for b in names[i + 1:]}}
+    for key in ("analytic_ms", "predicted_ms", "calibrated_ms"):
+        predicted = {r["layout"]: r[key] for r in rows if r.get(key)}
+        if predicted:
+            out[key] = {run: rho(predicted, measured[run]) for run in names}
+    return out
+
+
 def measure_all(shipped: str, overrides: list[str], layouts: list, rows: list[dict], steps: int,
                 repeats: int) -> None:
     """Each layout's measured median and range into its row, over `repeats` whole passes (so that the
@@ -146,7 +170,8 @@ def main() -> None:
     ap.add_argument("--calibration", default=None,
                     help="a `python -m pjax.plan.calibrate` record of this machine: adds the calibrated predictions")
     ap.add_argument("--measured", default=None,
-                    help="an earlier run's output: take its measured times instead of measuring again")
+                    help="earlier runs' output, comma-separated: take the first's measured times instead of "
+                         "measuring again, and compare the runs' rankings")
     args = ap.parse_args()
 
     import jax
@@ -161,10 +186,11 @@ def main() -> None:
     if args.calibration:
         with open(args.calibration) as f:
             record = json.load(f)
-    earlier = None
-    if args.measured:  # an earlier run's printed rows: its measured times, with this checkout's predictions
-        with open(args.measured) as f:
-            earlier = {(r["config"], r["layout"]): r for r in map(json.loads, f) if "layout" in r}
+    runs = {}  # earlier runs' printed rows: their measured times, with this checkout's predictions
+    for path in args.measured.split(",") if args.measured else ():
+        with open(path) as f:
+            runs[os.path.basename(path)] = {(r["config"], r["layout"]): r for r in map(json.loads, f) if "layout" in r}
+    earlier = next(iter(runs.values()), None)
     summary = {}
     for name in args.configs.split(","):
         shipped, overrides, layouts = CONFIGS[name]
@@ -181,6 +207,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         summary[name] = {**summarise(rows), "rows": rows}
         print(json.dumps({"config": name, **summarise(rows)}), flush=True)
+        if len(runs) > 1:
+            print(json.dumps({"config": name, "agreement": agreement(name, rows, runs)}), flush=True)
     if args.plot:
         plot(summary, args.plot)
 
