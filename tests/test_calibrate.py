@@ -121,7 +121,8 @@ def test_a_config_s_own_products_are_those_its_compiled_step_runs():
 
 def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(record, tmp_path, capsys):
     """`python -m pjax.plan --calibrate`: measured on the first call, read back from the cache on the next;
-    planning an H100 on this CPU with it is one line that says what to do instead."""
+    planning an H100 on this CPU with it, or with its record as `--calibration`, is one line that says what to
+    do instead."""
     from pjax.plan import __main__ as plan_cli
 
     first, path, fresh = calibrate.this_machine("cpu", str(tmp_path))
@@ -132,6 +133,11 @@ def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(reco
                           "--cache", str(tmp_path), "--explain", "1-m1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "not h100's" in err[0] and "--calibration FILE" in err[0]
+    # the record read back for another kind: refused before any compile, in one line
+    code = plan_cli.main(["--devices", "1", "--device-kind", "h100", "--xla", "cpu", "--calibration", path,
+                          "--explain", "1-m1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "was measured on cpu, not on h100: plan with --device-kind cpu," in err[0]
 
 
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():

@@ -52,14 +52,22 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     return ap.parse_args(argv)
 
 
-def _curves(path: str) -> Any:
-    from pjax.plan.curves import Curves
+def _curves(path: str, kind: str) -> Any:
+    """The record at `path` as curves, refused in one line where it is unreadable or was measured on devices
+    that are not `kind` (its rates would be another machine's)."""
+    from pjax.plan.curves import Curves, of_kind
 
     try:
-        return Curves.load(path)
+        curves = Curves.load(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--calibration {path} is not a readable calibration record ({e}); make one with "
                           f"python -m pjax.plan.calibrate --out FILE on the device kind you plan for.") from None
+    if not of_kind(kind, curves.device_kind):
+        measured = next((k for k in PROFILES if of_kind(k, curves.device_kind)), None)
+        instead = f"plan with --device-kind {measured}" if measured else "plan for the kind it measured"
+        raise ConfigError(f"--calibration {path} was measured on {curves.device_kind}, not on {kind}: {instead}, "
+                          f"or calibrate on the kind you plan for (python -m pjax.plan.calibrate --out FILE there).")
+    return curves
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,7 +83,7 @@ def _run(args: Any) -> None:
     config = load_config(args.config, args.overrides)
     profile = PROFILES[args.device_kind]
     if args.calibration:
-        profile = dataclasses.replace(profile, curves=_curves(args.calibration))
+        profile = dataclasses.replace(profile, curves=_curves(args.calibration, args.device_kind))
     layout = _layout(args.explain) if args.explain else None
     hosts = args.hosts or math.ceil(args.devices / profile.devices_per_host)
     if hosts < 1 or args.devices % hosts:

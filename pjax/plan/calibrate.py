@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from pjax.plan.curves import of_kind
 from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collective_groups, collective_job,
                                     matmul_job, model_products, platform)
 from pjax.plan.pipeline_cost import measure_pipeline
@@ -152,7 +153,7 @@ def this_machine(kind: str, cache_dir: str | None, config: str | None = None, ov
     this machine's devices are not of that kind."""
     devices = jax.devices()
     local = "cpu" if devices[0].platform == "cpu" else devices[0].device_kind
-    if (kind == "cpu") != (local == "cpu") or (kind != "cpu" and kind.lower() not in local.lower()):
+    if not of_kind(kind, local):
         raise ValueError(f"--calibrate measures this machine's devices ({len(devices)} x {local}), not {kind}'s: "
                          f"plan for them here, or calibrate on a {kind} and pass --calibration FILE")
     key = hashlib.sha256(json.dumps([local, len(devices), jax.__version__, os.cpu_count(), config,
