@@ -138,6 +138,9 @@ def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(reco
                           "--explain", "1-m1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "was measured on cpu, not on h100: plan with --device-kind cpu," in err[0]
+    code = plan_cli.main(["--devices", "1", "--calibrate", "--calibration", path, "--explain", "1-m1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "give one of them" in err[0]
 
 
 def test_a_timed_call_runs_enough_products_within_the_operand_budget():

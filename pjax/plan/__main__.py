@@ -80,6 +80,8 @@ def _run(args: Any) -> None:
 
     if args.devices < 1:
         raise ConfigError(f"--devices {args.devices}: give the number of devices, a positive integer.")
+    if args.calibrate and args.calibration:
+        raise ConfigError("--calibrate measures this machine and --calibration reads a record: give one of them.")
     config = load_config(args.config, args.overrides)
     profile = PROFILES[args.device_kind]
     if args.calibration:
@@ -134,8 +136,6 @@ def _this_machine(args: Any) -> Any:
     from pjax.plan.compile import default_cache_dir
     from pjax.plan.curves import Curves
 
-    if args.calibration:
-        raise ConfigError("--calibrate measures this machine and --calibration reads a record: give one of them.")
     directory = None if args.no_cache else os.path.join(args.cache or default_cache_dir(), "calibration")
     try:
         record, path, fresh = this_machine(args.device_kind, directory, args.config, args.overrides)
