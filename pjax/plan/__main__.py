@@ -55,7 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 def _curves(path: str, kind: str) -> Any:
     """The record at `path` as curves, refused in one line where it is unreadable or was measured on devices
     that are not `kind` (its rates would be another machine's)."""
-    from pjax.plan.curves import Curves, of_kind
+    from pjax.plan.curves import Curves
+    from pjax.plan.profiles import of_kind
 
     try:
         curves = Curves.load(path)

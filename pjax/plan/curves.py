@@ -63,14 +63,6 @@ class Curves:
         return flops / _nearest(self._attention, (math.log(seq), math.log(head_dim)))
 
 
-def of_kind(kind: str, device_kind: str) -> bool:
-    """Whether devices reporting `device_kind` (a calibration's; 'cpu' for CPU devices) are of the planner's
-    device kind `kind` (a `profiles.PROFILES` key: 'h100' is any 'NVIDIA H100 ...')."""
-    if "cpu" in (kind, device_kind):
-        return kind == device_kind
-    return kind.lower() in device_kind.lower()
-
-
 def _at(m: float, k: float, n: float) -> tuple[float, float, float]:
     """A product's point on the curves: its transpose ([n, k] x [k, m]) is the same work, so the larger of
     rows and columns first, in logs."""

@@ -61,3 +61,10 @@ PROFILES: dict[str, Profile] = {
                    attention="auto", calibration=((256, 0.535),), overlap_dp=False, shares_host=True),
 }
 
+
+def of_kind(kind: str, device_kind: str) -> bool:
+    """Whether devices reporting `device_kind` (jax's, or a calibration record's; 'cpu' for CPU devices) are of
+    the profile `kind` (a `PROFILES` key: 'h100' is any 'NVIDIA H100 ...')."""
+    if "cpu" in (kind, device_kind):
+        return kind == device_kind
+    return kind.lower() in device_kind.lower()
