@@ -17,7 +17,7 @@ from typing import Any, Sequence  # noqa: E402
 
 from mesh.errors import ConfigError  # noqa: E402
 from pjax.cli import ArgumentParser, run_main  # noqa: E402
-from pjax.plan.profiles import PROFILES  # noqa: E402
+from pjax.plan.profiles import PROFILES, of_kind  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -56,7 +56,6 @@ def _curves(path: str, kind: str) -> Any:
     """The record at `path` as curves, refused in one line where it is unreadable or was measured on devices
     that are not `kind` (its rates would be another machine's)."""
     from pjax.plan.curves import Curves
-    from pjax.plan.profiles import of_kind
 
     try:
         curves = Curves.load(path)
