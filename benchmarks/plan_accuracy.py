@@ -11,9 +11,9 @@ For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
   the `cpu` device profile;
 - the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up), in
   `--repeats` passes over all the layouts: the passes' median is compared, their range reported.
-With `--calibration`, the calibrated prediction also charges each config's pipelines at the share of the
-bubble that config's own pipeline pays here (`pjax.plan.pipeline_cost`, measured once per config unless the
-record holds that config's, as `python -m pjax.plan --calibrate` does).
+With `--calibration`, the calibrated prediction also charges each config's pipelines what that config's own
+pipeline pays here (`pjax.plan.pipeline_cost`, measured once per config unless the record holds that
+config's, as `python -m pjax.plan --calibrate` does).
 Then per config: Spearman's rank correlation and the median relative error of each prediction. With several
 `--measured` runs (the first fills the rows), also how well the runs rank alike (Spearman between each pair
 of them: what this host's noise leaves of a ranking) and each prediction's Spearman against each run.
@@ -49,8 +49,12 @@ CONFIGS = {
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (no ties expected in timings)."""
-    rank = lambda x: np.argsort(np.argsort(x)).astype(float)
+    """Spearman's rank correlation, tied values sharing their average rank (on a shared host the planner
+    prices pipelines of one micro-batch count alike, whatever their schedule)."""
+    def rank(x: list[float]) -> np.ndarray:
+        values = np.asarray(x, dtype=float)
+        order = np.argsort(np.argsort(values)).astype(float)
+        return np.array([order[values == v].mean() for v in values])
     return float(np.corrcoef(rank(a), rank(b))[0, 1])
 
 
@@ -96,15 +100,18 @@ def predictions(name: str, config, layout, profile, calibrated) -> dict:
 
 def with_pipeline(profile, record: dict, name: str, shipped: str, overrides: list[str]):
     """`profile` with the calibration's curves and what a pipeline pays for this config's model here: the record's
-    own measurement where it was of this config, else measured now, as `python -m pjax.plan --calibrate` does
-    for the config it plans (`pipeline_cost.measure_pipeline`, printed as a line of its own)."""
+    own measurement where it was of this config and of the pair of steps timed today (`pipeline_cost.pair`),
+    else measured now, as `python -m pjax.plan --calibrate` does for the config it plans
+    (`pipeline_cost.measure_pipeline`, printed as a line of its own)."""
     import dataclasses
 
     from pjax.plan.curves import Curves
-    from pjax.plan.pipeline_cost import measure_pipeline
+    from pjax.plan.pipeline_cost import measure_pipeline, pair
 
     measured = record.get("pipeline") or {}
-    if (measured.get("config"), measured.get("overrides")) != (shipped, overrides):
+    today = [layout.name for layout in pair(record["devices"])]
+    if (measured.get("config"), measured.get("overrides"), [measured.get("flat"), measured.get("pipeline")]) != (
+            shipped, overrides, today):
         measured = measure_pipeline(shipped, overrides)
         print(json.dumps({"config": name, "pipeline": measured}), flush=True)
     return dataclasses.replace(profile, curves=Curves({**record, "pipeline": measured}))

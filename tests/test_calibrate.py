@@ -119,16 +119,22 @@ def test_a_config_s_own_products_are_those_its_compiled_step_runs():
     assert any(k == mc.hidden_size and {m, n} == {tokens, mc.padded_vocab_size} for m, k, n in shapes)
 
 
-def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(record, tmp_path, capsys):
-    """`python -m pjax.plan --calibrate`: measured on the first call, read back from the cache on the next;
-    planning an H100 on this CPU with it, or with its record as `--calibration`, is one line that says what to
-    do instead."""
+def test_plan_calibrate_measures_this_machine_once_and_refuses_another_kind(record, tmp_path, capsys, monkeypatch):
+    """`python -m pjax.plan --calibrate`: measured on the first call, read back from the cache on the next (but
+    measured again once the record's form has changed); planning an H100 on this CPU with it, or with its
+    record as `--calibration`, is one line that says what to do instead."""
     from pjax.plan import __main__ as plan_cli
 
     first, path, fresh = calibrate.this_machine("cpu", str(tmp_path))
     assert fresh and path.startswith(str(tmp_path)) and first["devices"] == jax.device_count()
+    assert first["form"] == calibrate.FORM
     again, same, fresh_again = calibrate.this_machine("cpu", str(tmp_path))
     assert (again, same, fresh_again) == (first, path, False)
+    with monkeypatch.context() as m:  # another form: not the cached record (the measurement itself stood in for)
+        m.setattr(calibrate, "FORM", calibrate.FORM + 1)
+        m.setattr(calibrate, "calibrate", lambda **_: {"form": calibrate.FORM})
+        newer, other, measured = calibrate.this_machine("cpu", str(tmp_path))
+        assert measured and other != path and newer == {"form": calibrate.FORM}
     code = plan_cli.main(["--devices", "1", "--device-kind", "h100", "--xla", "cpu", "--calibrate",
                           "--cache", str(tmp_path), "--explain", "1-m1"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -232,29 +238,30 @@ def piped():
 
 
 def test_a_pipeline_s_cost_is_its_step_measured_against_the_step_without_one(piped):
-    """The section times the model's own step at dp4 x pp2 and at dp8 (two micro-batches each) and expresses the
-    pipeline's extra time as a share of the table's bubble; a batch the layouts cannot split is one line, not a
+    """The section times the model's own step at dp4 x pp2 (four micro-batches) and at dp8 (two: the same
+    products) and records the pipeline's extra time; a batch the layouts cannot split is one line, not a
     traceback."""
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
     from pjax.plan.layouts import Layout
     from pjax.plan.pipeline_cost import measure_pipeline
 
-    assert (piped["pipeline"], piped["flat"]) == ("dp4-pp2-m2", "dp8-m2") and piped["devices"] == 8
+    assert (piped["pipeline"], piped["flat"]) == ("dp4-pp2-m4", "dp8-m2") and piped["devices"] == 8
     assert _positive(piped["flat_s"]) and _positive(piped["pipeline_s"])
     config = load_config("debug", ["train.seq_len=32"])
-    ratio = pipeline_ratio(Layout(dp=4, pp=2, grad_accum=2), weight_share(config.model, 32))
+    ratio = pipeline_ratio(Layout(dp=4, pp=2, grad_accum=4), weight_share(config.model, 32))
     assert piped["table_ratio"] == pytest.approx(ratio) and ratio > 1
-    share = (piped["pipeline_s"] / piped["flat_s"] - 1) / (ratio - 1)
-    assert piped["paid"] == pytest.approx(max(0.0, share)) and piped["paid_by_round"] == [round(share, 4)]
+    extra = piped["pipeline_s"] / piped["flat_s"] - 1
+    assert piped["extra"] == pytest.approx(extra) and piped["extra_by_round"] == [round(extra, 4)]
     bad = measure_pipeline("debug", ["train.batch_size=8"])
     assert "error" in bad and "batch_size" in bad["error"] and "\n" not in bad["error"]
 
 
-def test_the_roofline_charges_the_bubble_at_the_share_measured_here(record, piped):
-    """With the measurement the bubble is the table's times the share paid; a lockstep table (cp > 1) computes on
-    its idle stages, so on a shared host it pays the whole bubble and the measured share; without a measurement,
-    the whole bubble, and `--explain` says how to measure one."""
+def test_the_roofline_charges_a_pipeline_its_ticks_share_and_the_bubble_the_machine_pays(record, piped):
+    """With the measurement a pipeline costs its work times one plus its ticks' share: on a shared host that is
+    its measured extra time and the bubble is free, except for a lockstep table (cp > 1), whose idle stages
+    compute; on devices of their own the whole bubble is paid and the share is what is left of the measured
+    time after it. Without a measurement, the whole bubble, and `--explain` says how to measure one."""
     import dataclasses
 
     from pjax.config_io import load_config
@@ -262,20 +269,29 @@ def test_the_roofline_charges_the_bubble_at_the_share_measured_here(record, pipe
     from pjax.plan.curves import Curves
     from pjax.plan.estimate import pipeline_ratio, predict, weight_share
     from pjax.plan.layouts import Layout
+    from pjax.plan.pipeline_cost import ticks_share
     from pjax.plan.profiles import PROFILES
 
     config = load_config("debug", ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"])
+    timed = {**piped, "flat_s": 1.0, "pipeline_s": 1.8}  # the shares fixed: the measured ones may be 0
+    own = 1.8 / timed["table_ratio"] - 1  # devices of their own: what is left after the whole bubble
+    assert ticks_share(timed, True) == pytest.approx(0.8) and 0 < own == pytest.approx(ticks_share(timed, False))
+    assert ticks_share(piped, True) == pytest.approx(max(0.0, piped["extra"]))
+    curves = Curves({**record, "pipeline": timed})
     plain = dataclasses.replace(PROFILES["cpu"], curves=Curves(record))
-    measured = dataclasses.replace(PROFILES["cpu"], curves=Curves({**record, "pipeline": piped}))
-    for layout, share in [(Layout(dp=2, pp=2, grad_accum=2), piped["paid"]),
-                          (Layout(pp=2, cp=2, grad_accum=2, dp=1), piped["paid"] + 1)]:
-        whole, paid = (predict(config, layout, profile, {}, 0, 1.0) for profile in (plain, measured))
+    shared, apart = (dataclasses.replace(PROFILES[kind], curves=curves) for kind in ("cpu", "h100"))
+    cases = [(Layout(dp=2, pp=2, grad_accum=2), shared, 1.8, "bubble free (shared cores) x 1.800"),
+             (Layout(pp=2, cp=2, grad_accum=2, dp=1), shared, None, "(lockstep: idle stages compute) x 1.800"),
+             (Layout(dp=2, pp=2, grad_accum=2), apart, None, f"(the whole bubble) x {1 + own:.3f}")]
+    for layout, profile, factor, why in cases:
+        whole, paid = (predict(config, layout, p, {}, 0, 1.0) for p in (plain, profile))
         ratio = pipeline_ratio(layout, weight_share(config.model, 64))
         assert whole.terms["bubble"] == pytest.approx(whole.terms["compute"] * (ratio - 1))
-        assert paid.terms["bubble"] == pytest.approx(whole.terms["bubble"] * share)
-        bubble_row = next(line for line in breakdown(config, layout, measured, {}, paid).splitlines()
+        factor = factor or ratio * (1.8 if profile is shared else 1 + own)
+        assert paid.terms["bubble"] == pytest.approx(paid.terms["compute"] * (factor - 1))
+        bubble_row = next(line for line in breakdown(config, layout, profile, {}, paid).splitlines()
                           if line.startswith("bubble"))
-        assert f"x {share:.2f}" in bubble_row and "dp4-pp2-m2 against dp8-m2 of debug" in bubble_row
+        assert why in bubble_row and "the ticks' share measured by dp4-pp2-m4 against dp8-m2 of debug" in bubble_row
     text = breakdown(config, Layout(dp=2, pp=2, grad_accum=2), plain, {}, whole)
     assert "the whole bubble (the calibration measured no pipeline: calibrate with --config)" in text
 

@@ -11,7 +11,7 @@ from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls
 from pjax.plan.estimate import (DP_AXES, Prediction, compute_model, host_share, link_model, per_device,
                                 pipeline_ratio, weight_share)
 from pjax.plan.layouts import Layout
-from pjax.plan.pipeline_cost import bubble_share
+from pjax.plan.pipeline_cost import pipeline_factor
 from pjax.plan.profiles import Profile
 
 
@@ -39,7 +39,7 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
                   + (f", x {share} devices sharing the host" if share > 1 else ""))
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     bubble = (f"{layout.schedule} p={layout.pp} m={layout.grad_accum} v={layout.virtual_stages}: span / busy = "
-              f"{ratio:.3f}; {bubble_share(layout, profile)[1]}" if layout.pp > 1 else "no pipeline")
+              f"{ratio:.3f}; {pipeline_factor(layout, profile, ratio)[1]}" if layout.pp > 1 else "no pipeline")
     terms = [("compute", prediction.terms["compute"], source), ("bubble", prediction.terms["bubble"], bubble)]
     for axes, row in sorted(comm.items(), key=lambda kv: -prediction.terms[kv[0]]):
         hidden = "overlapped with compute" if axes in DP_AXES and profile.overlap_dp else "exposed"

@@ -33,9 +33,9 @@ class Curves:
         # per group size, (seconds per op, seconds per link byte); `link` is the largest group's, or None
         self.links = _fit_links(record.get("collectives", []))
         self.link = self.links[max(self.links)] if self.links else None
-        # what a pipeline's step paid here beyond its bubble-free work (`pipeline_cost`), or None
+        # a pipeline's step and the same step without one, timed here (`pipeline_cost`), or None
         measured = record.get("pipeline") or {}
-        self.pipeline = measured if "paid" in measured else None
+        self.pipeline = measured if "pipeline_s" in measured else None
 
     def link_for(self, group: int | None) -> tuple[int, tuple[float, float]] | None:
         """(group size, its fit) of the measured group size nearest `group` in log (the largest for None)."""

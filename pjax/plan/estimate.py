@@ -15,7 +15,7 @@ from pjax.parallel.compression import bytes_per_value
 from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.curves import compute_seconds, replay_seconds
 from pjax.plan.layouts import Layout, state_bytes
-from pjax.plan.pipeline_cost import bubble_share
+from pjax.plan.pipeline_cost import pipeline_factor
 from pjax.plan.profiles import Profile
 
 REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
@@ -276,7 +276,8 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     else:
         compute = compute_seconds(profile.curves, config, layout) * executed[0] * host_share(profile, devices)
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
-    terms = {"compute": compute, "bubble": compute * (ratio - 1.0) * bubble_share(layout, profile)[0]}
+    # "bubble": what the pipeline costs beyond its work, the idle ticks it pays and its ticks' own work
+    terms = {"compute": compute, "bubble": compute * (pipeline_factor(layout, profile, ratio)[0] - 1.0)}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
     busy = terms["compute"] + terms["bubble"]
     dp_traffic = sum(t for a, t in terms.items() if a in DP_AXES)

@@ -1,16 +1,18 @@
-"""What a pipeline pays on this machine beyond its bubble-free work, measured on the model at hand.
+"""What a pipeline pays on this machine beyond its work, measured on the model at hand.
 
 A schedule's table says how long a device idles (the bubble, `estimate.pipeline_ratio`). What the machine
-pays for it is another matter: on devices of their own an idle tick costs a whole tick, plus each tick's own
-work (the conditionals, the slot writes and reads, the rendezvous of the permutes); on forced CPU devices
-that share a host's cores, the stages with work take the idle stages' cores, so the bubble costs little but
-the per-tick work stays. Neither is a matmul rate, so this is measured whole: the model's own training step
-at pp = 2 (1F1B, two micro-batches, the other devices on dp) against the same step without a pipeline, and
-the pipeline's extra time expressed as the share of the table's bubble it amounts to (`paid`). On forced
-CPU devices each step runs in a process of its own, started as `pjax.train` starts one (a pipeline's
-thread pools are sized at start-up). The planner charges every pipeline's bubble at that share
-(`bubble_share`): one number for every schedule and micro-batch count, so the per-tick work of a table with
-more ticks than this one is charged as if it scaled with the bubble."""
+pays for it is another matter. On devices of their own every tick ends in a permute that all of them meet,
+so an idle tick lasts as long as the busiest device's item: the whole bubble is paid. On forced CPU devices
+that share a host's cores, the stages with work run on the idle stages' cores, so the bubble costs next to
+nothing. Either way each tick also does work of its own (the conditionals, the slot writes and reads, the
+permutes' rendezvous), which grows with the step's work, not with its bubble: on this host a pipeline's extra
+time was about the same share of its step for every schedule (benchmarks/README.md, "What a pipeline pays,
+per schedule"). That share is measured whole: the model's own training step at pp = 2 (1F1B, four
+micro-batches, the other devices on dp) against the same step without a pipeline at two micro-batches, whose
+products have the same shapes and which does the same FLOPs per device. On forced CPU devices each step runs
+in a process of its own, started as `pjax.train` starts one (a pipeline's thread pools are sized at
+start-up). `pipeline_factor` turns it into what the roofline charges a layout: its work, times the table's
+span over busy time where the bubble is paid, times one plus the ticks' share."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from pjax.plan.layouts import Layout
     from pjax.plan.profiles import Profile
 
-_MICRO_BATCHES = 2  # p = m = 2: the largest bubble a 1F1B table has, so the clearest signal
+_MICRO_BATCHES = 2  # the flat step's; the pipeline's dp is half, so twice as many give the same products
 
 
 def _step_seconds(config_name: str, overrides: Sequence[str], layout: Layout, devices: list, steps: int) -> float:
@@ -80,26 +82,34 @@ def _step_seconds_apart(config_name: str, overrides: Sequence[str], layout: Layo
     return float(proc.stdout.split()[-1])
 
 
+def pair(devices: int) -> tuple[Layout, Layout]:
+    """(the flat step, the pipeline) the section times on `devices`: dp n at two micro-batches, and dp n/2 x
+    pp 2 at four, so that every product has the same rows and every device the same FLOPs."""
+    from pjax.plan.layouts import Layout
+
+    return (Layout(dp=devices, grad_accum=_MICRO_BATCHES),
+            Layout(dp=devices // 2, pp=2, grad_accum=2 * _MICRO_BATCHES))
+
+
 def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int = 3, rounds: int = 3
                      ) -> dict[str, Any]:
-    """The record of the `pipeline` calibration section: both steps' seconds, the table's ratio of span to
-    busy time, and `paid`, the share of the table's bubble the pipeline's extra time amounts to; an `error`
-    where this machine has fewer than 2 devices or an odd number, or the layouts cannot split the config. The
-    two steps are timed in `rounds` pairs, one run of each after the other (the median of `steps` steps), and
-    the median pair's share counts: a share is a small difference of two steps, and one slow run on a shared
-    host moves it by as much as it measures."""
+    """The record of the `pipeline` calibration section: both steps' seconds (`pair`), the pipeline's table
+    ratio of span to busy time and `extra`, its step's time over the flat one's, less one; an `error` where this
+    machine has fewer than 2 devices or an odd number, or the layouts cannot split the config. The two steps
+    are timed in `rounds` pairs, one run of each after the other (the median of `steps` steps), and the median
+    pair counts: the extra time is a small difference of two steps, and one slow run on a shared host moves
+    it by as much as it measures."""
     from mesh.errors import ConfigError
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
-    from pjax.plan.layouts import Layout, check
+    from pjax.plan.layouts import check
 
     devices = jax.devices()
     n = len(devices)
     fixed: dict[str, Any] = {"config": config_name, "overrides": list(overrides), "devices": n}
     if n < 2 or n % 2:
         return {**fixed, "error": f"a pipeline of 2 stages needs an even number of devices, not {n}"}
-    flat = Layout(dp=n, grad_accum=_MICRO_BATCHES)
-    piped = Layout(dp=n // 2, pp=2, grad_accum=_MICRO_BATCHES)
+    flat, piped = pair(n)
     # forced CPU devices: each step as pjax.train would run it; an accelerator's memory is this process's
     apart = devices[0].platform == "cpu"
     step = (lambda layout: _step_seconds_apart(config_name, overrides, layout, n, steps)) if apart else (
@@ -112,28 +122,39 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
     except ConfigError as e:  # e.g. a batch that dp x micro-batches does not divide: said, not raised
         return {**fixed, "error": f"{piped.name} against {flat.name}: {e}"}
     ratio = pipeline_ratio(piped, weight_share(cfg.model, cfg.train.seq_len))
-    shares = sorted(((piped_s / flat_s - 1.0) / (ratio - 1.0), flat_s, piped_s) for flat_s, piped_s in runs)
-    share, flat_s, piped_s = shares[len(shares) // 2]
+    extras = sorted((piped_s / flat_s - 1.0, flat_s, piped_s) for flat_s, piped_s in runs)
+    extra, flat_s, piped_s = extras[len(extras) // 2]
     return {**fixed, "flat": flat.name, "pipeline": piped.name, "flat_s": flat_s, "pipeline_s": piped_s,
-            "table_ratio": ratio, "paid": max(0.0, share), "paid_by_round": [round(s[0], 4) for s in shares]}
+            "table_ratio": ratio, "extra": extra, "extra_by_round": [round(e[0], 4) for e in extras]}
 
 
-def bubble_share(layout: Layout, profile: Profile) -> tuple[float, str]:
-    """(the share of the table's bubble a pipeline's step pays, why). With a calibration's pipeline measurement,
-    the share its step paid (`pipeline_cost`); a lockstep table (cp > 1) has its idle stages run the tick's op
-    on a discard slot, so there the bubble is work: whole, plus the measured share on devices that share a
-    host's cores (where the measured share is the ticks' overhead, not idling), at least whole elsewhere.
-    Without one, the whole bubble."""
+def ticks_share(measured: dict[str, Any], shares_host: bool) -> float:
+    """What a pipeline's ticks cost beyond its work and the bubble it pays, as a share of that: its measured
+    extra time where the host's cores are shared (the bubble free), else what is left of it after the
+    table's whole bubble; never below 0 (a faster pipeline is this host's noise, not a gain)."""
+    paid = 1.0 if shares_host else measured["table_ratio"]
+    return max(0.0, measured["pipeline_s"] / (measured["flat_s"] * paid) - 1.0)
+
+
+def pipeline_factor(layout: Layout, profile: Profile, ratio: float) -> tuple[float, str]:
+    """(the layout's pipelined step over its work, why), `ratio` being its table's span over busy time. Without
+    a calibration's pipeline measurement, the whole bubble. With one, its ticks' share (`ticks_share`) on top
+    of the bubble the machine pays: the whole bubble on devices of their own, and for a lockstep table (cp >
+    1), whose idle stages run the tick's op on a discard slot, so there the bubble is work; none on devices
+    that share a host's cores."""
+    if layout.pp == 1:
+        return 1.0, "no pipeline"
     if profile.curves is None:
-        return 1.0, "the whole bubble"
+        return ratio, "the whole bubble"
     measured = profile.curves.pipeline
     if measured is None:
-        return 1.0, "the whole bubble (the calibration measured no pipeline: calibrate with --config)"
-    paid, source = measured["paid"], f"{measured['pipeline']} against {measured['flat']} of {measured['config']}"
-    if layout.cp == 1:
-        return paid, f"x {paid:.2f}, the share a pipeline paid here ({source})"
-    share = paid + 1.0 if profile.shares_host else max(paid, 1.0)
-    return share, f"x {share:.2f}: lockstep, idle stages compute; {paid:.2f} paid by {source}"
+        return ratio, "the whole bubble (the calibration measured no pipeline: calibrate with --config)"
+    ticks = ticks_share(measured, profile.shares_host)
+    source = f"{measured['pipeline']} against {measured['flat']} of {measured['config']}"
+    if profile.shares_host and layout.cp == 1:
+        return 1.0 + ticks, f"bubble free (shared cores) x {1 + ticks:.3f}, the ticks' share measured by {source}"
+    why = "lockstep: idle stages compute" if layout.cp > 1 else "the whole bubble"
+    return ratio * (1.0 + ticks), f"x {ratio:.3f} ({why}) x {1 + ticks:.3f}, the ticks' share measured by {source}"
 
 
 def main() -> None:
