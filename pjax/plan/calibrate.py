@@ -138,9 +138,9 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
     jobs = [job for section in sections.values() for job in section]
     records = iter(run_jobs(jobs, threads, verbose))
     record: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "form": FORM, "platform": plat, "device_kind": devices[0].device_kind,
-        "devices": len(devices), "jax": jax.__version__, "compile_threads": threads, "config": config,
-        "overrides": list(overrides)}
+        "date": datetime.date.today().isoformat(), "form": FORM, "platform": plat,
+        "device_kind": devices[0].device_kind, "devices": len(devices), "jax": jax.__version__,
+        "compile_threads": threads, "config": config, "overrides": list(overrides)}
     for name, section in sections.items():
         record[name] = [next(records) for _ in section]
     if "pipeline" in only and config:  # after the jobs: their operands are gone, the steps have the memory
