@@ -141,7 +141,8 @@ def pipeline_factor(layout: Layout, profile: Profile, ratio: float) -> tuple[flo
     a calibration's pipeline measurement, the whole bubble. With one, its ticks' share (`ticks_share`) on top
     of the bubble the machine pays: the whole bubble on devices of their own, and for a lockstep table (cp >
     1), whose idle stages run the tick's op on a discard slot, so there the bubble is work; none on devices
-    that share a host's cores."""
+    that share a host's cores (which assumes that the busy stages' devices outnumber the cores, as this host's
+    8 devices on 2 cores do)."""
     if layout.pp == 1:
         return 1.0, "no pipeline"
     if profile.curves is None:
