@@ -280,15 +280,16 @@ def test_the_roofline_charges_a_pipeline_its_ticks_share_and_the_bubble_the_mach
     curves = Curves({**record, "pipeline": timed})
     plain = dataclasses.replace(PROFILES["cpu"], curves=Curves(record))
     shared, apart = (dataclasses.replace(PROFILES[kind], curves=curves) for kind in ("cpu", "h100"))
-    cases = [(Layout(dp=2, pp=2, grad_accum=2), shared, 1.8, "bubble free (shared cores) x 1.800"),
-             (Layout(pp=2, cp=2, grad_accum=2, dp=1), shared, None, "(lockstep: idle stages compute) x 1.800"),
-             (Layout(dp=2, pp=2, grad_accum=2), apart, None, f"(the whole bubble) x {1 + own:.3f}")]
+    # (layout, profile, the step over its work as a function of the table's ratio, what --explain says)
+    cases = [(Layout(dp=2, pp=2, grad_accum=2), shared, lambda r: 1.8, "bubble free (shared cores) x 1.800"),
+             (Layout(pp=2, cp=2, grad_accum=2, dp=1), shared, lambda r: r * 1.8,
+              "(lockstep: idle stages compute) x 1.800"),
+             (Layout(dp=2, pp=2, grad_accum=2), apart, lambda r: r * (1 + own), f"(the whole bubble) x {1 + own:.3f}")]
     for layout, profile, factor, why in cases:
         whole, paid = (predict(config, layout, p, {}, 0, 1.0) for p in (plain, profile))
         ratio = pipeline_ratio(layout, weight_share(config.model, 64))
         assert whole.terms["bubble"] == pytest.approx(whole.terms["compute"] * (ratio - 1))
-        factor = factor or ratio * (1.8 if profile is shared else 1 + own)
-        assert paid.terms["bubble"] == pytest.approx(paid.terms["compute"] * (factor - 1))
+        assert paid.terms["bubble"] == pytest.approx(paid.terms["compute"] * (factor(ratio) - 1))
         bubble_row = next(line for line in breakdown(config, layout, profile, {}, paid).splitlines()
                           if line.startswith("bubble"))
         assert why in bubble_row and "the ticks' share measured by dp4-pp2-m4 against dp8-m2 of debug" in bubble_row
