@@ -9,77 +9,20 @@ permutes' rendezvous), which grows with the step's work, not with its bubble: on
 time was about the same share of its step for every schedule (benchmarks/README.md, "What a pipeline pays,
 per schedule"). That share is measured whole: the model's own training step at pp = 2 (1F1B, four
 micro-batches, the other devices on dp) against the same step without a pipeline at two micro-batches, whose
-products have the same shapes and which does the same FLOPs per device. On forced CPU devices each step runs
-in a process of its own, started as `pjax.train` starts one (a pipeline's thread pools are sized at
-start-up). `pipeline_factor` turns it into what the roofline charges a layout: its work, times the table's
-span over busy time where the bubble is paid, times one plus the ticks' share."""
+products have the same shapes and which does the same FLOPs per device (`step_pairs`). `pipeline_factor`
+turns it into what the roofline charges a layout: its work, times the table's span over busy time where the
+bubble is paid, times one plus the ticks' share."""
 from __future__ import annotations
 
-import argparse
-import functools
-import os
-import statistics
-import subprocess
-import sys
-import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
-import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from pjax.plan.layouts import Layout
     from pjax.plan.profiles import Profile
 
 _MICRO_BATCHES = 2  # the flat step's; the pipeline's dp is half, so twice as many give the same products
-
-
-def _step_seconds(config_name: str, overrides: Sequence[str], layout: Layout, devices: list, steps: int) -> float:
-    """The median seconds of `steps` training steps of `layout` on `devices`, after one warm-up step."""
-    from mesh.mesh import make_mesh
-    from pjax.config_io import load_config
-    from pjax.step import build_trainer
-
-    cfg = load_config(config_name, [*overrides, *layout.overrides()])
-    trainer = build_trainer(make_mesh(cfg.mesh, devices), cfg.model, cfg.train, cfg.pipeline, cfg.moe,
-                            cfg.context, cfg.precision)
-    shapes = trainer.abstract_batch()["inputs"].shape
-
-    @functools.partial(jax.jit, out_shardings=trainer.batch_sharding)
-    def batch() -> dict:
-        tokens = jax.random.randint(jax.random.key(0), (2, *shapes), 0, cfg.model.vocab_size, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(shapes[-1], dtype=jnp.int32), shapes)
-        return {"inputs": tokens[0], "labels": tokens[1], "positions": positions}
-
-    data = batch()
-    state = trainer.init(jax.random.key(0))
-    times = []
-    for _ in range(steps + 1):
-        t = time.perf_counter()
-        state, metrics = trainer.step(state, data)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t)
-    del state, data
-    return statistics.median(times[1:])
-
-
-def _step_seconds_apart(config_name: str, overrides: Sequence[str], layout: Layout, devices: int, steps: int
-                        ) -> float:
-    """`_step_seconds` on forced CPU devices in a process of its own, started as `pjax.train` starts one: its
-    buffers on huge pages (`pjax.malloc`) and, for a pipeline, its thread pools sized for one
-    (`mesh.distributed.pipeline_cpu_threads`), which a process cannot change once JAX has started."""
-    from mesh.errors import ConfigError
-    from pjax.malloc import huge_pages_env
-
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env.update(huge_pages_env(env))
-    cmd = [sys.executable, "-m", "pjax.plan.pipeline_cost", "--devices", str(devices), "--steps", str(steps),
-           "--layout", layout.name, config_name, *overrides]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise ConfigError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
-    return float(proc.stdout.split()[-1])
 
 
 def pair(devices: int) -> tuple[Layout, Layout]:
@@ -94,38 +37,27 @@ def pair(devices: int) -> tuple[Layout, Layout]:
 def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int = 3, rounds: int = 3
                      ) -> dict[str, Any]:
     """The record of the `pipeline` calibration section: both steps' seconds (`pair`), the pipeline's table
-    ratio of span to busy time and `extra`, its step's time over the flat one's, less one; an `error` where this
-    machine has fewer than 2 devices or an odd number, or the layouts cannot split the config. The two steps
-    are timed in `rounds` pairs, one run of each after the other (the median of `steps` steps), and the median
-    pair counts: the extra time is a small difference of two steps, and one slow run on a shared host moves
-    it by as much as it measures."""
+    ratio of span to busy time and `extra`, its step's time over the flat one's, less one, of the median of
+    `rounds` rounds (`step_pairs.timed_pair`); an `error` where this machine has fewer than 2 devices or an odd
+    number, or the layouts cannot split the config."""
     from mesh.errors import ConfigError
     from pjax.config_io import load_config
     from pjax.plan.estimate import pipeline_ratio, weight_share
-    from pjax.plan.layouts import check
+    from pjax.plan.step_pairs import timed_pair
 
-    devices = jax.devices()
-    n = len(devices)
+    n = len(jax.devices())
     fixed: dict[str, Any] = {"config": config_name, "overrides": list(overrides), "devices": n}
     if n < 2 or n % 2:
         return {**fixed, "error": f"a pipeline of 2 stages needs an even number of devices, not {n}"}
     flat, piped = pair(n)
-    # forced CPU devices: each step as pjax.train would run it; an accelerator's memory is this process's
-    apart = devices[0].platform == "cpu"
-    step = (lambda layout: _step_seconds_apart(config_name, overrides, layout, n, steps)) if apart else (
-        lambda layout: _step_seconds(config_name, overrides, layout, devices, steps))
     try:
-        cfg = load_config(config_name, overrides)
-        for layout in (flat, piped):  # what pjax.train would refuse, said before any process starts
-            check(cfg, layout)
-        runs = [(step(flat), step(piped)) for _ in range(rounds)]
+        flat_s, piped_s, by_round = timed_pair(config_name, overrides, flat, piped, steps, rounds)
     except ConfigError as e:  # e.g. a batch that dp x micro-batches does not divide: said, not raised
         return {**fixed, "error": f"{piped.name} against {flat.name}: {e}"}
+    cfg = load_config(config_name, overrides)
     ratio = pipeline_ratio(piped, weight_share(cfg.model, cfg.train.seq_len))
-    extras = sorted((piped_s / flat_s - 1.0, flat_s, piped_s) for flat_s, piped_s in runs)
-    extra, flat_s, piped_s = extras[len(extras) // 2]
     return {**fixed, "flat": flat.name, "pipeline": piped.name, "flat_s": flat_s, "pipeline_s": piped_s,
-            "table_ratio": ratio, "extra": extra, "extra_by_round": [round(e[0], 4) for e in extras]}
+            "table_ratio": ratio, "extra": piped_s / flat_s - 1.0, "extra_by_round": by_round}
 
 
 def ticks_share(measured: dict[str, Any], shares_host: bool) -> float:
@@ -156,29 +88,3 @@ def pipeline_factor(layout: Layout, profile: Profile, ratio: float) -> tuple[flo
         return 1.0 + ticks, f"bubble free (shared cores) x {1 + ticks:.3f}, the ticks' share measured by {source}"
     why = "lockstep: idle stages compute" if layout.cp > 1 else "the whole bubble"
     return ratio * (1.0 + ticks), f"x {ratio:.3f} ({why}) x {1 + ticks:.3f}, the ticks' share measured by {source}"
-
-
-def main() -> None:
-    """`_step_seconds_apart`'s process: one layout's median step seconds on `--devices` forced CPU devices."""
-    ap = argparse.ArgumentParser(description="one layout's step seconds (the calibration's pipeline section)")
-    ap.add_argument("--devices", type=int, required=True)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--layout", required=True)
-    ap.add_argument("config")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
-    from mesh.distributed import pipeline_cpu_threads
-    from mesh.errors import ConfigError
-    from pjax.plan.layouts import Layout
-
-    layout = Layout.parse(args.layout)
-    pipeline_cpu_threads(layout.mesh, args.devices)
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    try:
-        print(_step_seconds(args.config, args.overrides, layout, jax.devices(), args.steps))
-    except ConfigError as e:
-        sys.exit(str(e))
-
-
-if __name__ == "__main__":
-    main()
