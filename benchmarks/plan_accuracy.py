@@ -12,8 +12,9 @@ For every layout (planner names, e.g. `dp2-pp2-tp2-m2`) on 8 forced CPU devices:
 - the measured step: `benchmarks/step.py` in its own process (median of `--steps` after a warm-up), in
   `--repeats` passes over all the layouts: the passes' median is compared, their range reported.
 With `--calibration`, the calibrated prediction also charges each config's pipelines what that config's own
-pipeline pays here (`pjax.plan.pipeline_cost`, measured once per config unless the record holds that
-config's, as `python -m pjax.plan --calibrate` does).
+pipeline pays here, and its tp layouts the residual stream's work they repeat (`pjax.plan.pipeline_cost`,
+`pjax.plan.stream_cost`: measured once per config unless the record holds that config's, as `python -m pjax.plan
+--calibrate` does).
 Then per config: Spearman's rank correlation and the median relative error of each prediction. With several
 `--measured` runs (the first fills the rows), also how well the runs rank alike (Spearman between each pair
 of them: what this host's noise leaves of a ranking) and each prediction's Spearman against each run.
@@ -98,23 +99,30 @@ def predictions(name: str, config, layout, profile, calibrated) -> dict:
     return row
 
 
-def with_pipeline(profile, record: dict, name: str, shipped: str, overrides: list[str]):
-    """`profile` with the calibration's curves and what a pipeline pays for this config's model here: the record's
-    own measurement where it was of this config and of the pair of steps timed today (`pipeline_cost.pair`),
-    else measured now, as `python -m pjax.plan --calibrate` does for the config it plans
-    (`pipeline_cost.measure_pipeline`, printed as a line of its own)."""
+def with_steps(profile, record: dict, name: str, shipped: str, overrides: list[str]):
+    """`profile` with the calibration's curves and its sections that time this config's own steps: what a
+    pipeline pays and what tp repeats (`pipeline_cost`, `stream_cost`). The record's own measurement where it was
+    of this config and of the pair of steps timed today (each module's `pair`), else measured now, as `python -m
+    pjax.plan --calibrate` does for the config it plans (printed as a line of its own)."""
     import dataclasses
 
+    from pjax.config_io import load_config
+    from pjax.plan import pipeline_cost, stream_cost
     from pjax.plan.curves import Curves
-    from pjax.plan.pipeline_cost import measure_pipeline, pair
 
-    measured = record.get("pipeline") or {}
-    today = [layout.name for layout in pair(record["devices"])]
-    if (measured.get("config"), measured.get("overrides"), [measured.get("flat"), measured.get("pipeline")]) != (
-            shipped, overrides, today):
-        measured = measure_pipeline(shipped, overrides)
-        print(json.dumps({"config": name, "pipeline": measured}), flush=True)
-    return dataclasses.replace(profile, curves=Curves({**record, "pipeline": measured}))
+    config = load_config(shipped, overrides)
+    sections = {}
+    for section, names, today, measure in (
+            ("pipeline", ("flat", "pipeline"), pipeline_cost.pair(record["devices"]), pipeline_cost.measure_pipeline),
+            ("stream", ("plain", "split"), stream_cost.pair(record["devices"], config.model.num_key_value_heads),
+             stream_cost.measure_stream)):
+        measured = record.get(section) or {}
+        if (measured.get("config"), measured.get("overrides"), [measured.get(n) for n in names]) != (
+                shipped, overrides, [layout.name for layout in today]):
+            measured = measure(shipped, overrides)
+            print(json.dumps({"config": name, section: measured}), flush=True)
+        sections[section] = measured
+    return dataclasses.replace(profile, curves=Curves({**record, **sections}))
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -203,7 +211,7 @@ def main() -> None:
         shipped, overrides, layouts = CONFIGS[name]
         config = load_config(shipped, overrides)
         parsed = list(map(Layout.parse, (args.layouts or layouts).split(",")))
-        calibrated = None if record is None else with_pipeline(profile, record, name, shipped, overrides)
+        calibrated = None if record is None else with_steps(profile, record, name, shipped, overrides)
         rows = [predictions(name, config, layout, profile, calibrated) for layout in parsed]
         if earlier is None:
             measure_all(shipped, overrides, parsed, rows, args.steps, args.repeats)

@@ -302,3 +302,71 @@ def test_the_pipeline_section_without_a_model_is_one_line(monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         calibrate.main()
     assert str(exit_.value) == "--only pipeline measures a model's step: give it --config NAME [overrides]"
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    """What tp 4 repeats of the debug model's step on these 8 devices (`stream_cost.measure_stream`); its 2
+    key/value heads made 4 for tp 4."""
+    from pjax.plan.stream_cost import measure_stream
+
+    return measure_stream("debug", ["train.seq_len=32", "model.num_key_value_heads=4"], steps=1, rounds=1)
+
+
+def test_the_stream_section_times_a_tp_step_against_its_sequence_parallel_twin(streamed):
+    """The section times the model's own step at dp2 x tp4 without and with sequence parallelism and records
+    what each device holds (tokens per step, layers, hidden size); tp 2 where 4 does not divide the devices; a
+    batch the layouts cannot split is one line, not a traceback."""
+    from pjax.plan.layouts import Layout
+    from pjax.plan.stream_cost import measure_stream, pair
+
+    assert (streamed["plain"], streamed["split"], streamed["tp"], streamed["devices"]) == (
+        "dp2-tp4-m2", "dp2-tp4-sp-m2", 4, 8)
+    assert _positive(streamed["plain_s"]) and _positive(streamed["split_s"])
+    saved = streamed["plain_s"] / streamed["split_s"] - 1
+    assert streamed["saved"] == pytest.approx(saved) and streamed["saved_by_round"] == [round(saved, 4)]
+    assert (streamed["tokens_per_device"], streamed["layers"], streamed["hidden_size"]) == (16 * 32 // 2, 2, 128)
+    assert pair(6, 4) == (Layout(dp=3, tp=2, grad_accum=2), Layout(dp=3, tp=2, grad_accum=2, sequence_parallel=True))
+    assert pair(8, 2)[0] == Layout(dp=4, tp=2, grad_accum=2)  # 2 key/value heads: tp 2
+    bad = measure_stream("debug", ["train.batch_size=6"])
+    assert "error" in bad and "batch_size" in bad["error"] and "\n" not in bad["error"]
+
+
+def test_the_roofline_charges_tp_the_stream_work_it_repeats(record, streamed):
+    """Each device's tokens times its layers at the measured cost per token and layer: repeated in full on each
+    device of a tp group, split over it under sequence parallelism, again for remat's recompute and in
+    proportion to the hidden size; so the measured pair's difference comes back exactly, on a shared host
+    and on devices of their own. `--explain` says where the cost came from, or that it was not measured."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.plan.breakdown import breakdown
+    from pjax.plan.curves import Curves
+    from pjax.plan.estimate import predict
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+    from pjax.plan.stream_cost import stream_seconds
+
+    overrides = ["train.batch_size=8", "train.grad_accum=2", "train.seq_len=64"]
+    config = load_config("debug", overrides)
+    timed = {**streamed, "overrides": overrides, "plain_s": 1.3, "split_s": 1.0, "tokens_per_device": 8 * 64 // 2}
+    plain, split = Layout(dp=2, tp=4, grad_accum=2), Layout(dp=2, tp=4, grad_accum=2, sequence_parallel=True)
+    for kind in ("cpu", "h100"):
+        profile = dataclasses.replace(PROFILES[kind], curves=Curves({**record, "stream": timed}))
+        charged = {layout: stream_seconds(config, layout, profile)[0] for layout in (plain, split)}
+        assert charged[plain] - charged[split] == pytest.approx(0.3)
+        assert charged[plain] == pytest.approx(4 * charged[split])
+    flat = Layout(dp=8, grad_accum=2)
+    assert stream_seconds(config, flat, profile)[0] == pytest.approx(charged[split])
+    remat = dataclasses.replace(flat, remat="full")
+    assert stream_seconds(config, remat, profile)[0] == pytest.approx(4 / 3 * charged[split])
+    wide = load_config("debug", [*overrides, "model.hidden_size=256"])
+    assert stream_seconds(wide, flat, profile)[0] == pytest.approx(2 * charged[split])
+    without = dataclasses.replace(profile, curves=Curves(record))
+    p, q = (predict(config, plain, prof, {}, 0, 1.0) for prof in (profile, without))
+    assert p.terms["stream"] == pytest.approx(charged[plain]) and q.terms["stream"] == 0
+    assert p.step_s == pytest.approx(q.step_s + charged[plain])
+    row = lambda prof, pred: next(line for line in breakdown(config, plain, prof, {}, pred).splitlines()  # noqa: E731
+                                  if line.startswith("stream"))
+    assert "repeated on each of tp = 4; measured by dp2-tp4-m2 against dp2-tp4-sp-m2 of debug" in row(profile, p)
+    assert "0 (not measured: calibrate with --config)" in row(without, q)

@@ -1,7 +1,8 @@
 """Why a layout's predicted step takes what it takes (`python -m pjax.plan --explain`): each term of
 `estimate.predict` next to what it was computed from — the matmul shapes and the rates the calibrated curves
-gave them (or the profile's one MFU number), the schedule's bubble ratio, each set of mesh axes' collectives
-as ops x latency + ring bytes / bandwidth, and whether the roofline hides it behind compute."""
+gave them (or the profile's one MFU number), the residual stream's work that tp repeats, the schedule's
+bubble ratio, each set of mesh axes' collectives as ops x latency + ring bytes / bandwidth, and whether the
+roofline hides it behind compute."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +14,7 @@ from pjax.plan.estimate import (DP_AXES, Prediction, compute_model, host_share, 
 from pjax.plan.layouts import Layout
 from pjax.plan.pipeline_cost import pipeline_factor
 from pjax.plan.profiles import Profile
+from pjax.plan.stream_cost import stream_seconds
 
 
 def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dict[str, Any]],
@@ -40,12 +42,14 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
     bubble = (f"{layout.schedule} p={layout.pp} m={layout.grad_accum} v={layout.virtual_stages}: span / busy = "
               f"{ratio:.3f}; {pipeline_factor(layout, profile, ratio)[1]}" if layout.pp > 1 else "no pipeline")
-    terms = [("compute", prediction.terms["compute"], source), ("bubble", prediction.terms["bubble"], bubble)]
+    terms = [("compute", prediction.terms["compute"], source),
+             ("stream", prediction.terms["stream"], stream_seconds(config, layout, profile)[1]),
+             ("bubble", prediction.terms["bubble"], bubble)]
     for axes, row in sorted(comm.items(), key=lambda kv: -prediction.terms[kv[0]]):
         hidden = "overlapped with compute" if axes in DP_AXES and profile.overlap_dp else "exposed"
         terms.append((axes, prediction.terms[axes], f"{_link(row, profile, devices)}; {hidden}"))
     total = prediction.step_s
-    how = "max(compute + bubble, dp traffic) + the rest" if profile.overlap_dp else "the sum of the terms"
+    how = "max(compute + stream + bubble, dp traffic) + the rest" if profile.overlap_dp else "the sum of the terms"
     rows = [("term", "ms", "of step", "from")]
     rows += [(name, _ms(t), f"{100 * t / total:.0f}%", why) for name, t, why in terms]
     rows.append(("step", _ms(total), "100%", how))

@@ -2,7 +2,7 @@
 
     python -m pjax.plan.calibrate --out calibration.json      # ~25 s on 2 CPU cores as 8 devices
     python -m pjax.plan.calibrate --config smollm-360m train.batch_size=32   # + that step's own products
-    python -m pjax.plan.calibrate --config picotron-cpu --only pipeline        # what a pipeline pays here
+    python -m pjax.plan.calibrate --config picotron-cpu --only pipeline,stream # what a pipeline, tp pay here
 
 Matmul throughput as a function of shape and dtype, memory bandwidth, causal attention (forward and
 backward, the kernel `train.attention=auto` picks), and each collective's time by size within groups of
@@ -11,7 +11,8 @@ program is compiled first, in parallel threads on a GPU host (XLA:GPU autotunes 
 seconds), then each is timed alone: a figure is the median of timed samples after a warm-up, a sample being
 one call on a CPU and 8 calls queued back to back on a GPU (`timed`); a matmul is timed as several independent
 products in one call (`matmul_job`), so that one call's dispatch is spread over them.
-With a config, also what that model's step pays for a pipeline of 2 stages here (`pipeline_cost`).
+With a config, also what that model's step pays for a pipeline of 2 stages here (`pipeline_cost`), and what
+its tp repeats on each device, the residual stream's work (`stream_cost`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import jax
 from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collective_groups, collective_job,
                                     matmul_job, model_products, platform)
 from pjax.plan.pipeline_cost import measure_pipeline
+from pjax.plan.stream_cost import measure_stream
 from pjax.plan.profiles import of_kind
 
 # (rows, contraction, columns) per platform: a CPU's peak is ~1000x below an H100's, so its grid is smaller.
@@ -110,18 +112,21 @@ def default_threads() -> int:
     return min(16, os.cpu_count() or 1) if platform() == "gpu" else 1
 
 
-SECTIONS = ("matmul", "bandwidth", "attention", "collectives", "pipeline")  # pipeline: with a config
-# Raised when a section is measured differently (2: the pipeline against a flat step of the same products), so
-# that `this_machine` measures again rather than read a cached record of another form.
-FORM = 2
+SECTIONS = ("matmul", "bandwidth", "attention", "collectives", "pipeline", "stream")  # the last two: a config
+STEPS = ("pipeline", "stream")  # sections that time the model's own steps
+# Raised when a section is measured differently or added (2: the pipeline against a flat step of the same
+# products; 3: the stream section), so that `this_machine` measures again rather than read a cached record of
+# another form.
+FORM = 3
 
 
 def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = None,
               dtypes: tuple[str, ...] | None = None, config: str | None = None,
               only: tuple[str, ...] = SECTIONS, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Every measurement above for this machine's platform (the `only` sections), as one JSON-able record;
-    `config` (with `overrides`): that model's own products too (`model_products`), and what its step pays for
-    a pipeline here (`pipeline_cost.measure_pipeline`; without a config there is no model to measure)."""
+    `config` (with `overrides`): that model's own products too (`model_products`), what its step pays for a
+    pipeline here (`pipeline_cost.measure_pipeline`) and what its tp repeats (`stream_cost.measure_stream`;
+    without a config there is no model to measure)."""
     plat = platform()
     grid, devices = _GRIDS[plat], jax.devices()
     rows = grid["rows"][:2] if quick else grid["rows"]
@@ -143,8 +148,10 @@ def calibrate(quick: bool = False, verbose: bool = False, threads: int | None = 
         "compile_threads": threads, "config": config, "overrides": list(overrides)}
     for name, section in sections.items():
         record[name] = [next(records) for _ in section]
-    if "pipeline" in only and config:  # after the jobs: their operands are gone, the steps have the memory
-        record["pipeline"] = measure_pipeline(config, overrides)
+    if config:  # after the jobs: their operands are gone, the steps have the memory
+        for name, measure in (("pipeline", measure_pipeline), ("stream", measure_stream)):
+            if name in only:
+                record[name] = measure(config, overrides)
     return record
 
 
@@ -187,10 +194,10 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="with --config: its overrides (train.batch_size=32 ...)")
     args = ap.parse_args()
     only = tuple(args.only.split(",")) if args.only else SECTIONS
-    if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", "pipeline"} & set(only)):
-        sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul or pipeline with --config); not {args.only}")
-    if args.only and "pipeline" in only and not args.config:
-        sys.exit("--only pipeline measures a model's step: give it --config NAME [overrides]")
+    if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", *STEPS} & set(only)):
+        sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul, pipeline or stream with --config); not {args.only}")
+    if args.only and set(STEPS) & set(only) and not args.config:
+        sys.exit(f"--only {args.only} measures a model's step: give it --config NAME [overrides]")
     t0 = time.perf_counter()
     record = calibrate(args.quick, args.verbose, args.threads,
                        tuple(args.dtypes.split(",")) if args.dtypes else None, args.config, only, args.overrides)
@@ -204,20 +211,21 @@ def main() -> None:
     print(json.dumps({"device_kind": record["device_kind"], "wall_s": record["wall_s"],
                       "best_matmul_tflops": best and round(best["flops_per_s"] / 1e12, 1), "best_shape": best,
                       "bandwidth_gb_s": [round(b["bytes_per_s"] / 1e9) for b in record.get("bandwidth", [])],
-                      "pipeline": _pipeline_line(record, only)}))
+                      **{name: _steps_line(record, name, only) for name in STEPS}}))
 
 
-def _pipeline_line(record: dict[str, Any], only: tuple[str, ...] = SECTIONS) -> str:
-    """The pipeline section in a few words: the pipeline's extra time, or why it was not measured."""
-    measured = record.get("pipeline")
-    if "pipeline" not in only:
+def _steps_line(record: dict[str, Any], name: str, only: tuple[str, ...] = SECTIONS) -> str:
+    """A section that times two steps (`STEPS`) in a few words: how they compare, or why it was not measured."""
+    measured = record.get(name)
+    if name not in only:
         return "not asked for (--only)"
     if measured is None:
         return "not measured: it times a model's step, give --config NAME"
     if "error" in measured:
         return f"not measured: {measured['error']}"
-    return (f"{measured['pipeline']} took {100 * measured['extra']:+.1f}% over {measured['flat']} "
-            f"({measured['pipeline_s'] * 1e3:,.0f} against {measured['flat_s'] * 1e3:,.0f} ms)")
+    slow, fast = ("pipeline", "flat") if name == "pipeline" else ("plain", "split")
+    return (f"{measured[slow]} took {100 * (measured[slow + '_s'] / measured[fast + '_s'] - 1):+.1f}% over "
+            f"{measured[fast]} ({measured[slow + '_s'] * 1e3:,.0f} against {measured[fast + '_s'] * 1e3:,.0f} ms)")
 
 
 if __name__ == "__main__":

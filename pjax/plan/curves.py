@@ -6,7 +6,8 @@ A shape that was not measured takes the rate of the measured ones nearest to it 
 columns), weighted by inverse distance: matmul throughput varies smoothly with the sizes and by 10x across
 them (benchmarks/README.md, "One H100" and "One H200"). A backward matmul is two products of the forward's
 FLOPs, each timed at its own transposed shape. What the curves do not hold (norms, RoPE, SwiGLU, the
-optimizer: memory-bound work) is not counted: the compute term is a lower bound of the busy time."""
+optimizer: memory-bound work) is not counted here; the residual stream's share of it, which tp repeats on each
+of its devices, is measured whole and priced apart (`stream_cost`)."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,9 @@ class Curves:
         # a pipeline's step and the same step without one, timed here (`pipeline_cost`), or None
         measured = record.get("pipeline") or {}
         self.pipeline = measured if "pipeline_s" in measured else None
+        # a tp step and the same step with sequence parallelism, timed here (`stream_cost`), or None
+        measured = record.get("stream") or {}
+        self.stream = measured if "plain_s" in measured else None
 
     def link_for(self, group: int | None) -> tuple[int, tuple[float, float]] | None:
         """(group size, its fit) of the measured group size nearest `group` in log (the largest for None)."""

@@ -16,16 +16,18 @@ from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.curves import compute_seconds, replay_seconds
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.pipeline_cost import pipeline_factor
+from pjax.plan.stream_cost import stream_seconds
 from pjax.plan.profiles import Profile
 
 REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
 DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute
+WORK = ("compute", "stream", "bubble")  # the terms that are not collectives
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     step_s: float
-    terms: dict[str, float]  # seconds: compute, bubble, one per set of mesh axes
+    terms: dict[str, float]  # seconds: compute, stream, bubble, one per set of mesh axes
     limit: str
     tokens_per_s: float
     mfu: float
@@ -276,12 +278,14 @@ def predict(config: Config, layout: Layout, profile: Profile, comm: dict[str, di
     else:
         compute = compute_seconds(profile.curves, config, layout) * executed[0] * host_share(profile, devices)
     ratio = pipeline_ratio(layout, weight_share(mc, tc.seq_len))
+    stream = stream_seconds(config, layout, profile)[0]  # the residual stream's work, which tp repeats
     # "bubble": what the pipeline costs beyond its work, the idle ticks it pays and its ticks' own work
-    terms = {"compute": compute, "bubble": compute * (pipeline_factor(layout, profile, ratio)[0] - 1.0)}
+    bubble = (compute + stream) * (pipeline_factor(layout, profile, ratio)[0] - 1.0)
+    terms = {"compute": compute, "stream": stream, "bubble": bubble}
     terms.update({axes: comm_seconds(row, profile, devices) for axes, row in comm.items()})
-    busy = terms["compute"] + terms["bubble"]
+    busy = compute + stream + bubble
     dp_traffic = sum(t for a, t in terms.items() if a in DP_AXES)
-    critical = sum(t for a, t in terms.items() if a not in DP_AXES and a not in ("compute", "bubble"))
+    critical = sum(t for a, t in terms.items() if a not in DP_AXES and a not in WORK)
     step = (max(busy, dp_traffic) if profile.overlap_dp else busy + dp_traffic) + critical
     limit = max(terms, key=terms.get)
     return Prediction(step, terms, limit, tokens / step, flops / (step * peak), int(memory_bytes),

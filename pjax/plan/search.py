@@ -14,7 +14,7 @@ from models.precision import bytes_per
 from pjax.config import Config
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.compile import Compiler
-from pjax.plan.estimate import Prediction, analytic_comm, analytic_memory, predict, usable_bytes
+from pjax.plan.estimate import WORK, Prediction, analytic_comm, analytic_memory, predict, usable_bytes
 from pjax.plan.layouts import Layout, layouts, planned_config, policy, state_bytes
 from pjax.plan.profiles import Profile
 
@@ -61,7 +61,7 @@ def _rank_key(c: Candidate) -> tuple:
     if p is None:
         return (2, 0.0)
     # Equal times (dp traffic hidden under compute) go to less traffic, then more spare memory.
-    traffic = sum(t for a, t in p.terms.items() if a not in ("compute", "bubble"))
+    traffic = sum(t for a, t in p.terms.items() if a not in WORK)
     return (0, round(p.step_s, 9), traffic, p.memory_bytes) if p.fits else (1, p.memory_bytes)
 
 
