@@ -33,8 +33,8 @@ import jax
 from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collective_groups, collective_job,
                                     matmul_job, model_products, platform)
 from pjax.plan.pipeline_cost import measure_pipeline
-from pjax.plan.stream_cost import measure_stream
 from pjax.plan.profiles import of_kind
+from pjax.plan.stream_cost import measure_stream
 
 # (rows, contraction, columns) per platform: a CPU's peak is ~1000x below an H100's, so its grid is smaller.
 _GRIDS = {

@@ -16,8 +16,8 @@ from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
 from pjax.plan.curves import compute_seconds, replay_seconds
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.pipeline_cost import pipeline_factor
-from pjax.plan.stream_cost import stream_seconds
 from pjax.plan.profiles import Profile
+from pjax.plan.stream_cost import stream_seconds
 
 REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
 DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute

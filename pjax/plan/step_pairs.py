@@ -75,8 +75,11 @@ def _ask(proc: subprocess.Popen) -> float:
     """One run of a `_serve` process: its median step seconds, or its last line of error as a ConfigError."""
     from mesh.errors import ConfigError
 
-    proc.stdin.write("\n")
-    proc.stdin.flush()
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    except BrokenPipeError:  # it has exited: its stderr says why
+        pass
     line = proc.stdout.readline()
     if not line:
         err = proc.communicate()[1].strip().splitlines()
