@@ -6,16 +6,16 @@ between them whole: the [tokens, hidden] RMSNorms and residual adds, forward and
 of a tp group repeats. Sequence parallelism (`train.sequence_parallel`, models/sequence_parallel.py) splits
 the stream over tp too; beside activation memory, that is what it saves. This work is memory-bound and the
 calibration's matmul and attention curves hold none of it, so without this section the roofline prices a tp
-layout and its sequence-parallel twin alike, where on this host dp2 x tp4 measured 5-9% slower than with
-sequence parallelism (benchmarks/README.md, "What tensor parallelism repeats").
+layout and its sequence-parallel twin alike, where on this host dp2 x tp4 measured 4-8% slower than with
+sequence parallelism on the wide model (benchmarks/README.md, "What tensor parallelism repeats").
 
-The section measures it whole, as `pipeline_cost` measures a pipeline's ticks: the model's own training step at
-tp 4 (tp 2 where 4 does not divide the devices or the key/value heads; the rest on dp, two micro-batches) without and with
-sequence parallelism (`step_pairs.timed_pair`). Their difference is the stream's work on (1 - 1/tp) of the
-tokens each device holds, which gives its cost per token and layer (`per_token_layer`); the collectives each
-form runs are priced apart (`estimate.analytic_comm`) and the difference takes them as measured. `stream_seconds`
-charges a layout its devices' tokens times their layers at that cost, split over tp only under sequence
-parallelism, scaled by hidden size for another model."""
+The section measures it whole, as `pipeline_cost` measures a pipeline's ticks: the model's own training step
+at tp 4 (tp 2 where 4 does not divide the devices or the key/value heads; the rest on dp, two micro-batches)
+without and with sequence parallelism (`step_pairs.timed_pair`). Their difference is the stream's work on
+(1 - 1/tp) of the tokens each device holds, which gives its cost per token and layer (`per_token_layer`). It
+also holds what the two forms' collectives differ by, which the roofline prices apart as well: the pair cannot
+separate them. `stream_seconds` charges a layout its devices' tokens times their layers at that cost, split
+over tp only under sequence parallelism, scaled by hidden size for another model."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
