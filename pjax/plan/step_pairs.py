@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 
 def stepper(config_name: str, overrides: Sequence[str], layout: Layout, devices: list) -> Callable[[int], float]:
-    """`layout`'s training step built on `devices` with a batch and a state: a call times `steps` steps after one
-    warm-up step and gives their median seconds (the first call compiles in its warm-up)."""
+    """`layout`'s training step built on `devices` with a batch: a call starts a state, times `steps` steps after
+    one warm-up step (the first call's compiles) and drops the state, so that two steppers of a model that
+    fills the devices can take turns; it gives the steps' median seconds."""
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
     from pjax.step import build_trainer
@@ -42,13 +43,13 @@ def stepper(config_name: str, overrides: Sequence[str], layout: Layout, devices:
         positions = jnp.broadcast_to(jnp.arange(shapes[-1], dtype=jnp.int32), shapes)
         return {"inputs": tokens[0], "labels": tokens[1], "positions": positions}
 
-    held = {"data": batch(), "state": trainer.init(jax.random.key(0))}
+    data = batch()
 
     def run(steps: int) -> float:
-        times = []
+        state, times = trainer.init(jax.random.key(0)), []
         for _ in range(steps + 1):
             t = time.perf_counter()
-            held["state"], metrics = trainer.step(held["state"], held["data"])
+            state, metrics = trainer.step(state, data)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
@@ -101,9 +102,8 @@ def timed_pair(config_name: str, overrides: Sequence[str], first: Layout, second
     for layout in (first, second):  # what pjax.train would refuse, said before any process starts
         check(cfg, layout)
     if devices[0].platform != "cpu":
-        # built anew each run: one state on the devices at a time, as a model that fills them needs
-        times = [[stepper(config_name, overrides, layout, devices)(steps) for layout in (first, second)]
-                 for _ in range(rounds)]
+        runs = [stepper(config_name, overrides, layout, devices) for layout in (first, second)]
+        times = [[run(steps) for run in runs] for _ in range(rounds)]
     else:
         procs = [_serve(config_name, overrides, layout, len(devices), steps) for layout in (first, second)]
         try:

@@ -1,21 +1,17 @@
 """What tensor parallelism repeats on each of its devices: the residual stream's work, measured on the model
 at hand.
 
-Under tp a device runs the layer's products on its share of the heads and of the MLP, but the residual stream
-between them whole: the [tokens, hidden] RMSNorms and residual adds, forward and backward, which every device
-of a tp group repeats. Sequence parallelism (`train.sequence_parallel`, models/sequence_parallel.py) splits
-the stream over tp too; beside activation memory, that is what it saves. This work is memory-bound and the
-calibration's matmul and attention curves hold none of it, so without this section the roofline prices a tp
-layout and its sequence-parallel twin alike, where on this host dp2 x tp4 measured 4-8% slower than with
-sequence parallelism on the wide model (benchmarks/README.md, "What tensor parallelism repeats").
+Under tp a device runs its share of the heads and of the MLP, but the [tokens, hidden] residual stream between
+them whole (the RMSNorms and residual adds, forward and backward), so every device of a tp group repeats it;
+sequence parallelism splits it. The matmul and attention curves hold none of this memory-bound work, so without
+it the roofline prices a tp layout and its sequence-parallel twin alike (benchmarks/README.md, "What tensor
+parallelism repeats").
 
-The section measures it whole, as `pipeline_cost` measures a pipeline's ticks: the model's own training step
-at tp 4 (tp 2 where 4 does not divide the devices or the key/value heads; the rest on dp, two micro-batches)
-without and with sequence parallelism (`step_pairs.timed_pair`). Their difference is the stream's work on
-(1 - 1/tp) of the tokens each device holds, which gives its cost per token and layer (`per_token_layer`). It
-also holds what the two forms' collectives differ by, which the roofline prices apart as well: the pair cannot
-separate them. `stream_seconds` charges a layout its devices' tokens times their layers at that cost, split
-over tp only under sequence parallelism, scaled by hidden size for another model."""
+Measured whole, as `pipeline_cost` measures a pipeline's ticks: the model's own step at tp 4 (tp 2 where 4
+does not divide the devices or the key/value heads) without and with sequence parallelism. The difference is
+the stream's work on (1 - 1/tp) of each device's tokens, a cost per token and layer (`per_token_layer`); it
+also holds what the two forms' collectives differ by, which the pair cannot separate. `stream_seconds`
+charges a layout its devices' tokens times their layers at that cost."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
