@@ -8,9 +8,11 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from mesh.backend import target_backend
 from mesh.errors import ConfigError
+from mesh.mesh import DP, TP, current
 from models.chunked_attention import chunked_causal_attention
 from models.cpu_attention import blocked_causal_attention
 from models.reference_attention import reference_attention
@@ -60,4 +62,52 @@ def _cudnn_attention(q, k, v, q_pos, kv_pos):
     # Assumes contiguous positions; named, not None (ARCHITECTURE.md, "cuDNN attention asked for by name").
     del q_pos, kv_pos
     impl = "cudnn" if cudnn_supported(q) else "xla"
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731
+    return _manual_everywhere(attend)(q, k, v) if impl == "cudnn" else attend(q, k, v)
+
+
+def _manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`attend(q, k, v)` in a region manual over every mesh axis, where some already are (a data-parallel or
+    pipeline shard_map): cuDNN's partitioner fails on a region manual over some axes only (ARCHITECTURE.md,
+    "cuDNN attention in every layout"). Rows split over dp and heads over tp where those axes are automatic.
+    A custom_vjp carries the kernel's residuals out of the region, one block per device: differentiating the
+    nested shard_map itself gives them the outer manual axes' shapes too (jax 0.10.2)."""
+    mesh = current()
+    if mesh.empty or not mesh.manual_axes:
+        return attend
+    auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    # Every automatic axis is named, so q, k, v and all the kernel's residuals vary over each of them; the
+    # axes other than dp and tp are of size 1 wherever a region is manual (pp and cp make their own).
+    if any(mesh.shape[a] > 1 for a in auto if a not in (DP, TP)):
+        return attend
+    rows = DP if DP in auto else None
+    spec = P(rows, None, tuple(a for a in auto if a != DP) or None, None)
+    per_device = P(auto)  # a device's own residual, stacked along a new leading axis
+    pullback_tree = []
+
+    def forward(q, k, v):
+        out, pullback = jax.vjp(attend, q, k, v)
+        leaves, tree = jax.tree.flatten(pullback)
+        pullback_tree.append(tree)
+        return out, [_varying(leaf, auto)[None] for leaf in leaves]
+
+    def backward(residuals, d_out):
+        pullback = jax.tree.unflatten(pullback_tree[-1], [r[0] for r in residuals])
+        return pullback(d_out)
+
+    manual_forward = jax.shard_map(forward, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, per_device),
+                                   axis_names=set(auto))
+    manual_backward = jax.shard_map(backward, mesh=mesh, in_specs=(per_device, spec), out_specs=(spec,) * 3,
+                                    axis_names=set(auto))
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return manual_forward(q, k, v)[0]
+
+    attention.defvjp(lambda q, k, v: manual_forward(q, k, v), manual_backward)
+    return attention
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

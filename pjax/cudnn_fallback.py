@@ -1,11 +1,11 @@
-"""cuDNN's attention where it compiles, chunked attention where it does not.
+"""A guard: chunked attention where cuDNN's fused attention does not compile.
 
-On GPUs `train.attention=auto` is cuDNN's fused attention. With jax 0.10.2 and 0.11.2 its partitioner fails
-inside the data-parallel step's `shard_map` on several devices (every layout with dp > 1 but ZeRO-3:
-benchmarks/README.md, "XLA:GPU without a GPU"), and only the compile shows it. `compile_step` compiles the step
-as configured; where that fails on a GPU with cuDNN's attention, it rebuilds the trainer with `chunked`
-attention (pure JAX, keeping for the backward what cuDNN keeps), compiles that, and returns the one line that
-says so."""
+On GPUs `train.attention=auto` is cuDNN's fused attention, which compiles in every layout family pjax ships
+(`models.attention`: inside a data-parallel or pipeline region it runs in a region manual over every axis;
+tests/test_gpu_target.py compiles each family for compile-only H100s). Should a layout, a shape or another jax
+still fail in cuDNN's partitioner or kernel, only the compile shows it: `compile_step` compiles the step as
+configured and, where that fails on a GPU with cuDNN's attention, rebuilds the trainer with `chunked` attention
+(pure JAX, keeping for the backward what cuDNN keeps), compiles that, and returns one line naming the reason."""
 from __future__ import annotations
 
 import dataclasses
