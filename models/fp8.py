@@ -1,33 +1,43 @@
-"""fp8 matmuls for the layer's projections: operands rounded through e4m3, the output's cotangent through
-e5m2, each with one per-tensor scale from its current amax (ARCHITECTURE.md, "fp8 matmuls")."""
+"""fp8 GEMMs for the layer's projections and experts: operands in e4m3, the output's cotangent in e5m2, each with
+one per-tensor scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs")."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from mesh.errors import ConfigError
+from models.projection import PLAIN, Gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _F32 = jnp.float32
 
 
+def _largest(fp8: jnp.dtype) -> float:
+    # Constants enter as literals, never as operations of their own (`jnp.where`, `jnp.clip` convert theirs
+    # inside): differentiated inside a shard_map nested in another (sequence parallelism's in a data-parallel
+    # step), an operation on constants alone becomes a residual whose sharding Shardy refuses (jax 0.10.2).
+    return float(jnp.finfo(fp8).max)
+
+
 def scale_of(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
     """The per-tensor scale that maps x's largest magnitude onto fp8's largest finite value (1 for zeros)."""
     amax = jnp.max(jnp.abs(x)).astype(_F32)
-    return jnp.where(amax > 0, amax / jnp.finfo(fp8).max.astype(_F32), 1.0)
+    return amax / _largest(fp8) + (amax <= 0).astype(_F32)
 
 
 def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """(x / scale in `fp8`, scale): clipped first, since e4m3fn has no infinity and overflows to NaN."""
-    scale = scale_of(x, fp8)
-    top = jnp.finfo(fp8).max.astype(x.dtype)
-    return jnp.clip(x / scale.astype(x.dtype), -top, top).astype(fp8), scale
+    scale, top = scale_of(x, fp8), _largest(fp8)
+    bound = lambda v: np.asarray(v, x.dtype)  # noqa: E731
+    return lax.clamp(bound(-top), x / scale.astype(x.dtype), bound(top)).astype(fp8), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """The fp8 values back in `dtype`, times their scale: the form XLA:GPU fuses into an fp8 GEMM."""
+    """The fp8 values back in `dtype`, times their scale."""
     return q.astype(dtype) * scale.astype(dtype)
 
 
@@ -36,44 +46,123 @@ def round_trip(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
     return dequantize(*quantize(x, fp8), x.dtype)
 
 
+def _scaled(product, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """`product` of two fp8 arrays accumulated in fp32, times their scales' product, in `dtype`: the dot reads
+    fp8 operands, so XLA:GPU runs it as an fp8 GEMM (cuBLASLt's, with its output scale fused)."""
+    return (product(a, b, _F32) * scale).astype(dtype)
+
+
+def _dot(contract: tuple[int, int]):
+    return lambda a, b, out: lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                                              preferred_element_type=out)
+
+
+_XW, _GWT, _XTG = _dot((1, 0)), _dot((1, 1)), _dot((0, 0))  # X W, dY W^T, X^T dY
+
+
 @jax.custom_vjp
-def operand(x: jax.Array) -> jax.Array:
-    """A GEMM operand in e4m3; its gradient passes straight through (the rounding has none)."""
-    return round_trip(x, E4M3)
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, D] @ w [D, F] in x's dtype with e4m3 operands; both backward GEMMs read the cotangent in e5m2 and
+    the operands as the forward stored them, in fp8."""
+    return _matmul_fwd(x, w)[0]
 
 
-operand.defvjp(lambda x: (round_trip(x, E4M3), None), lambda _, g: (g,))
+def _matmul_fwd(x, w):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return _scaled(_XW, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
 
 
-@jax.custom_vjp
-def cotangent(y: jax.Array) -> jax.Array:
-    """The identity on a GEMM's output; its cotangent, which the backward GEMMs read, in e5m2."""
-    return y
+def _matmul_bwd(res, g):
+    xq, sx, wq, sw, w_like = res
+    gq, sg = quantize(g, E5M2)
+    return _scaled(_GWT, gq, wq, sg * sw, g.dtype), _scaled(_XTG, xq, gq, sx * sg, w_like.dtype)
 
 
-cotangent.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, E5M2),))
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def projections(column: Callable, row: Callable) -> tuple[Callable, Callable]:
-    """The layer's (column, row) projection forms with fp8 operands and e5m2 output cotangents: every
-    GEMM of the forward and both backward ones (dX = dY W^T, dW = X^T dY) reads fp8 values."""
-    def fp8_column(y: jax.Array, ws: Sequence[jax.Array], site: str) -> tuple[jax.Array, ...]:
-        return tuple(cotangent(o) for o in column(operand(y), [operand(w) for w in ws], site))
-
-    def fp8_row(y: jax.Array, w: jax.Array, site: str) -> jax.Array:
-        return cotangent(row(operand(y), operand(w), site))
-
-    return fp8_column, fp8_row
+def prepare(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The operands of Y = X W (x [N, D], w [D, F]) in e4m3, and their scales' product."""
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return xq, wq, sx * sw
 
 
+def multiply(xq: jax.Array, wq: jax.Array, scale: jax.Array, out: jnp.dtype) -> jax.Array:
+    """Y = X W from `prepare`'s operands, as an e4m3 GEMM, in `out`."""
+    return _scaled(_XW, xq, wq, scale, out)
+
+
+def input_grad(g: jax.Array, w: jax.Array, out=None) -> jax.Array:
+    """dX = dY W^T (g [N, F], w [D, F]) as an e5m2 x e4m3 GEMM, for a hand-written backward."""
+    (gq, sg), (wq, sw) = quantize(g, E5M2), quantize(w, E4M3)
+    return _scaled(_GWT, gq, wq, sg * sw, out or g.dtype)
+
+
+def weight_grad(xt: jax.Array, g: jax.Array, out=None) -> jax.Array:
+    """dW = X^T dY (xt [D, N], g [N, F]) as an e4m3 x e5m2 GEMM, for a hand-written backward."""
+    (xq, sx), (gq, sg) = quantize(xt, E4M3), quantize(g, E5M2)
+    return _scaled(_XW, xq, gq, sx * sg, out or g.dtype)
+
+
+GEMM = Gemm(matmul, prepare, multiply, input_grad, weight_grad)
+
+
+def gemm(enabled: bool) -> Gemm:
+    """The projections' products: fp8's under `precision.fp8`, else the plain ones."""
+    return GEMM if enabled else PLAIN
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The experts' batched GEMM (`jnp.einsum` of an input and a weight) in fp8."""
-    return cotangent(jnp.einsum(subscripts, operand(x), operand(w)))
+    """The experts' batched GEMM `jnp.einsum(subscripts, x, w)` (each index in two of the three terms) in fp8."""
+    return _einsum_fwd(subscripts, x, w)[0]
 
 
+def _einsum_fwd(subscripts, x, w):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    product = lambda a, b, out: jnp.einsum(subscripts, a, b, preferred_element_type=out)  # noqa: E731
+    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
+
+
+def _einsum_bwd(subscripts, res, g):
+    xq, sx, wq, sw, w_like = res
+    gq, sg = quantize(g, E5M2)
+    a, rest = subscripts.split(",")
+    b, c = rest.split("->")
+    over = lambda spec: lambda p, q, out: jnp.einsum(spec, p, q, preferred_element_type=out)  # noqa: E731
+    return (_scaled(over(f"{c},{b}->{a}"), gq, wq, sg * sw, g.dtype),
+            _scaled(over(f"{a},{c}->{b}"), xq, gq, sx * sg, w_like.dtype))
+
+
+einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+# dW of a grouped GEMM: rows of x and dY grouped alike, each group's x^T dY its expert's [D, F].
+_GROUPED_WEIGHT_GRAD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                     lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@jax.custom_vjp
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The experts' grouped GEMM (`lax.ragged_dot`, rows sorted by expert) in fp8: one scale per tensor."""
-    return cotangent(jax.lax.ragged_dot(operand(x), operand(w), group_sizes))
+    return _ragged_fwd(x, w, group_sizes)[0]
+
+
+def _ragged_fwd(x, w, group_sizes):
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    product = lambda a, b, out: lax.ragged_dot(a, b, group_sizes, preferred_element_type=out)  # noqa: E731
+    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
+
+
+def _ragged_bwd(res, g):
+    xq, sx, wq, sw, group_sizes, w_like = res
+    gq, sg = quantize(g, E5M2)
+    d_x = lambda a, b, out: lax.ragged_dot(a, b.swapaxes(1, 2), group_sizes, preferred_element_type=out)  # noqa: E731
+    d_w = lambda a, b, out: lax.ragged_dot_general(a, b, group_sizes, _GROUPED_WEIGHT_GRAD,  # noqa: E731
+                                                   preferred_element_type=out)
+    return _scaled(d_x, gq, wq, sg * sw, g.dtype), _scaled(d_w, xq, gq, sx * sg, w_like.dtype), None
+
+
+ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def check() -> None:

@@ -81,7 +81,8 @@ class DecoderLayer(nn.Module):
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
-        o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
+        with jax.named_scope("attention"):
+            o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
         o = checkpoint_name(o.reshape(o.shape[0], -1), "attn_out")
         o = checkpoint_name(row(o, attn(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
         x = x + constrain(o.astype(x.dtype), residual)
@@ -95,9 +96,9 @@ class DecoderLayer(nn.Module):
             y = constrain(y, ("tokens", "embed"))
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
             gemms = Gemms(fp8.einsum, fp8.ragged_dot) if p.fp8 else Gemms()
-            down, stats = moe_mlp(y, weights, gemms=gemms,
-                                  top_k=c.num_experts_per_tok, routing=self.moe.routing,
-                                  capacity_factor=self.moe.capacity_factor)
+            with jax.named_scope("experts"):
+                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, routing=self.moe.routing,
+                                      capacity_factor=self.moe.capacity_factor)
             return x + constrain(down.astype(x.dtype), residual), stats
         gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
@@ -107,20 +108,29 @@ class DecoderLayer(nn.Module):
 
 
     def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
-        """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for,
-        as fp8 GEMMs under `precision.fp8`."""
-        column, row = self._forms(sp, taps)
-        return fp8.projections(column, row) if self.precision.fp8 else (column, row)
+        """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for, each of
+        their GEMMs by `fp8.gemm`: fp8 under `precision.fp8`."""
+        column, row = self._forms(sp, taps, fp8.gemm(self.precision.fp8))
+        return _named(column), _named(row)
 
-    def _forms(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
+    def _forms(self, sp: bool, taps: dict | None, gemm) -> tuple[Callable, Callable]:
         if sp and taps is not None:
-            return (lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site]),
-                    lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site]))
+            return (lambda y, ws, site: deferred_grads.tapped_column(y, ws, taps[site], gemm),
+                    lambda y, w, site: deferred_grads.tapped_row(y, w, taps[site], gemm))
         if sp:
-            return (lambda y, ws, site: seqpar.column(y, ws)), (lambda y, w, site: seqpar.row(y, w))
-        column = ((lambda y, ws, site: self.project_fn(y, ws)) if taps is None
-                  else (lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site])))
+            return (lambda y, ws, site: seqpar.column(y, ws, None, gemm)), (lambda y, w, site: seqpar.row(y, w, gemm))
+        column = ((lambda y, ws, site: self.project_fn(y, ws, gemm)) if taps is None
+                  else (lambda y, ws, site: deferred_grads.tapped_projection(y, ws, taps[site], gemm)))
         return column, (lambda y, w, site: column(y, [w], site)[0])
+
+
+def _named(form: Callable) -> Callable:
+    """`form` under a named scope of its site ('qkv', 'o', 'gate_up', 'down'): a profile, and the compiled
+    program's op names, say which projection each GEMM, forward or backward, belongs to."""
+    def named(y, ws, site):
+        with jax.named_scope(site):
+            return form(y, ws, site)
+    return named
 
 
 class Embed(nn.Module):

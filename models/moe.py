@@ -54,7 +54,8 @@ class RouterStats(NamedTuple):
 
 def route(x: jax.Array, w_router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, RouterStats]:
     """(weights [N, k] fp32, experts [N, k] int32, stats) for tokens x [N, D]."""
-    logits = jnp.einsum("nd,de->ne", x.astype(w_router.dtype), w_router, preferred_element_type=F32)
+    with jax.named_scope("router"):  # not fp8 (torchao's recipe): the compiled step's op names tell it apart
+        logits = jnp.einsum("nd,de->ne", x.astype(w_router.dtype), w_router, preferred_element_type=F32)
     probs = jax.nn.softmax(logits, axis=-1)
     top, experts = lax.top_k(probs, top_k)
     weights = top / jnp.sum(top, axis=-1, keepdims=True)

@@ -1,10 +1,12 @@
-"""How a decoder layer multiplies one input by its weight matrices (q, k, v share one; gate, up another).
+"""How a decoder layer multiplies one input by its weight matrices (q, k, v share one; gate, up another), and the
+`Gemm` each of its three products goes through (plain, or fp8's: `models.fp8.GEMM`).
 
 ARCHITECTURE.md says why: "Weight gradients from a transposed input" (`transposed_projection`)
 and "One all-reduce per shared input under TP" (`merge_over_tp`)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,45 @@ from mesh.backend import target_backend
 from mesh.mesh import TP, current
 from mesh.rules import auto_size
 
-ProjectFn = Callable[[jax.Array, Sequence[jax.Array]], tuple[jax.Array, ...]]
+
+
+def _forward(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x @ w
+
+
+def _prepare(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    return x, w, None
+
+
+def _multiply(a: jax.Array, b: jax.Array, scale: None, out=None) -> jax.Array:
+    del scale
+    return jnp.matmul(a, b, preferred_element_type=out)
+
+
+def _input_product(g: jax.Array, w: jax.Array, out=None) -> jax.Array:
+    return jnp.einsum("nf,df->nd", g, w, preferred_element_type=out)
+
+
+def _weight_product(xt: jax.Array, g: jax.Array, out=None) -> jax.Array:
+    return jnp.matmul(xt, g, preferred_element_type=out)
+
+
+class Gemm(NamedTuple):
+    """A projection's three products. `forward` is Y = X W, differentiable. Forms with a hand-written backward
+    take Y = X W as `multiply(*prepare(x, w))` (`prepare` gives the operands and their scale, which a shard_map
+    can take in: see `sequence_parallel.row`), and `input_grad` dX = dY W^T (g [N, F], w [D, F]) and
+    `weight_grad` dW = X^T dY (xt [D, N], g [N, F]); each but `forward` takes an optional result dtype. These
+    multiply in the operands' dtype; `models.fp8.GEMM`'s read fp8."""
+
+    forward: Callable[[jax.Array, jax.Array], jax.Array] = _forward
+    prepare: Callable[[jax.Array, jax.Array], tuple] = _prepare
+    multiply: Callable[..., jax.Array] = _multiply
+    input_grad: Callable[..., jax.Array] = _input_product
+    weight_grad: Callable[..., jax.Array] = _weight_product
+
+
+PLAIN = Gemm()
+ProjectFn = Callable[..., tuple[jax.Array, ...]]  # (x, ws, gemm=PLAIN) -> one output per w
 
 
 def _tp() -> int:
@@ -34,45 +74,46 @@ def split_over_tp(y: jax.Array, widths: Sequence[int], tp: int) -> tuple[jax.Arr
     return tuple(part.reshape(*lead, w) for part, w in zip(parts, widths))
 
 
-def plain_projection(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+def plain_projection(x: jax.Array, ws: Sequence[jax.Array], gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:
     """x [N, D] times each w [D, F_i]; under tp one dot, so that autodiff's backward transposes one dot."""
     tp = _tp()
     if tp == 1 or len(ws) == 1:
-        return tuple(x @ w for w in ws)
-    return split_over_tp(x @ merge_over_tp(ws, tp), [w.shape[-1] for w in ws], tp)
+        return tuple(gemm.forward(x, w) for w in ws)
+    return split_over_tp(gemm.forward(x, merge_over_tp(ws, tp)), [w.shape[-1] for w in ws], tp)
 
 
-@jax.custom_vjp
-def transposed_projection(x: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def transposed_projection(x: jax.Array, ws: Sequence[jax.Array], gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:
     """`plain_projection`, with weight gradients taken from one materialised x^T (fast on XLA:CPU)."""
-    return plain_projection(x, ws)
+    return plain_projection(x, ws, gemm)
 
 
-def _fwd(x, ws):
-    return plain_projection(x, ws), (x, ws)
+def _fwd(x, ws, gemm):
+    return plain_projection(x, ws, gemm), (x, ws)
 
 
-def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array], gemm: Gemm = PLAIN
+                 ) -> tuple[jax.Array, ...]:
     """dW_i = x^T @ g_i in each w_i's dtype; on XLA:CPU from one materialised x^T."""
-    if target_backend() != "cpu":
-        return tuple(jnp.einsum("nd,nf->df", x, g).astype(w.dtype) for g, w in zip(gs, ws))
-    xt = jax.lax.optimization_barrier(x.T)  # or XLA folds it back into the dot
-    return tuple((xt @ g).astype(w.dtype) for g, w in zip(gs, ws))
+    # On XLA:CPU x^T materialised once (behind a barrier, or XLA folds it back into each dot); elsewhere the
+    # transpose folds into the dots' dimensions.
+    xt = jax.lax.optimization_barrier(x.T) if target_backend() == "cpu" else x.T
+    return tuple(gemm.weight_grad(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
 
 
-def input_grad(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array]) -> jax.Array:
+def input_grad(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array], gemm: Gemm = PLAIN) -> jax.Array:
     """dx = sum_i g_i @ w_i^T in x's dtype; under tp one dot over the merged operands: one all-reduce."""
     tp = _tp()
     if tp > 1 and len(ws) > 1:
-        d_x = jnp.einsum("nf,df->nd", merge_over_tp(gs, tp), merge_over_tp(ws, tp))
+        d_x = gemm.input_grad(merge_over_tp(gs, tp), merge_over_tp(ws, tp))
     else:
-        d_x = sum(jnp.einsum("nf,df->nd", g, w) for g, w in zip(gs, ws))
+        d_x = sum(gemm.input_grad(g, w) for g, w in zip(gs, ws))
     return d_x.astype(x.dtype)
 
 
-def _bwd(res, gs):
+def _bwd(gemm, res, gs):
     x, ws = res
-    return input_grad(x, gs, ws), type(ws)(weight_grads(x, gs, ws))
+    return input_grad(x, gs, ws, gemm), type(ws)(weight_grads(x, gs, ws, gemm))
 
 
 transposed_projection.defvjp(_fwd, _bwd)

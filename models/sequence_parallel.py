@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import TP, current
 from mesh.rules import auto_size, logical_to_spec, per_device
-from models.projection import weight_grads
+from models.projection import PLAIN, Gemm, weight_grads
 
 TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",))
 
@@ -45,58 +45,64 @@ def gather_transposed(x: jax.Array) -> jax.Array:
                        (SP_TOKENS,), P(None, TOKENS[0]))(x)
 
 
-def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype) -> jax.Array:
+def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dtype, gemm: Gemm = PLAIN
+                           ) -> jax.Array:
     """sum_i g_i @ w_i^T reduce-scattered over tp along the tokens: a column-parallel input gradient."""
     def local(gs, ws):
         g = jnp.concatenate([g.astype(dtype) for g in gs], axis=-1)
         w = jnp.concatenate([w.astype(dtype) for w in ws], axis=-1)
-        d = jnp.einsum("nf,df->nd", g, w, preferred_element_type=jnp.float32).astype(dtype)
+        d = gemm.input_grad(g, w, jnp.float32).astype(dtype)
         return lax.psum_scatter(d, TP, scatter_dimension=0, tiled=True)
 
     specs = ([P(TOKENS[0], TP)] * len(gs), [P(None, TP)] * len(ws))
     return _per_device(local, specs, SP_TOKENS)(list(gs), list(ws))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def column(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None) -> tuple[jax.Array, ...]:
-    """x [N, D] (tokens over dp, cp, tp) gathered over tp, times each column-parallel w [D, F_i]."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def column(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None, gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:
+    """x [N, D] (tokens over dp, cp, tp) gathered over tp, times each column-parallel w [D, F_i] (in `out_dtype`,
+    the output layer's, or by `gemm`)."""
     full = gather(x)
-    return tuple(jnp.matmul(full, w, preferred_element_type=out_dtype) for w in ws)
+    if out_dtype is not None:
+        return tuple(jnp.matmul(full, w, preferred_element_type=out_dtype) for w in ws)
+    return tuple(gemm.multiply(*gemm.prepare(full, w), full.dtype) for w in ws)
 
 
-def _column_fwd(x, ws, out_dtype):
-    return column(x, ws, out_dtype), (x, ws)
+def _column_fwd(x, ws, out_dtype, gemm):
+    return column(x, ws, out_dtype, gemm), (x, ws)
 
 
-def _column_bwd(out_dtype, res, gs):
+def _column_bwd(out_dtype, gemm, res, gs):
     x, ws = res
     gs = [g.astype(x.dtype) for g in gs]
     xt = gather_transposed(x)
-    d_ws = tuple(jnp.matmul(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
-    return reduce_scatter_product(gs, ws, x.dtype), type(ws)(d_ws)
+    d_ws = tuple(gemm.weight_grad(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
+    return reduce_scatter_product(gs, ws, x.dtype, gemm), type(ws)(d_ws)
 
 
 column.defvjp(_column_fwd, _column_bwd)
 
 
-@jax.custom_vjp
-def row(x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def row(x: jax.Array, w: jax.Array, gemm: Gemm = PLAIN) -> jax.Array:
     """x [N, F] times the row-parallel w [F, D], reduce-scattered over tp along the tokens."""
-    def local(x, w):
-        return lax.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)
+    def local(a, b, scale):
+        return lax.psum_scatter(gemm.multiply(a, b, scale, x.dtype), TP, scatter_dimension=0, tiled=True)
 
-    return _per_device(local, (P(TOKENS[0], TP), P(TP, None)), SP_TOKENS)(x, w)
-
-
-def _row_fwd(x, w):
-    return row(x, w), (x, w)
+    # The operands are prepared (fp8: quantized) outside the shard_map: inside, a scan's linearization would
+    # hoist w's quantization out as residuals of the nested shard_map, which jax 0.10.2 shards wrongly.
+    return _per_device(local, (P(TOKENS[0], TP), P(TP, None), P()), SP_TOKENS)(*gemm.prepare(x, w))
 
 
-def _row_bwd(res, g):
+def _row_fwd(x, w, gemm):
+    return row(x, w, gemm), (x, w)
+
+
+def _row_bwd(gemm, res, g):
     x, w = res
     full = gather(g.astype(x.dtype))
-    (d_w,) = weight_grads(x, [full], [w])
-    return jnp.matmul(full, w.T).astype(x.dtype), d_w
+    (d_w,) = weight_grads(x, [full], [w], gemm)
+    return gemm.input_grad(full, w).astype(x.dtype), d_w
 
 
 row.defvjp(_row_fwd, _row_bwd)

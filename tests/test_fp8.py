@@ -15,6 +15,7 @@ from mesh.errors import ConfigError
 from models import fp8
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
+from models.projection import PLAIN
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.config_io import load_config
 from pjax.parallel.pipeline.layout import to_pipeline_layout
@@ -45,13 +46,20 @@ def test_round_trip_error_is_e4m3s_and_e5m2s():
         assert 2.0 ** -(bits + 3) < rel <= 2.0 ** -(bits + 1), (fmt, rel)  # rounding to `bits` mantissa bits
 
 
-def test_operand_rounds_forward_and_cotangent_rounds_backward():
-    x = jax.random.normal(jax.random.key(1), (16, 8))
-    c = jax.random.normal(jax.random.key(2), (16, 8))
-    np.testing.assert_array_equal(fp8.operand(x), fp8.round_trip(x, fp8.E4M3))
-    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fp8.operand(a) * c))(x), c)  # straight through
-    np.testing.assert_array_equal(fp8.cotangent(x), x)
-    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fp8.cotangent(a) * c))(x), fp8.round_trip(c, fp8.E5M2))
+def test_each_of_a_projections_three_gemms_reads_fp8_operands():
+    """Y = X W in e4m3 x e4m3; dX = dY W^T and dW = X^T dY with dY in e5m2 and X, W as the forward stored them;
+    the hand-written backwards' products are the same GEMMs."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    x, w, g = jax.random.normal(ks[0], (16, 8)), jax.random.normal(ks[1], (8, 24)), jax.random.normal(ks[2], (16, 24))
+    xr, wr, gr = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(w, fp8.E4M3), fp8.round_trip(g, fp8.E5M2)
+    y, pullback = jax.vjp(fp8.matmul, x, w)
+    dx, dw = pullback(g)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+    close(y, xr @ wr), close(dx, gr @ wr.T), close(dw, xr.T @ gr)
+    close(fp8.multiply(*fp8.prepare(x, w), x.dtype), y), close(fp8.input_grad(g, w), dx), close(fp8.weight_grad(x.T, g), dw)
+    assert fp8.gemm(True) is fp8.GEMM and fp8.gemm(False) is PLAIN
+    text = jax.jit(lambda x, w, g: jax.vjp(fp8.matmul, x, w)[1](g)).lower(x, w, g).as_text()
+    assert text.count("f8E5M2") and "dot_general" in text and "f8E4M3FN" in text
 
 
 def test_a_huge_activation_stays_finite():
@@ -59,10 +67,9 @@ def test_a_huge_activation_stays_finite():
     x = 1e6 * jax.random.normal(jax.random.key(3), (32, 16))
     w = jax.random.normal(jax.random.key(4), (16, 8))
     assert bool(jnp.isnan(x.astype(fp8.E4M3).astype(jnp.float32)).any())
-    column, _ = fp8.projections(lambda y, ws, site: tuple(y @ v for v in ws), None)
-    out, grads = jax.value_and_grad(lambda a, b: jnp.sum(column(a, [b], "qkv")[0] ** 2), argnums=(0, 1))(x, w)
+    out, grads = jax.value_and_grad(lambda a, b: jnp.sum(fp8.matmul(a, b) ** 2), argnums=(0, 1))(x, w)
     assert bool(jnp.isfinite(out)) and all(bool(jnp.isfinite(g).all()) for g in grads)
-    np.testing.assert_allclose(column(x, [w], "qkv")[0], x @ w, rtol=0.1, atol=0.1 * float(jnp.max(jnp.abs(x @ w))))
+    np.testing.assert_allclose(fp8.matmul(x, w), x @ w, rtol=0.1, atol=0.1 * float(jnp.max(jnp.abs(x @ w))))
 
 
 @pytest.mark.parametrize("routing", ["dropless", "capacity", "dense"])

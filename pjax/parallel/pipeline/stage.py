@@ -10,7 +10,7 @@ from jax import lax
 
 from mesh.mesh import CP, DP, current
 from mesh.rules import logical_to_spec
-from models import deferred_grads, llama
+from models import deferred_grads, fp8, llama
 from models import sequence_parallel as seqpar
 
 Activation = tuple[jax.Array, Any]  # (x [B*T, D], router stats so far or (): ARCHITECTURE.md, "MoE in a pipeline")
@@ -85,7 +85,8 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
         head_keys=spec.head_keys(),
         tokens=spec.tokens,
         taps=lambda w, tokens: deferred_grads.layer_taps(cfg, jax.tree.leaves(w)[0].shape[0], tokens, spec.precision),
-        weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(spec.sequence_parallel)),
+        weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(spec.sequence_parallel),
+                                                                     fp8.gemm(spec.precision.fp8)),
         scan=spec.scan,
         layer_specs=jax.tree.map(lambda n: logical_to_spec(n[1:]), llama.param_logical_axes(cfg)["layers"],
                                  is_leaf=is_names),
