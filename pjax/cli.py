@@ -9,6 +9,7 @@ import tempfile
 from typing import Any, Callable
 
 from mesh.errors import ConfigError, cut
+from pjax.platforms import start_platforms
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -20,7 +21,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_main(body: Callable[[], Any]) -> int:
-    """Run `body`; a ConfigError or uncaught file-system error becomes one `error:` line and exit status 2."""
+    """Run `body`; a ConfigError or uncaught file-system error becomes one `error:` line and exit status 2.
+    JAX starts on the CPU where its CUDA plugin is installed and no GPU can be (`pjax.platforms`)."""
+    start_platforms()
     try:
         body()
     except ConfigError as e:

@@ -63,6 +63,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate and Nesterov momentum (the paper's values)
     outer_momentum: float = 0.9
     diloco_groups: int | None = None  # null: one group per dp replica; else groups of dp / diloco_groups replicas
+    xla_options: bool = True  # pjax's XLA:GPU options on GPU steps (pjax/xla_options.py); false: XLA's defaults
 
     def __post_init__(self) -> None:
         # Sizes that must be divisible by the mesh are checked in mesh/validate.py, which knows the mesh.
@@ -82,6 +83,7 @@ class TrainConfig:
         require(self.eps > 0, "train.eps", self.eps, "use a value > 0")
         require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "use a value >= 0 (0 disables clipping)")
         require_choice("train.dtype", self.dtype, DTYPES)
+        require(isinstance(self.xla_options, bool), "train.xla_options", self.xla_options, "use true or false")
         require_choice("train.remat", self.remat, REMATS)
         if self.remat_names is not None:
             unknown = [n for n in self.remat_names if n not in REMAT_NAMES]

@@ -18,7 +18,8 @@ from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
 from models.moe import MoeConfig
 from models.precision import PrecisionConfig
-from pjax.config import ContextConfig, MetaConfig, PipelineConfig, TrainConfig
+from pjax.config import Config, ContextConfig, MetaConfig, PipelineConfig, TrainConfig
+from pjax import xla_options
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
 from pjax.parallel import data_parallel, feedback, meta, outer
@@ -143,6 +144,7 @@ class Trainer:
     grads: Callable[[Any, Batch], tuple[jax.Array, Any]]
     loss: Callable[[Any, Batch], jax.Array]
     strategy: Any = None  # `Accumulation`, or `pipeline.step.Pipelined` (pp > 1)
+    xla_options: dict | None = None  # the compile options of its jitted functions (`pjax.xla_options`)
     pipeline: PipelineConfig | None = None  # set when pp > 1
     diloco: outer.DiLoCo | None = None  # set with train.local_steps > 0; `optimizer` is then the outer one
     learner: meta.Meta | None = None  # set with a meta.algorithm; `optimizer` is then the meta-parameters' one
@@ -214,19 +216,29 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
+    options = xla_options.step_options(tc.xla_options, mesh.devices.flat[0])
+    jit = functools.partial(jax.jit, compiler_options=options or None)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
         init=_on_mesh(mesh, jax.jit(init, out_shardings=state_sharding)),
-        step=_on_mesh(mesh, jax.jit(step, in_shardings=(state_sharding, batch_sharding),
-                                    out_shardings=(state_sharding, None), donate_argnums=0)),
-        grads=_on_mesh(mesh, jax.jit(lambda params, batch: strategy.loss_and_grads(params, batch)[:2],
-                                     in_shardings=(p_sharding, batch_sharding), out_shardings=(None, p_sharding))),
-        loss=_on_mesh(mesh, jax.jit(strategy.mean_loss, in_shardings=(p_sharding, batch_sharding))),
+        step=_on_mesh(mesh, jit(step, in_shardings=(state_sharding, batch_sharding),
+                                out_shardings=(state_sharding, None), donate_argnums=0)),
+        grads=_on_mesh(mesh, jit(lambda params, batch: strategy.loss_and_grads(params, batch)[:2],
+                                 in_shardings=(p_sharding, batch_sharding), out_shardings=(None, p_sharding))),
+        loss=_on_mesh(mesh, jit(strategy.mean_loss, in_shardings=(p_sharding, batch_sharding))),
         strategy=strategy,
+        xla_options=options,
         pipeline=pipeline if mc.pp > 1 else None,
         diloco=diloco,
         learner=learner,
     )
+
+
+def trainer_for(mesh: Mesh, config: Config, tc: TrainConfig | None = None) -> Trainer:
+    """`build_trainer` with every section of a run's config (`tc` in place of its train section): the step
+    `pjax.train` runs, which the planner and the calibration compile too."""
+    return build_trainer(mesh, config.model, config.train if tc is None else tc, config.pipeline, config.moe,
+                         config.context, config.precision, config.meta)
 
 
 def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -> TrainState:

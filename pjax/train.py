@@ -6,7 +6,9 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables only at process start
     from pjax.malloc import restart_with_huge_pages
+    from pjax.platforms import start_platforms
 
+    start_platforms()  # JAX_PLATFORMS=cpu where JAX's CUDA plugin has no GPU: XLA:CPU's buffers on huge pages too
     restart_with_huge_pages()
 
 import argparse
@@ -120,13 +122,14 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     from pjax.observe.report import local_devices
     from pjax.parallel.context.zigzag import zigzag_layout
     from pjax.plan.inspect import parameter_table, step_report
-    from pjax.step import build_trainer, init_state
+    from pjax import xla_options
+    from pjax.step import init_state, trainer_for
     from pjax.validate import Run
 
     tc, mc = cfg.train, cfg.model
     _warn_if_longer_than_the_model(cfg)
     mesh = make_mesh(cfg.mesh, devices)
-    build = lambda train: build_trainer(mesh, mc, train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+    build = lambda train: trainer_for(mesh, cfg, train)
     trainer = build(tc)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
                                     Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
@@ -156,6 +159,8 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
         if directory is not None:
             write_config(cfg, directory)
     say(mesh_summary(mesh))
+    if xla_options.describe(trainer.xla_options):
+        say(xla_options.describe(trainer.xla_options))
     say(parameter_table(state.params, llama.param_logical_axes(mc)))
     if cfg.log.inspect:
         say(step_report(cfg, mesh, compiled, devices_per_host=len(local_devices(mesh))))

@@ -17,8 +17,10 @@ from pjax.train import train
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_cli(*args: str, tmp_path: Path, platforms: str | None = "cpu") -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": platforms}
+    if platforms is None:
+        env.pop("JAX_PLATFORMS")
     env.pop("XLA_FLAGS", None)  # the trainer forces the CPU device count the mesh needs
     return subprocess.run([sys.executable, "-m", "pjax.train", "--no_progress", f"data.cache_dir={tmp_path}/cache",
                            f"log.dir={tmp_path}/run", *args], cwd=REPO, env=env, capture_output=True, text=True,
@@ -26,8 +28,10 @@ def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def test_cli_default_config_learns_the_text_and_writes_metrics(tmp_path):
-    proc = run_cli("train.steps=100", "log.every=10", "log.eval_every=100", tmp_path=tmp_path)
+    """As a user runs it: no JAX_PLATFORMS, and JAX's CUDA plugin (the test extra's gpu-plan) with no GPU."""
+    proc = run_cli("train.steps=100", "log.every=10", "log.eval_every=100", tmp_path=tmp_path, platforms=None)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Unable to load" not in proc.stderr, proc.stderr[-2000:]
     assert "mesh dp=4 pp=1 cp=1 tp=2 over 8 cpu devices" in proc.stdout
     assert "layers/wq" in proc.stdout and "parameters:" in proc.stdout
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,81 @@
+"""pjax's own XLA:GPU options, set on every step it compiles for GPUs (`pjax.train` and the planner's compiles
+for compile-only GPUs alike), as per-compile options, on top of the user's XLA_FLAGS: a flag the user sets wins.
+`train.xla_options=false` leaves XLA's defaults. Why each: ARCHITECTURE.md, "pjax's XLA:GPU options"."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any
+
+from mesh.backend import target_backend
+
+MIB = 2 ** 20
+
+GPU_OPTIONS: dict[str, bool | int] = {
+    # Overlap: the latency-hiding scheduler starts each asynchronous collective early and waits for it late, with
+    # collectives on the highest-priority stream so that compute kernels do not delay them.
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    # A collective inside a loop (ZeRO-3's per-layer all-gathers, sequence parallelism's gathers) is started one
+    # iteration ahead, and loops are unrolled by two so that the schedule can cross iterations.
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    # Small collectives combined into fewer, larger ones up to these sizes (MaxText's GPU values): a large
+    # model's stacked weights stay one collective each, which the scheduler can overlap with other tensors' work.
+    "xla_gpu_all_reduce_combine_threshold_bytes": 128 * MIB,
+    "xla_gpu_all_gather_combine_threshold_bytes": 128 * MIB,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 64 * MIB,
+    # GEMMs as cuBLAS(Lt) calls, not Triton fusions: with Triton's, an fp8 operand's quantize-dequantize is
+    # compiled away and no fp8 GEMM runs (models/fp8.py); cuBLASLt runs fp8 x fp8 with its scales fused.
+    "xla_gpu_enable_triton_gemm": False,
+}
+
+
+def user_flags(flags: str | None = None) -> set[str]:
+    """The option names the user's XLA_FLAGS set (`--name` or `--name=value`)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    return set(re.findall(r"--(xla_\w+)", flags))
+
+
+def step_options(enabled: bool, device: Any = None) -> dict[str, Any]:
+    """The compile options of a step built for the target backend: on GPUs `GPU_OPTIONS` less what XLA_FLAGS
+    sets (and, with a `device` of the target kind, less what this XLA does not know); elsewhere none."""
+    if not enabled or target_backend() != "gpu":
+        return {}
+    mine = {k: v for k, v in GPU_OPTIONS.items() if k not in user_flags()}
+    return _known(tuple(sorted(mine.items())), device) if device is not None else mine
+
+
+@functools.cache
+def _known(options: tuple[tuple[str, Any], ...], device: Any) -> dict[str, Any]:
+    """`options` less those this jaxlib's XLA refuses ("No such compile option"), found by compiling a
+    one-element program for `device`: an option renamed in a later XLA drops out instead of failing the run."""
+    import jax
+    import jax.numpy as jnp
+
+    kept = dict(options)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=sharding)
+    for _ in range(len(kept) + 1):
+        try:
+            jax.jit(lambda a: a + 1, compiler_options=kept).lower(x).compile()
+            return kept
+        except Exception as e:  # noqa: BLE001 - XLA reports an unknown option as a runtime error
+            unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+            if not unknown or unknown.group(1) not in kept:
+                raise
+            kept.pop(unknown.group(1))
+    return kept
+
+
+def describe(options: dict[str, Any]) -> str | None:
+    """The one line `pjax.train` prints of them, or None where there are none."""
+    if not options:
+        return None
+    flags = " ".join(f"--{k}={str(v).lower()}" for k, v in options.items())
+    kept = sorted(user_flags() & set(GPU_OPTIONS))
+    own = f"; XLA_FLAGS sets {', '.join(kept)}" if kept else ""
+    return f"XLA:GPU options (pjax's, added to XLA_FLAGS{own}; train.xla_options=false leaves XLA's defaults): {flags}"
