@@ -65,11 +65,10 @@ def compile_step(config: str, layout: str, overrides: list[str], devices: Any = 
     """
     import time
 
-    from pjax.step import build_trainer
+    from pjax.step import trainer_for
 
     cfg, mesh = layout_config(config, layout, overrides, devices)
-    kwargs = {k: getattr(cfg, k) for k in ("pipeline", "moe", "context", "precision") if k in build_trainer.__code__.co_varnames}
-    trainer = build_trainer(mesh, cfg.model, cfg.train, **kwargs)
+    trainer = trainer_for(mesh, cfg)  # every section, and pjax's XLA options on GPUs: what pjax.train runs
     t0 = time.perf_counter()
     compiled = trainer.compile_step()
     return {"cfg": cfg, "mesh": mesh, "trainer": trainer, "compiled": compiled,
@@ -100,9 +99,8 @@ def trainer_for(config: str, overrides: list[str]) -> tuple[Any, Any]:
 
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
-    from pjax.step import build_trainer
+    from pjax import step
 
     cfg = load_config(config, overrides)
     n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, cfg.moe, cfg.context, cfg.precision, cfg.meta)
+    return cfg, step.trainer_for(make_mesh(cfg.mesh, jax.devices()[:n]), cfg)

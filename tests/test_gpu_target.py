@@ -1,37 +1,61 @@
-"""XLA:GPU on a host without a GPU (pjax/plan/gpu_target.py): the planner compiles a layout's step for
-compile-only H100s and reads XLA:GPU's memory plan and collectives; without the plugin it says so in one line."""
+"""XLA:GPU on a host without a GPU (pjax/plan/gpu_target.py): steps compiled for compile-only H100s, read for
+their kernels. cuDNN's fused attention in every layout family, fp8 GEMMs that are fp8, pjax's XLA:GPU options
+and the overlap they give, and the planner compiling what `pjax.train` runs. Skipped, with the reason printed,
+where JAX's CUDA plugin cannot compile here (`pip install -e '.[gpu-plan]'`, part of the `test` extra)."""
 import dataclasses
+import functools
 import json
+import re
 
 import pytest
 
 from mesh.backend import building_for, target_backend
+from mesh.errors import ConfigError
 from mesh.mesh import make_mesh
-from pjax import cudnn_fallback
+from pjax import cudnn_fallback, xla_options
 from pjax.config_io import load_config
+from pjax.observe.hlo import async_overlap
+from pjax.observe.hlo_flops import fused_attention, gemm_sites
 from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
 from pjax.plan.compile import compile_planned
 from pjax.plan.inspect import step_collectives
 from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import PROFILES
-from pjax.step import build_trainer
+from pjax.step import trainer_for
+
+if gpu_target.unavailable_reason() is not None:
+    pytest.skip(gpu_target.unavailable_reason(), allow_module_level=True)
+
+# The debug model with heads tp = 4 divides and four layers an interleaved pipeline of two stages splits.
+SMALL = ["precision.preset=bf16", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+         "model.num_hidden_layers=4"]
+# Stacked weights past pjax's combine thresholds, as a real model's are: one collective each to overlap.
+WIDE = ["precision.preset=bf16", "model.hidden_size=4096", "model.intermediate_size=11008",
+        "model.num_attention_heads=32", "model.num_key_value_heads=8"]
+
+
+def gpu_compile(config: str, overrides: list[str], layout: str, devices_per_host: int = 8):
+    """(trainer, compiled step, fallback warning) of `layout` for compile-only H100s, compiled as `pjax.train`
+    compiles it (`cudnn_fallback.compile_step`, every config section, pjax's XLA options)."""
+    lay = Layout.parse(layout)
+    cfg = planned_config(load_config(config, overrides), lay, PROFILES["h100"])
+    count = lay.dp * lay.pp * lay.cp * lay.tp
+    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", count, min(count, devices_per_host)))
+    build = lambda tc: trainer_for(mesh, cfg, dataclasses.replace(tc, attention="auto"))  # noqa: E731
+    with building_for("gpu"), gpu_target.persistent_cache(False):
+        return cudnn_fallback.compile_step(build(cfg.train), build)
+
 
 LAYOUT = Layout.parse("dp4-tp2-zero1")
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """debug's dp4 x tp2 ZeRO-1 step compiled once by XLA:GPU for 8 compile-only H100s the way `pjax.train`
-    compiles (`cudnn_fallback.compile_step`, train.attention=auto), and once by XLA:CPU."""
-    assert gpu_target.unavailable_reason() is None, gpu_target.unavailable_reason()
+    """debug's dp4 x tp2 ZeRO-1 step compiled by XLA:GPU for 8 compile-only H100s, and once by XLA:CPU."""
     config = load_config("debug", [])
-    cfg = planned_config(config, LAYOUT, PROFILES["h100"])
-    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", 8, 8))
-    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
-    with building_for("gpu"), gpu_target.persistent_cache(False):
-        gpu = cudnn_fallback.compile_step(build(dataclasses.replace(cfg.train, attention="auto")), build)
-    return {"gpu": gpu, "cpu": compile_planned(config, LAYOUT, PROFILES["h100"], 8, "cpu"), "config": cfg}
+    return {"gpu": gpu_compile("debug", [], "dp4-tp2-zero1"),
+            "cpu": compile_planned(config, LAYOUT, PROFILES["h100"], 8, "cpu"), "config": config}
 
 
 def test_the_step_is_compiled_by_xla_gpu_for_the_kind_s_devices(compiled):
@@ -39,26 +63,149 @@ def test_the_step_is_compiled_by_xla_gpu_for_the_kind_s_devices(compiled):
     kinds = {d.device_kind for d in trainer.mesh.devices.flat}
     assert kinds == {"NVIDIA H100 80GB HBM3"} and trainer.mesh.devices.size == 8
     hlo = step.as_text()
-    # XLA:GPU's form: collectives as async start/done pairs, GEMMs as fusions or cuBLAS calls
+    # XLA:GPU's form: collectives as async start/done pairs, GEMMs as cuBLAS calls (pjax's options: no Triton GEMMs)
     assert "all-reduce-start" in hlo or "reduce-scatter-start" in hlo or "all-gather-start" in hlo
-    assert "__cublas" in hlo or "gemm_fusion" in hlo
+    assert "__cublas$lt$matmul" in hlo and "__triton_nested_gemm_fusion" not in hlo
     assert "all-reduce-start" not in compiled["cpu"][2].as_text()
 
 
-def test_pjax_train_s_compile_falls_back_to_chunked_attention_in_one_line(compiled):
-    """jax 0.10.2's partitioner of cuDNN's attention fails inside the dp shard_map on several devices."""
-    trainer, step, warning = compiled["gpu"]
-    assert trainer.tc.attention == "chunked" and "__cudnn$fmha" not in step.as_text()
-    assert warning.startswith("warning: cuDNN's attention (train.attention=auto) did not compile for this layout (")
-    assert len(warning.splitlines()) == 1 and warning.endswith("training with train.attention=chunked, the same "
-                                                               "memory without cuDNN's kernel.")
+# Every layout family pjax ships, each the smallest that proves it: (config, overrides, layout, devices per host,
+# fused attention calls per step forward and backward: layers x micro-batches, a pipeline's parts on every tick).
+FAMILIES = {
+    "dp8": ("debug", SMALL, "dp8", 8),
+    "dp8-zero1": ("debug", SMALL, "dp8-zero1", 8),
+    "dp8-zero3": ("debug", SMALL, "dp8-zero3", 8),
+    "dp2-tp4": ("debug", SMALL, "dp2-tp4", 8),
+    "dp2-tp4-sp": ("debug", SMALL, "dp2-tp4-sp", 8),
+    "dp4-pp2-1f1b": ("debug", SMALL, "dp4-pp2-m4", 8),
+    "dp4-pp2-zb_h1": ("debug", SMALL, "dp4-pp2-zb_h1-m4", 8),
+    "dp4-pp2-interleaved": ("debug", SMALL, "dp4-pp2-interleaved2-m4", 8),
+    "dp4-cp2-ulysses": ("debug", SMALL, "dp4-cp2-ulysses", 8),
+    "mixtral-dp4-tp2": ("mixtral-tiny", ["precision.preset=bf16"], "dp4-tp2", 8),
+    "64-dp16-tp4-sp": ("debug", SMALL + ["train.batch_size=64"], "dp16-tp4-sp", 8),
+    "64-dp32-pp2": ("debug", SMALL + ["train.batch_size=128"], "dp32-pp2-m4", 8),
+}
 
 
-def test_one_gpu_compiles_cudnn_attention_the_kernel_pjax_train_runs():
-    assert gpu_target.cudnn_reason() is None, gpu_target.cudnn_reason()
-    profile = gpu_target.planned_profile(PROFILES["h100"], "gpu")
-    cfg, _, step = compile_planned(load_config("debug", []), Layout.parse("1"), profile, 8, "gpu")
-    assert cfg.train.attention == "cudnn" and "__cudnn$fmha" in step.as_text()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cudnn_attention_compiles_in_every_layout_family(family):
+    """Forward and backward of every layer run cuDNN's fused attention, with no fallback: inside a data-parallel
+    or pipeline region the attention runs manual over every mesh axis (models/attention.py)."""
+    config, overrides, layout, per_host = FAMILIES[family]
+    trainer, step, warning = gpu_compile(config, overrides, layout, per_host)
+    assert warning is None and trainer.tc.attention == "auto", warning
+    calls = fused_attention(step.as_text())
+    layers, micro = trainer.cfg.num_hidden_layers, trainer.tc.grad_accum
+    if trainer.pipeline is None:  # each layer of each micro-batch once, forward and backward
+        assert calls == {"forward": layers * micro, "backward": layers * micro}, calls
+    else:  # a stage's layers on each of its ticks' parts: at least its layers x micro-batches
+        stage_layers = layers // trainer.mesh.shape["pp"]
+        assert min(calls.values()) >= stage_layers * micro, calls
+
+
+def test_ring_and_all_gather_keep_their_own_kernel_and_say_so():
+    """Their per-device attention folds partial softmaxes (an online softmax over K/V chunks), which needs each
+    chunk's softmax statistics; JAX's cuDNN call returns none, so only Ulysses (whole sequences per head group)
+    runs cuDNN's kernel under cp."""
+    trainer, step, warning = gpu_compile("debug", SMALL, "dp4-cp2")
+    assert warning is None and fused_attention(step.as_text()) == {"forward": 0, "backward": 0}
+    asked = load_config("debug", SMALL + ["mesh.dp=4", "mesh.cp=2", "train.attention=cudnn"])
+    with pytest.raises(ConfigError, match="context.strategy=ring, which attends with its own online softmax"):
+        trainer_for(trainer.mesh, asked)
+
+
+def test_the_fallback_is_a_guard_whose_one_line_names_the_reason(monkeypatch):
+    class Trainer:
+        def __init__(self, attention):
+            self.tc = dataclasses.replace(load_config("debug", []).train, attention=attention)
+
+        def abstract_batch(self, seq_len=None):
+            return None
+
+        def compile_step(self, batch=None):
+            if self.tc.attention != "chunked":
+                raise RuntimeError("INTERNAL: custom_partitioner: cuDNN said no\nmore lines")
+            return "compiled"
+
+    with building_for("gpu"):
+        trainer, step, warning = cudnn_fallback.compile_step(Trainer("auto"), lambda tc: Trainer(tc.attention))
+    assert trainer.tc.attention == "chunked" and step == "compiled" and len(warning.splitlines()) == 1
+    assert "(RuntimeError: INTERNAL: custom_partitioner: cuDNN said no)" in warning
+    with pytest.raises(RuntimeError, match="cuDNN said no"):  # on XLA:CPU there is nothing to fall back from
+        cudnn_fallback.compile_step(Trainer("auto"), lambda tc: Trainer(tc.attention))
+
+
+SITES = ("qkv", "o", "gate_up", "down")
+
+
+@functools.cache
+def fp8_sites(config: str, layout: str) -> tuple[tuple[str, str], ...]:
+    overrides = ["precision.preset=fp8"] + (SMALL[1:] if config == "debug" else [])
+    trainer, step, warning = gpu_compile(config, overrides, layout)
+    assert warning is None
+    return tuple(gemm_sites(step.as_text()))
+
+
+@pytest.mark.parametrize("layout", ["1", "dp2-tp4-sp", "dp4-pp2-zb_h1-m4"])
+def test_fp8_runs_each_projection_s_three_gemms_in_fp8(layout):
+    """Under precision.preset=fp8 the forward GEMM and both backward ones (dX, dW) of every projection read
+    fp8 operands: plain autodiff (1 device), sequence parallelism's hand-written backward, zero-bubble's W items."""
+    sites = fp8_sites("debug", layout)
+    for site in SITES:
+        gemms = [(kind, name) for kind, name in sites if f"/{site}/" in name]
+        assert gemms and all(kind == "fp8" for kind, _ in gemms), (site, gemms)
+        forward = [name for _, name in gemms if "transpose(" not in name and "pp_weight" not in name]
+        assert forward and len(gemms) - len(forward) >= 2, (site, gemms)  # dX and dW (XLA may merge a site's)
+    rest = {kind for kind, name in sites if not any(f"/{s}/" in name for s in SITES)}
+    assert "fp8" not in rest  # attention scores and the output layer stay in the compute dtype
+
+
+def test_fp8_runs_the_experts_gemms_in_fp8_and_the_router_not():
+    for routing in ("dropless", "capacity"):
+        trainer, step, warning = gpu_compile("mixtral-tiny", ["precision.preset=fp8", f"moe.routing={routing}"], "1")
+        experts = [(kind, name) for kind, name in gemm_sites(step.as_text()) if "/experts/" in name]
+        router = [kind for kind, name in experts if "/router/" in name]
+        gemms = [(kind, name) for kind, name in experts if "/router/" not in name]
+        assert router and "fp8" not in router
+        assert all(kind == "fp8" for kind, _ in gemms), gemms
+        forward = [name for _, name in gemms if "transpose(" not in name]
+        assert len(forward) >= 2 and len(gemms) - len(forward) >= 4, (routing, gemms)
+
+
+def test_pjax_s_options_overlap_the_collectives_with_compute():
+    """With pjax's XLA:GPU options, dp8 ZeRO-1's gradient reduce-scatters and parameter all-gathers and dp2 x tp4
+    with SP's collectives have computation scheduled between their start and done."""
+    for layout in ("dp8-zero1", "dp2-tp4-sp"):
+        trainer, step, _ = gpu_compile("debug", WIDE, layout)
+        assert trainer.xla_options == {k: v for k, v in xla_options.GPU_OPTIONS.items()}
+        overlap = async_overlap(step.as_text())
+        for kind in ("reduce-scatter", "all-gather"):
+            row = overlap[kind]
+            assert row["overlapped"] >= 0.8 * row["sites"] and row["sites"] >= 3, (layout, overlap)
+
+
+def test_a_flag_the_user_sets_wins_and_the_key_turns_them_off(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true")
+    with building_for("gpu"):
+        mine = xla_options.step_options(True)
+        assert "xla_gpu_enable_triton_gemm" not in mine and mine["xla_gpu_enable_latency_hiding_scheduler"]
+        assert xla_options.step_options(False) == {}
+        line = xla_options.describe(mine)
+    assert xla_options.step_options(True) == {}  # XLA:CPU: none
+    assert len(line.splitlines()) == 1 and "XLA_FLAGS sets xla_gpu_enable_triton_gemm" in line
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in line and "train.xla_options=false" in line
+    with pytest.raises(ConfigError, match="train.xla_options"):
+        load_config("debug", ["train.xla_options=maybe"])
+
+
+def test_the_planner_compiles_every_section_and_explains_kernels(capsys):
+    assert plan_cli.main(["--config", "debug", "--devices", "1", "--device-kind", "h100", "--explain", "1-m2",
+                          "precision.preset=fp8", "train.batch_size=4", "train.grad_accum=2"]) == 0
+    out = capsys.readouterr().out
+    assert "(fp8 precision, attention cudnn)" in out
+    assert "attention: cuDNN's fused attention (4 forward and 4 backward calls per step)" in out
+    gemms = re.search(r"GEMMs per step by operand dtype: fp8 (\d+) \(([\d.]+)% of the FLOPs\), bf16", out)
+    assert gemms and int(gemms.group(1)) >= 2 * 2 * 4 * 3 and float(gemms.group(2)) > 0, out
 
 
 def test_the_same_state_with_the_gpu_s_own_memory_plan(compiled):
@@ -105,6 +252,6 @@ def test_a_gpu_plan_runs_what_it_compiled(capsys, tmp_path):
                           "--workers", "0", "--cache", str(tmp_path), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["compiler"] == "xla:gpu" and len(plan["compiled"]) == 2
-    for c in plan["compiled"]:  # cuDNN's attention where it compiled, else chunked, and the command says which
-        assert c["attention"] in ("cudnn", "chunked") and c["memory"]["total"] > c["memory"]["argument"]
-        assert ("train.attention=chunked" in c["overrides"]) == (c["attention"] == "chunked")
+    for c in plan["compiled"]:  # cuDNN's attention compiles in every layout: no chunked fallback
+        assert c["attention"] == "cudnn" and c["memory"]["total"] > c["memory"]["argument"]
+        assert "train.attention=chunked" not in c["overrides"]

@@ -200,8 +200,9 @@ _WORK = ("fusion", "custom-call", "convolution", "dot")
 
 
 def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Per kind, {'sites', 'overlapped'}: the collectives of a scheduled module (XLA:GPU's) and those run as
-    `async-start`/`async-done` with compute scheduled between; places in the program, not executions."""
+    """Per kind, {'sites', 'overlapped'}: the collectives of a scheduled module (XLA:GPU's) and those run
+    asynchronously with compute scheduled between start and done (`all-reduce-start` ... `all-reduce-done`, or
+    an `async-start` calling a computation that holds the collective); places in the program, not executions."""
     body: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
     current = None
     for line in hlo_text.splitlines():
@@ -218,18 +219,28 @@ def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
     wrapped = set()
     for instrs in body.values():
         for i, (name, op, rest) in enumerate(instrs):
-            callee = re.search(r"calls=%([\w.\-]+)", rest) if op == "async-start" else None
-            if not callee or callee.group(1) not in holds:
+            kind, done_op = _async_kind(op, rest, holds)
+            if kind is None:
                 continue
-            wrapped.add(callee.group(1))
-            done = next((j for j in range(i + 1, len(instrs)) if instrs[j][1] == "async-done"
+            if op == "async-start":
+                wrapped.add(re.search(r"calls=%([\w.\-]+)", rest).group(1))
+            done = next((j for j in range(i + 1, len(instrs)) if instrs[j][1] == done_op
                          and re.match(rf"%{re.escape(name)}(?![\w.\-])", instrs[j][2])), len(instrs))
-            row = out[holds[callee.group(1)]]
-            row["sites"] += 1
-            row["overlapped"] += any(op2 in _WORK for _, op2, _ in instrs[i + 1:done])
+            out[kind]["sites"] += 1
+            out[kind]["overlapped"] += any(op2 in _WORK for _, op2, _ in instrs[i + 1:done])
     for comp, instrs in body.items():
         if comp not in wrapped:
             for _, op, _ in instrs:
                 if op in KINDS:
                     out[op]["sites"] += 1
     return {kind: row for kind, row in out.items() if row["sites"]}
+
+
+def _async_kind(op: str, rest: str, holds: dict[str, str]) -> tuple[str | None, str]:
+    """(the collective an asynchronous start begins, the opcode of its done), or (None, '')."""
+    if op.endswith("-start") and op[:-len("-start")] in KINDS:
+        return op[:-len("-start")], op[:-len("-start")] + "-done"
+    callee = re.search(r"calls=%([\w.\-]+)", rest) if op == "async-start" else None
+    if callee and callee.group(1) in holds:
+        return holds[callee.group(1)], "async-done"
+    return None, ""

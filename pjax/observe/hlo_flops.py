@@ -95,6 +95,70 @@ def _enclosing(comp: str, scoped: dict[str, list[float]], parent: dict[str, str]
     raise ValueError("HLO call graph too deep (a cycle?)")
 
 
+def _kind(dtype: str) -> str:
+    """A GEMM operand's HLO dtype as the census names it: fp8 (either format), bf16, fp16, fp32, or as it is."""
+    return "fp8" if dtype.startswith("f8") else {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}.get(dtype, dtype)
+
+
+def _gemm_kinds(hlo_text: str, on_gemm: Callable[[str, str, Product, str], None]) -> dict[str, int]:
+    """`walk`, calling `on_gemm(computation, kind, product, op_name)` for each dot and cuBLAS GEMM, its kind its
+    operands' dtype ('fp8', 'bf16', 'fp32', ...; the wider of two that differ); returns `walk`'s runs."""
+    shapes: dict[str, str] = {}
+    order = ("fp8", "fp16", "bf16", "fp32")
+
+    def visit(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
+        shapes[name] = result
+        product = _product(result, opcode, rest, shapes)
+        if product:
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])[:2]
+            kinds = sorted({_kind(m.group(1)) for o in operands if (m := _SHAPE.search(shapes.get(o, "")))},
+                           key=lambda k: order.index(k) if k in order else len(order))
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            on_gemm(comp, kinds[-1] if kinds else "?", product, op_name.group(1) if op_name else "")
+
+    return walk(hlo_text, visit)
+
+
+def gemm_census(hlo_text: str) -> dict[str, dict[str, float]]:
+    """A compiled program's matmuls by operand dtype ('fp8', 'bf16', 'fp32', ...): {'gemms': runs per run of
+    the program, 'flops'}, each dot or cuBLAS GEMM counted as often as the loops around it run (`walk`).
+    cuDNN's fused attention is in no GEMM."""
+    own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    runs = _gemm_kinds(hlo_text, lambda comp, kind, product, _: own[comp].update([(kind, product)]))
+    census: dict[str, dict[str, float]] = {}
+    for comp, times in runs.items():
+        for (kind, (m, k, n)), count in own.get(comp, {}).items():
+            row = census.setdefault(kind, {"gemms": 0.0, "flops": 0.0})
+            row["gemms"] += count * times
+            row["flops"] += 2.0 * m * k * n * count * times
+    return census
+
+
+def gemm_sites(hlo_text: str) -> list[tuple[str, str]]:
+    """Each matmul's place in a compiled program: (operand kind, its op name, which holds the named scopes
+    it was traced under: `transpose(...)` for autodiff's backward)."""
+    sites: list[tuple[str, str]] = []
+    _gemm_kinds(hlo_text, lambda comp, kind, product, op_name: sites.append((kind, op_name)))
+    return sites
+
+
+def fused_attention(hlo_text: str) -> dict[str, float]:
+    """cuDNN's fused attention calls per run of a compiled program, each counted as often as the loops around it
+    run (`walk`): {'forward', 'backward'}."""
+    own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def visit(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
+        call = re.search(r'custom_call_target="__cudnn\$fmha\w*?(Backward)?"', rest) if opcode == "custom-call" else None
+        if call:
+            own[comp]["backward" if call.group(1) else "forward"] += 1
+
+    out = {"forward": 0.0, "backward": 0.0}
+    for comp, runs in walk(hlo_text, visit).items():
+        for direction, count in own.get(comp, {}).items():
+            out[direction] += count * runs
+    return out
+
+
 def product_flops(products: dict[Product, int]) -> float:
     """The FLOPs of `dot_products`' result: 2 x rows x contraction x columns each time a product runs."""
     return float(sum(2 * m * k * n * runs for (m, k, n), runs in products.items()))

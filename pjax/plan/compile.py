@@ -34,12 +34,12 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
     from mesh.mesh import make_mesh
     from pjax.cudnn_fallback import compile_step
     from pjax.plan.gpu_target import compile_devices, persistent_cache
-    from pjax.step import build_trainer
+    from pjax.step import trainer_for
 
     cfg = planned_config(config, layout, profile)
     count = layout.dp * layout.pp * layout.cp * layout.tp
     mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
-    build = lambda tc: build_trainer(mesh, cfg.model, tc, cfg.pipeline, cfg.moe, cfg.context)
+    build = lambda tc: trainer_for(mesh, cfg, tc)  # every section: precision, meta, DiLoCo, compression
     with building_for(backend), persistent_cache(backend == "cpu"):
         trainer, compiled, _ = compile_step(build(cfg.train), build)  # chunked where cuDNN's does not compile
     return dataclasses.replace(cfg, train=trainer.tc), trainer, compiled

@@ -9,7 +9,7 @@ import jax
 
 from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
-from pjax.observe.hlo_flops import StepMatmuls
+from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_census
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import part_runs, tick_runs
 from pjax.plan.layouts import Layout, check, state_bytes
@@ -84,6 +84,24 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
     return "\n\n".join([_table(memory), _table(rows)])
 
 
+def kernel_report(config: Config, hlo_text: str) -> str:
+    """The compiled step's attention kernel and its GEMMs by operand dtype: runs per step and share of the
+    GEMM FLOPs (a pipeline's tick parts counted on every tick: an upper bound on its runs)."""
+    fused = fused_attention(hlo_text)
+    if fused["forward"] or fused["backward"]:
+        attention = (f"cuDNN's fused attention ({_count(fused['forward'])} forward and {_count(fused['backward'])} "
+                     f"backward calls per step)")
+    else:
+        attention = f"{config.train.attention} (no fused attention kernel in the program)"
+    census = gemm_census(hlo_text)
+    total = sum(row["flops"] for row in census.values()) or 1.0
+    order = sorted(census, key=lambda k: ("fp8", "fp16", "bf16", "fp32").index(k) if k in ("fp8", "fp16", "bf16",
+                                                                                          "fp32") else 9)
+    gemms = ", ".join(f"{k} {_count(census[k]['gemms'])} ({100 * census[k]['flops'] / total:.1f}% of the FLOPs)"
+                      for k in order) or "none"
+    return f"attention: {attention}\nGEMMs per step by operand dtype: {gemms}"
+
+
 def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int, backend: str = "cpu") -> str:
     """One layout in full: parameter shardings, the compiled step's memory and collectives (XLA:CPU's, or
     XLA:GPU's with `backend` 'gpu'), its prediction and why (`breakdown`: each term and what it came from)."""
@@ -108,5 +126,5 @@ def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int,
                f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "
                f"{'fits' if p.fits else 'does NOT fit'}")
     return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
-                        step_report(cfg, mesh, compiled, devices_per_host, comm), verdict,
+                        step_report(cfg, mesh, compiled, devices_per_host, comm), kernel_report(cfg, hlo), verdict,
                         breakdown(cfg, layout, profile, comm, p, matmuls)])

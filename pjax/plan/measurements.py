@@ -72,12 +72,11 @@ def model_products(config_name: str, overrides: Sequence[str] = ()) -> list[tupl
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
     from pjax.observe.hlo_flops import dot_products
-    from pjax.step import build_trainer
+    from pjax.step import trainer_for
 
     one = [f"mesh.{axis}=1" for axis in ("dp", "pp", "cp", "tp")]
     cfg = load_config(config_name, [*overrides, *one])
-    trainer = build_trainer(make_mesh(cfg.mesh, jax.devices()[:1]), cfg.model, cfg.train, cfg.pipeline, cfg.moe,
-                            cfg.context)
+    trainer = trainer_for(make_mesh(cfg.mesh, jax.devices()[:1]), cfg)
     return list(dot_products(trainer.compile_step().as_text()))
 
 

@@ -37,8 +37,8 @@ def table(plan: Plan, top: int) -> str:
 
 
 def run_overrides(c: Candidate, plan: Plan) -> list[str]:
-    """The layout's overrides, and chunked attention where cuDNN's would not compile for it (jax 0.10.2's
-    partitioner inside pjax's dp shard_map): the command runs what was compiled."""
+    """The layout's overrides, and chunked attention where cuDNN's would not compile for it (`pjax.cudnn_fallback`,
+    a guard no shipped layout family needs): the command runs what was compiled."""
     fell_back = plan.profile.attention == "cudnn" and (c.compiled or {}).get("attention") == "chunked"
     return c.layout.overrides() + (["train.attention=chunked"] if fell_back else [])
 

@@ -30,11 +30,10 @@ def stepper(config_name: str, overrides: Sequence[str], layout: Layout, devices:
     fills the devices can take turns; it gives the steps' median seconds."""
     from mesh.mesh import make_mesh
     from pjax.config_io import load_config
-    from pjax.step import build_trainer
+    from pjax.step import trainer_for
 
     cfg = load_config(config_name, [*overrides, *layout.overrides()])
-    trainer = build_trainer(make_mesh(cfg.mesh, devices), cfg.model, cfg.train, cfg.pipeline, cfg.moe,
-                            cfg.context, cfg.precision)
+    trainer = trainer_for(make_mesh(cfg.mesh, devices), cfg)
     shapes = trainer.abstract_batch()["inputs"].shape
 
     @functools.partial(jax.jit, out_shardings=trainer.batch_sharding)
