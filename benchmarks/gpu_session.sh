@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_session.sh products    # the calibration with SmolLM-360M's and 1.7B's own products
 #   bash benchmarks/gpu_session.sh held-out    # the steps it is checked against, with their compiled products
 #   bash benchmarks/gpu_session.sh visit       # products, then held-out if time is left: one device call
+#   bash benchmarks/gpu_session.sh pod         # issue 57: SmolLM-360M/1.7B, bf16/fp8, remat none/shipped, with
+#                                              # pjax's defaults (cuDNN attention, XLA options); dp/tp scaling
+#                                              # where several GPUs are lent; ends within 12 minutes
 # Each result is a JSON line in $OUT/<part>.jsonl (benchmarks/step.py's), the calibration $OUT/calibration.json.
 set -u
 OUT=${OUT:-/tmp/pjax_gpu}; mkdir -p "$OUT"
@@ -17,10 +20,10 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TI
 PY=${PY:-python3}
 F8='__cublas$lt$matmul$f8'
 
-step() {  # step CONFIG TIMEOUT PART ARGS...: one benchmarks/step.py layout-1 run, its JSON line appended
+step() {  # step CONFIG TIMEOUT PART ARGS...: one benchmarks/step.py run (layout $LAYOUT, default 1), its JSON line appended
   local config=$1 limit=$2 part=$3; shift 3
-  echo "== $config $*"
-  timeout "$limit" $PY benchmarks/step.py --config "$config" --layouts 1 "$@" 2>>"$OUT/$part.err" \
+  echo "== $config ${LAYOUT:-1} $*"
+  timeout "$limit" $PY benchmarks/step.py --config "$config" --layouts "${LAYOUT:-1}" "$@" 2>>"$OUT/$part.err" \
     | grep '^{"layout"' | tee -a "$OUT/$part.jsonl" || echo "{\"config\": \"$config\", \"args\": \"$*\", \"error\": \"timeout or crash\"}" | tee -a "$OUT/$part.jsonl"
 }
 
@@ -72,10 +75,35 @@ visit)  # what issue 41 still needs from one GPU, in one call that ends within ~
   bash "$0" products
   if [ $SECONDS -lt 330 ]; then bash "$0" held-out; fi
   ;;
+pod)
+  # Tokens/s, MFU and the fp8 GEMM count per run (benchmarks/step.py's JSON lines in $OUT/pod.jsonl); each run
+  # is skipped once 11 minutes have gone, so the part ends within 12. Targets (issue 57): SmolLM-1.7B bf16 at
+  # >= 55% MFU on one H100, fp8 >= 1.2x bf16 tokens/s.
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/env.txt"
+  $PY -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/env.txt"
+  run() { if [ $SECONDS -lt 660 ]; then step "$@"; else echo "skipped (time): $*" | tee -a "$OUT/pod.jsonl"; fi; }
+  for p in bf16 fp8; do
+    for r in none dots_no_batch; do
+      run smollm-1.7b 120 pod --steps 5 --warmup 2 --hlo-count "$F8" precision.preset=$p train.remat=$r \
+        train.batch_size=16 train.grad_accum=4
+    done
+  done
+  for p in bf16 fp8; do
+    for r in none dots_no_batch; do
+      run smollm-360m 100 pod --steps 5 --warmup 2 --hlo-count "$F8" precision.preset=$p train.remat=$r \
+        train.batch_size=32 train.grad_accum=4
+    done
+  done
+  gpus=$($PY -c "import jax; print(jax.device_count())")
+  if [ "$gpus" -gt 1 ]; then  # scaling: dp n at the same per-GPU batch (360M), tp n at the same batch (1.7B)
+    LAYOUT=dp$gpus run smollm-360m 150 pod --steps 5 --warmup 2 train.batch_size=$((32 * gpus)) train.grad_accum=4
+    LAYOUT=dp$gpus-zero1 run smollm-360m 150 pod --steps 5 --warmup 2 train.batch_size=$((32 * gpus)) train.grad_accum=4
+    LAYOUT=tp$gpus run smollm-1.7b 150 pod --steps 5 --warmup 2 train.batch_size=16 train.grad_accum=4
+  fi
+  ;;
 cudnn)
-  # jax 0.10.2's and 0.11.2's partitioner of cuDNN's attention fails inside pjax's dp shard_map on several GPUs
-  # (benchmarks/README.md, "XLA:GPU without a GPU"); compile-only GPUs answer for this image's jax in seconds,
-  # and "attention chunked" in the head line means pjax.cudnn_fallback had to step in.
+  # Whether cuDNN's attention compiles for 8 GPUs with dp in this image's jax; compile-only GPUs answer in
+  # seconds, and "attention chunked" in the head line would mean pjax.cudnn_fallback had to step in.
   $PY -c "import jax; print('jax', jax.__version__)" | tee "$OUT/cudnn.txt"
   for layout in dp8 dp8-zero1 dp8-zero3; do
     timeout 120 $PY -m pjax.plan --config smollm-360m --devices 8 --xla gpu --explain $layout train.batch_size=32 \
