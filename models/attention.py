@@ -63,10 +63,10 @@ def _cudnn_attention(q, k, v, q_pos, kv_pos):
     del q_pos, kv_pos
     impl = "cudnn" if cudnn_supported(q) else "xla"
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731
-    return _manual_everywhere(attend)(q, k, v) if impl == "cudnn" else attend(q, k, v)
+    return manual_everywhere(attend)(q, k, v) if impl == "cudnn" else attend(q, k, v)
 
 
-def _manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+def manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """`attend(q, k, v)` in a region manual over every mesh axis, where some already are (a data-parallel or
     pipeline shard_map): cuDNN's partitioner fails on a region manual over some axes only (ARCHITECTURE.md,
     "cuDNN attention in every layout"). Rows split over dp and heads over tp where those axes are automatic.
