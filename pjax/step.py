@@ -216,7 +216,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
-    options = xla_options.step_options(tc.xla_options, mesh.devices.flat[0])
+    options = xla_options.step_options(tc.xla_options, _local_device(mesh))
     jit = functools.partial(jax.jit, compiler_options=options or None)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
@@ -287,6 +287,12 @@ def feedback_axes(mesh: Mesh, tc: TrainConfig) -> tuple[str, ...]:
     """The axes a compressed reduction sums over, whose devices each keep a residual: the data axes, or under
     DiLoCo dp alone (the outer average; a group's copies are alike over cp)."""
     return (DP,) if tc.local_steps else data_parallel.data_axes(mesh)
+
+
+def _local_device(mesh: Mesh) -> Any:
+    """A device of `mesh` this process can compile for (on several hosts, one of its own)."""
+    mine = [d for d in mesh.devices.flat if getattr(d, "process_index", 0) == jax.process_index()]
+    return (mine or list(mesh.devices.flat))[0]
 
 
 def _on_mesh(mesh: Mesh, fn: Callable) -> Callable:

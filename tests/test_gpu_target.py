@@ -82,8 +82,7 @@ FAMILIES = {
     "dp4-pp2-interleaved": ("debug", SMALL, "dp4-pp2-interleaved2-m4", 8),
     "dp4-cp2-ulysses": ("debug", SMALL, "dp4-cp2-ulysses", 8),
     "mixtral-dp4-tp2": ("mixtral-tiny", ["precision.preset=bf16"], "dp4-tp2", 8),
-    "64-dp16-tp4-sp": ("debug", SMALL + ["train.batch_size=64"], "dp16-tp4-sp", 8),
-    "64-dp32-pp2": ("debug", SMALL + ["train.batch_size=128"], "dp32-pp2-m4", 8),
+    "64-dp16-tp4-sp": ("debug", SMALL + ["train.batch_size=64"], "dp16-tp4-sp", 8),  # 8 hosts of 8
 }
 
 
@@ -106,12 +105,14 @@ def test_cudnn_attention_compiles_in_every_layout_family(family):
 def test_ring_and_all_gather_keep_their_own_kernel_and_say_so():
     """Their per-device attention folds partial softmaxes (an online softmax over K/V chunks), which needs each
     chunk's softmax statistics; JAX's cuDNN call returns none, so only Ulysses (whole sequences per head group)
-    runs cuDNN's kernel under cp."""
-    trainer, step, warning = gpu_compile("debug", SMALL, "dp4-cp2")
-    assert warning is None and fused_attention(step.as_text()) == {"forward": 0, "backward": 0}
-    asked = load_config("debug", SMALL + ["mesh.dp=4", "mesh.cp=2", "train.attention=cudnn"])
+    runs cuDNN's kernel under cp: the planner compiles ring and all_gather with attention auto, and asking them
+    for cuDNN's is one line."""
+    profile = gpu_target.planned_profile(PROFILES["h100"], "gpu")  # cuDNN's attention, as it compiles here
+    for layout, kernel in (("dp4-cp2", "auto"), ("dp4-cp2-all_gather", "auto"), ("dp4-cp2-ulysses", "cudnn")):
+        assert planned_config(load_config("debug", SMALL), Layout.parse(layout), profile).train.attention == kernel
+    asked = load_config("debug", SMALL + ["mesh.dp=4", "mesh.cp=2", "mesh.tp=1", "train.attention=cudnn"])
     with pytest.raises(ConfigError, match="context.strategy=ring, which attends with its own online softmax"):
-        trainer_for(trainer.mesh, asked)
+        trainer_for(make_mesh(asked.mesh, gpu_target.gpu_devices("h100", 8, 8)), asked)
 
 
 def test_the_fallback_is_a_guard_whose_one_line_names_the_reason(monkeypatch):

@@ -95,6 +95,14 @@ def _enclosing(comp: str, scoped: dict[str, list[float]], parent: dict[str, str]
     raise ValueError("HLO call graph too deep (a cycle?)")
 
 
+GEMM_KINDS = ("fp8", "fp16", "bf16", "fp32")  # narrowest first
+
+
+def kind_order(kind: str) -> int:
+    """A GEMM kind's place in `GEMM_KINDS` (others after them)."""
+    return GEMM_KINDS.index(kind) if kind in GEMM_KINDS else len(GEMM_KINDS)
+
+
 def _kind(dtype: str) -> str:
     """A GEMM operand's HLO dtype as the census names it: fp8 (either format), bf16, fp16, fp32, or as it is."""
     return "fp8" if dtype.startswith("f8") else {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}.get(dtype, dtype)
@@ -104,7 +112,6 @@ def _gemm_kinds(hlo_text: str, on_gemm: Callable[[str, str, Product, str], None]
     """`walk`, calling `on_gemm(computation, kind, product, op_name)` for each dot and cuBLAS GEMM, its kind its
     operands' dtype ('fp8', 'bf16', 'fp32', ...; the wider of two that differ); returns `walk`'s runs."""
     shapes: dict[str, str] = {}
-    order = ("fp8", "fp16", "bf16", "fp32")
 
     def visit(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
         shapes[name] = result
@@ -112,7 +119,7 @@ def _gemm_kinds(hlo_text: str, on_gemm: Callable[[str, str, Product, str], None]
         if product:
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])[:2]
             kinds = sorted({_kind(m.group(1)) for o in operands if (m := _SHAPE.search(shapes.get(o, "")))},
-                           key=lambda k: order.index(k) if k in order else len(order))
+                           key=kind_order)
             op_name = re.search(r'op_name="([^"]*)"', rest)
             on_gemm(comp, kinds[-1] if kinds else "?", product, op_name.group(1) if op_name else "")
 

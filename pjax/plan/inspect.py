@@ -9,7 +9,7 @@ import jax
 
 from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
-from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_census
+from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_census, kind_order
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import part_runs, tick_runs
 from pjax.plan.layouts import Layout, check, state_bytes
@@ -95,10 +95,8 @@ def kernel_report(config: Config, hlo_text: str) -> str:
         attention = f"{config.train.attention} (no fused attention kernel in the program)"
     census = gemm_census(hlo_text)
     total = sum(row["flops"] for row in census.values()) or 1.0
-    order = sorted(census, key=lambda k: ("fp8", "fp16", "bf16", "fp32").index(k) if k in ("fp8", "fp16", "bf16",
-                                                                                          "fp32") else 9)
     gemms = ", ".join(f"{k} {_count(census[k]['gemms'])} ({100 * census[k]['flops'] / total:.1f}% of the FLOPs)"
-                      for k in order) or "none"
+                      for k in sorted(census, key=kind_order)) or "none"
     return f"attention: {attention}\nGEMMs per step by operand dtype: {gemms}"
 
 
