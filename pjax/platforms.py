@@ -39,6 +39,6 @@ def start_platforms(environ: MutableMapping[str, str] = os.environ) -> str | Non
     if importlib.util.find_spec("libtpu") is not None:
         return None
     environ["JAX_PLATFORMS"] = "cpu"
-    if environ is os.environ and "jax" in sys.modules:  # imported already: JAX read the variable then, so tell its config too
+    if environ is os.environ and "jax" in sys.modules:  # JAX read the variable when imported: tell its config too
         sys.modules["jax"].config.update("jax_platforms", "cpu")
     return "cpu"

@@ -227,3 +227,23 @@ def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(n
     per_device = step_matmuls(config, dict(mesh.shape), text).flops
     assert 2 * per_device == pytest.approx(one_device_matmul_flops, rel=1e-6)
     assert dot_flops(text) > 1.5 * per_device  # every part once per tick
+
+
+@pytest.mark.parametrize("overrides,built", [
+    (["precision.preset=fp8", "train.grad_compression=int8"],
+     lambda t: t.strategy.spec.precision.fp8 and t.strategy.compression == "int8"),
+    (["train.local_steps=2"], lambda t: t.diloco is not None),
+    (["meta.algorithm=reptile", "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]"],
+     lambda t: t.learner is not None),
+])
+def test_the_planner_compiles_every_section_of_the_run(monkeypatch, overrides, built):
+    """Precision, compression, DiLoCo and meta-learning reach the trainer the planner compiles (the step
+    `pjax.train` runs), caught before its compile."""
+    from pjax import cudnn_fallback
+    from pjax.plan.compile import compile_planned
+
+    seen = []
+    caught = lambda trainer, rebuild: seen.append(trainer) or (trainer, None, None)  # noqa: E731
+    monkeypatch.setattr(cudnn_fallback, "compile_step", caught)
+    compile_planned(load_config("debug", overrides), Layout.parse("dp2"), PROFILES["cpu"], 8, "cpu")
+    assert len(seen) == 1 and built(seen[0])
