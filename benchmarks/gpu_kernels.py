@@ -5,12 +5,13 @@
     python benchmarks/gpu_kernels.py --layouts dp8-zero1 --attention chunked   # the program before cuDNN's
     python benchmarks/gpu_kernels.py --layouts dp8-zero1 --no-xla-options       # XLA's defaults
 
-One JSON line per layout (the planner's layout names, `pjax.plan.layouts.Layout`): the attention kernel and
-whether `pjax.cudnn_fallback` had to step in, cuDNN's fused attention calls per step, GEMMs per step by operand
-dtype with their FLOPs (`hlo_flops.gemm_census`), collectives per step by kind (`hlo.collective_stats`) and by
-mesh axes with their bytes per device (`hlo.collectives_by_axis`; a pipeline's per-tick ones once per tick), and how
-many of their places have compute scheduled inside (`hlo.async_overlap`), and the compile's seconds. Each
-layout is compiled the way `pjax.train` compiles it (`pjax.step.trainer_for`, pjax's XLA:GPU options); no
+One JSON line per layout (the planner's layout names, `pjax.plan.layouts.Layout`): the attention kernel
+(`chunked` where `pjax.cudnn_fallback` had to step in), cuDNN's fused attention calls per step, GEMMs per step
+by operand dtype with their FLOPs (`hlo_flops.gemm_census`), collectives per step by kind
+(`hlo.collective_stats`) and by mesh axes with their bytes per device (`hlo.collectives_by_axis`; a pipeline's
+per-tick ones once per tick), how many of their places have compute scheduled inside (`hlo.async_overlap`),
+and the compile's seconds. Each
+layout is compiled the way the planner and `pjax.train` compile it (`pjax.plan.compile.compile_planned`); no
 autotuning happens on compile-only GPUs, so this is what runs, not how fast.
 """
 from __future__ import annotations
@@ -24,34 +25,28 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin still makes compile-only GPUs
 
 
-def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int, attention: str,
-            xla_opts: bool) -> dict:
-    from mesh.backend import building_for
-    from mesh.mesh import make_mesh
+def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int, attention: str
+            ) -> dict:
     from pjax.config_io import load_config
-    from pjax.cudnn_fallback import compile_step
     from pjax.observe.hlo import async_overlap, collective_stats, collectives_by_axis
     from pjax.observe.hlo_flops import fused_attention, gemm_census
     from pjax.plan import gpu_target
-    from pjax.plan.layouts import Layout, planned_config
+    from pjax.plan.compile import compile_planned
+    from pjax.plan.layouts import Layout
     from pjax.plan.profiles import PROFILES
-    from pjax.step import trainer_for
 
-    layout = Layout.parse(layout_name)
-    cfg = planned_config(load_config(config, overrides), layout, PROFILES[kind])
-    count = layout.dp * layout.pp * layout.cp * layout.tp
-    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices(kind, count, min(count, per_host)))
-    own = lambda tc: dataclasses.replace(tc, attention=attention, xla_options=xla_opts)  # noqa: E731
-    build = lambda tc: trainer_for(mesh, cfg, own(tc))  # noqa: E731
+    profile = gpu_target.planned_profile(PROFILES[kind], "gpu")  # cuDNN's attention where it compiles here
+    profile = profile if attention == "cudnn" else dataclasses.replace(profile, attention=attention)
     start = time.perf_counter()
-    with building_for("gpu"), gpu_target.persistent_cache(False):
-        trainer, compiled, warning = compile_step(build(cfg.train), build)
+    cfg, trainer, compiled = compile_planned(load_config(config, overrides), Layout.parse(layout_name), profile,
+                                             per_host, "gpu")
     hlo = compiled.as_text()
-    return {"config": config, "layout": layout.name, "devices": count, "kind": kind,
-            "attention": trainer.tc.attention, "fallback": warning, "fused_attention": fused_attention(hlo),
-            "gemms": gemm_census(hlo), "collectives": {k: v["count"] for k, v in collective_stats(hlo).items() if v["count"]},
+    return {"config": config, "layout": Layout.parse(layout_name).name, "devices": trainer.mesh.devices.size,
+            "kind": kind, "attention": cfg.train.attention, "fused_attention": fused_attention(hlo),
+            "gemms": gemm_census(hlo),
+            "collectives": {k: v["count"] for k, v in collective_stats(hlo).items() if v["count"]},
             "by_axes": {axes: {"count": row["count"], "bytes": row["bytes"]}
-                        for axes, row in collectives_by_axis(hlo, dict(mesh.shape), per_host).items()},
+                        for axes, row in collectives_by_axis(hlo, dict(trainer.mesh.shape), per_host).items()},
             "overlap": async_overlap(hlo), "xla_options": bool(trainer.xla_options),
             "compile_s": round(time.perf_counter() - start, 1)}
 
@@ -62,13 +57,14 @@ def main() -> None:
     ap.add_argument("--layouts", default="dp8,dp8-zero1,dp8-zero3,dp2-tp4,dp2-tp4-sp")
     ap.add_argument("--kind", default="h100", choices=("h100", "h200", "a100"))
     ap.add_argument("--devices-per-host", type=int, default=8)
-    ap.add_argument("--attention", default="auto", help="train.attention: auto (cuDNN's on GPUs) or chunked")
+    ap.add_argument("--attention", default="cudnn", help="train.attention: cudnn, or chunked (the fallback's)")
     ap.add_argument("--no-xla-options", action="store_true", help="XLA's defaults (train.xla_options=false)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
+    overrides = args.overrides + (["train.xla_options=false"] if args.no_xla_options else [])
     for name in args.layouts.split(","):
-        print(json.dumps(kernels(args.config, name, args.overrides, args.kind, args.devices_per_host,
-                                 args.attention, not args.no_xla_options)), flush=True)
+        print(json.dumps(kernels(args.config, name, overrides, args.kind, args.devices_per_host, args.attention)),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,16 @@ def per_device(fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
     return jax.shard_map(fn, mesh=ref, in_specs=in_specs, out_specs=out_specs, axis_names=todo | ones)
 
 
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """`tree` cast to varying over the manual `axes` (each leaf's missing ones): its gradient stays a local
+    partial sum, and a shard_map may hand it out split over those axes."""
+    def cast(a):
+        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
 def flatten_tokens(x: jax.Array) -> jax.Array:
     """[B, T, ...] -> [B*T, ...] in (dp, cp) block order, so that the merge moves nothing between
     devices (ARCHITECTURE.md, "Block-order token flattening")."""

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.backend import target_backend
 from mesh.errors import ConfigError
 from mesh.mesh import DP, TP, current
+from mesh.rules import vary
 from models.chunked_attention import chunked_causal_attention
 from models.cpu_attention import blocked_causal_attention
 from models.reference_attention import reference_attention
@@ -89,7 +90,7 @@ def manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Arr
         out, pullback = jax.vjp(attend, q, k, v)
         leaves, tree = jax.tree.flatten(pullback)
         pullback_tree.append(tree)
-        return out, [_varying(leaf, auto)[None] for leaf in leaves]
+        return out, [leaf[None] for leaf in vary(leaves, auto)]
 
     def backward(residuals, d_out):
         pullback = jax.tree.unflatten(pullback_tree[-1], [r[0] for r in residuals])
@@ -107,7 +108,3 @@ def manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Arr
     attention.defvjp(lambda q, k, v: manual_forward(q, k, v), manual_backward)
     return attention
 
-
-def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

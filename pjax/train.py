@@ -112,17 +112,13 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     """Mesh, sharded step, data and state, each failing with one line before any step runs."""
     import jax
 
-    from mesh.mesh import CP, make_mesh, mesh_summary
-    from models import llama
+    from mesh.mesh import CP, make_mesh
     from pjax.checkpoint.resume import write_config
     from pjax.data import build_data
     from pjax.data.curriculum import Curriculum
     from pjax.data.prefetch import Prefetcher
     from pjax.observe.memory import step_memory_bytes
-    from pjax.observe.report import local_devices
     from pjax.parallel.context.zigzag import zigzag_layout
-    from pjax.plan.inspect import parameter_table, step_report
-    from pjax import xla_options
     from pjax.step import init_state, trainer_for
     from pjax.validate import Run
 
@@ -158,6 +154,23 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     for directory in (cfg.log.dir, cfg.checkpoint.dir):
         if directory is not None:
             write_config(cfg, directory)
+    _report_start(cfg, trainer, state, compiled, curriculum, say)
+    memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
+    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory,
+                steps if curriculum is not None else {})
+
+
+def _report_start(cfg: Config, trainer: Any, state: Any, compiled: Any, curriculum: Any,
+                  say: Callable[..., None]) -> None:
+    """What a run says before its first step: the mesh, pjax's XLA options (GPUs), the parameters' shardings, the
+    memory and collectives report (`log.inspect`), the model's size and the tokens per step."""
+    from mesh.mesh import mesh_summary
+    from models import llama
+    from pjax import xla_options
+    from pjax.observe.report import local_devices
+    from pjax.plan.inspect import parameter_table, step_report
+
+    tc, mc, mesh = cfg.train, cfg.model, trainer.mesh
     say(mesh_summary(mesh))
     if xla_options.describe(trainer.xla_options):
         say(xla_options.describe(trainer.xla_options))
@@ -167,9 +180,6 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     say(f"parameters: {mc.num_params:,} ({mc.num_params / 1e6:.1f}M); tokens per step: "
         f"{tc.batch_size * tc.seq_len:,} ({tc.batch_size} x {tc.seq_len}, {tc.grad_accum} micro-batches)"
         + (f"; curriculum: {curriculum.describe()}" if curriculum is not None else ""))
-    memory = (compiled.memory_analysis().argument_size_in_bytes, step_memory_bytes(compiled))
-    return _Run(trainer, Prefetcher(train_iter, cfg.data.prefetch), state, rng, memory,
-                steps if curriculum is not None else {})
 
 
 def _warn_if_longer_than_the_model(cfg: Config) -> None:

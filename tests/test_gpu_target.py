@@ -35,16 +35,14 @@ WIDE = ["precision.preset=bf16", "model.hidden_size=4096", "model.intermediate_s
         "model.num_attention_heads=32", "model.num_key_value_heads=8"]
 
 
+CUDNN_H100 = gpu_target.planned_profile(PROFILES["h100"], "gpu")  # cuDNN's attention, as pjax.train asks for it
+
+
 def gpu_compile(config: str, overrides: list[str], layout: str, devices_per_host: int = 8):
-    """(trainer, compiled step, fallback warning) of `layout` for compile-only H100s, compiled as `pjax.train`
-    compiles it (`cudnn_fallback.compile_step`, every config section, pjax's XLA options)."""
-    lay = Layout.parse(layout)
-    cfg = planned_config(load_config(config, overrides), lay, PROFILES["h100"])
-    count = lay.dp * lay.pp * lay.cp * lay.tp
-    mesh = make_mesh(cfg.mesh, gpu_target.gpu_devices("h100", count, min(count, devices_per_host)))
-    build = lambda tc: trainer_for(mesh, cfg, dataclasses.replace(tc, attention="auto"))  # noqa: E731
-    with building_for("gpu"), gpu_target.persistent_cache(False):
-        return cudnn_fallback.compile_step(build(cfg.train), build)
+    """(config as compiled, trainer, compiled step) of `layout` for compile-only H100s, compiled as the planner and
+    `pjax.train` compile it (`compile_planned`: every config section, pjax's XLA options, the cuDNN guard, whose
+    fallback would leave train.attention=chunked in the config)."""
+    return compile_planned(load_config(config, overrides), Layout.parse(layout), CUDNN_H100, devices_per_host, "gpu")
 
 
 LAYOUT = Layout.parse("dp4-tp2-zero1")
@@ -54,12 +52,12 @@ LAYOUT = Layout.parse("dp4-tp2-zero1")
 def compiled():
     """debug's dp4 x tp2 ZeRO-1 step compiled by XLA:GPU for 8 compile-only H100s, and once by XLA:CPU."""
     config = load_config("debug", [])
-    return {"gpu": gpu_compile("debug", [], "dp4-tp2-zero1"),
+    return {"gpu": gpu_compile("debug", [], "dp4-tp2-zero1")[1:],
             "cpu": compile_planned(config, LAYOUT, PROFILES["h100"], 8, "cpu"), "config": config}
 
 
 def test_the_step_is_compiled_by_xla_gpu_for_the_kind_s_devices(compiled):
-    trainer, step, _ = compiled["gpu"]
+    trainer, step = compiled["gpu"]
     kinds = {d.device_kind for d in trainer.mesh.devices.flat}
     assert kinds == {"NVIDIA H100 80GB HBM3"} and trainer.mesh.devices.size == 8
     hlo = step.as_text()
@@ -91,8 +89,8 @@ def test_cudnn_attention_compiles_in_every_layout_family(family):
     """Forward and backward of every layer run cuDNN's fused attention, with no fallback: inside a data-parallel
     or pipeline region the attention runs manual over every mesh axis (models/attention.py)."""
     config, overrides, layout, per_host = FAMILIES[family]
-    trainer, step, warning = gpu_compile(config, overrides, layout, per_host)
-    assert warning is None and trainer.tc.attention == "auto", warning
+    cfg, trainer, step = gpu_compile(config, overrides, layout, per_host)
+    assert cfg.train.attention == "cudnn"  # no fallback to chunked
     calls = fused_attention(step.as_text())
     layers, micro = trainer.cfg.num_hidden_layers, trainer.tc.grad_accum
     if trainer.pipeline is None:  # each layer of each micro-batch once, forward and backward
@@ -107,9 +105,8 @@ def test_ring_and_all_gather_keep_their_own_kernel_and_say_so():
     chunk's softmax statistics; JAX's cuDNN call returns none, so only Ulysses (whole sequences per head group)
     runs cuDNN's kernel under cp: the planner compiles ring and all_gather with attention auto, and asking them
     for cuDNN's is one line."""
-    profile = gpu_target.planned_profile(PROFILES["h100"], "gpu")  # cuDNN's attention, as it compiles here
     for layout, kernel in (("dp4-cp2", "auto"), ("dp4-cp2-all_gather", "auto"), ("dp4-cp2-ulysses", "cudnn")):
-        assert planned_config(load_config("debug", SMALL), Layout.parse(layout), profile).train.attention == kernel
+        assert planned_config(load_config("debug", SMALL), Layout.parse(layout), CUDNN_H100).train.attention == kernel
     asked = load_config("debug", SMALL + ["mesh.dp=4", "mesh.cp=2", "mesh.tp=1", "train.attention=cudnn"])
     with pytest.raises(ConfigError, match="context.strategy=ring, which attends with its own online softmax"):
         trainer_for(make_mesh(asked.mesh, gpu_target.gpu_devices("h100", 8, 8)), asked)
@@ -142,8 +139,8 @@ SITES = ("qkv", "o", "gate_up", "down")
 @functools.cache
 def fp8_sites(config: str, layout: str) -> tuple[tuple[str, str], ...]:
     overrides = ["precision.preset=fp8"] + (SMALL[1:] if config == "debug" else [])
-    trainer, step, warning = gpu_compile(config, overrides, layout)
-    assert warning is None
+    cfg, _, step = gpu_compile(config, overrides, layout)
+    assert cfg.train.attention == "cudnn"
     return tuple(gemm_sites(step.as_text()))
 
 
@@ -163,7 +160,7 @@ def test_fp8_runs_each_projection_s_three_gemms_in_fp8(layout):
 
 def test_fp8_runs_the_experts_gemms_in_fp8_and_the_router_not():
     for routing in ("dropless", "capacity"):
-        trainer, step, warning = gpu_compile("mixtral-tiny", ["precision.preset=fp8", f"moe.routing={routing}"], "1")
+        _, _, step = gpu_compile("mixtral-tiny", ["precision.preset=fp8", f"moe.routing={routing}"], "1")
         experts = [(kind, name) for kind, name in gemm_sites(step.as_text()) if "/experts/" in name]
         router = [kind for kind, name in experts if "/router/" in name]
         gemms = [(kind, name) for kind, name in experts if "/router/" not in name]
@@ -177,7 +174,7 @@ def test_pjax_s_options_overlap_the_collectives_with_compute():
     """With pjax's XLA:GPU options, dp8 ZeRO-1's gradient reduce-scatters and parameter all-gathers and dp2 x tp4
     with SP's collectives have computation scheduled between their start and done."""
     for layout in ("dp8-zero1", "dp2-tp4-sp"):
-        trainer, step, _ = gpu_compile("debug", WIDE, layout)
+        _, trainer, step = gpu_compile("debug", WIDE, layout)
         assert trainer.xla_options == {k: v for k, v in xla_options.GPU_OPTIONS.items()}
         overlap = async_overlap(step.as_text())
         for kind in ("reduce-scatter", "all-gather"):
@@ -216,7 +213,7 @@ def test_the_same_state_with_the_gpu_s_own_memory_plan(compiled):
 
 
 def test_the_planner_reads_collectives_per_axis_from_the_gpu_compile(compiled):
-    trainer, step, _ = compiled["gpu"]
+    trainer, step = compiled["gpu"]
     comm = step_collectives(compiled["config"], dict(trainer.mesh.shape), step.as_text(), 8)
     assert {"dp", "tp"} <= set(comm)
     assert "reduce-scatter" in comm["dp"]["kinds"]  # ZeRO-1: the gradient in dp slices

@@ -12,7 +12,7 @@ from jax import lax
 
 from mesh import rules
 from mesh.mesh import CP, DP, PP, TP, current
-from mesh.rules import logical_to_spec, param_rules
+from mesh.rules import logical_to_spec, param_rules, vary  # noqa: F401 (vary: this module's API)
 from models import llama
 from models.config import LlamaConfig
 from pjax.parallel import feedback, groups
@@ -83,15 +83,6 @@ def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, 
         return P(*entries)
 
     return jax.tree.map(spec, llama.param_logical_axes(cfg), is_leaf=_is_names)
-
-
-def vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """`tree` cast to varying over `axes`, so its gradient stays a local partial sum."""
-    def cast(a):
-        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(cast, tree)
 
 
 def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "none", state: Any = None,
