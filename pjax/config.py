@@ -108,6 +108,8 @@ class TrainConfig:
         require(self.local_steps >= 0, "train.local_steps", self.local_steps, "use an integer >= 0 (0: synchronous)")
         require(self.outer_lr > 0, "train.outer_lr", self.outer_lr, "use a learning rate > 0")
         require(0 <= self.outer_momentum < 1, "train.outer_momentum", self.outer_momentum, "use a value in [0, 1)")
+        require(self.diloco_groups is None or self.diloco_groups >= 1, "train.diloco_groups", self.diloco_groups,
+                "use an integer >= 1 (groups of dp / diloco_groups replicas), or null for one group per replica")
         require(self.diloco_groups is None or self.local_steps > 0, "train.diloco_groups", self.diloco_groups,
                 "it applies only with train.local_steps > 0 (DiLoCo): set that, or leave train.diloco_groups unset")
 
@@ -217,6 +219,10 @@ class MetaConfig:
                 "name at least one data source per dp group, e.g. meta.tasks=[data/emma.txt,data/persuasion.txt]")
         require(self.algorithm is not None or not self.tasks, "meta.tasks", list(self.tasks),
                 "it applies only with a meta.algorithm: set one, or leave meta.tasks unset")
+        for key in ("inner_steps", "inner_lr"):
+            unchanged = getattr(self, key) == MetaConfig.__dataclass_fields__[key].default
+            require(self.algorithm is not None or unchanged, f"meta.{key}", getattr(self, key),
+                    "it applies only with a meta.algorithm: set one, or leave it unset")
         require(self.task_field is None or (self.algorithm is not None and bool(self.task_field)), "meta.task_field",
                 self.task_field, "name a field of data.path's records, and only with a meta.algorithm")
 

@@ -244,8 +244,10 @@ def test_context_strategy_is_checked():
 
 
 def test_unknown_key_suggests_close_match():
-    with pytest.raises(ConfigError, match=r"unknown key 'train.stpes'.*did you mean 'train.steps'.*valid keys in train: "):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stpes'.*did you mean 'train.steps'.*the train keys are "
+                       r"listed in README.md, \"Configs\"") as caught:
         load_config(overrides=["train.stpes=10"])
+    assert len(str(caught.value)) < 160, str(caught.value)  # the suggestion and a pointer, not every key
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path):

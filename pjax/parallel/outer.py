@@ -38,11 +38,16 @@ def check_run(run: Any) -> None:
     """One line where DiLoCo (`train.local_steps` > 0) cannot run on this layout."""
     tc, mesh = run.train, run.mesh
     if not tc.local_steps:
+        _outer_keys_unused(tc, run.meta.algorithm)
         return
     head = f"train.local_steps={tc.local_steps} (DiLoCo)"
     if mesh.dp < 2:
         raise ConfigError(f"{head} syncs dp groups, and this mesh has dp={mesh.dp}: set mesh.dp >= 2, or "
                           f"train.local_steps=0.")
+    if tc.steps < tc.local_steps:
+        raise ConfigError(f"{head} first synchronises at step {tc.local_steps}, after train.steps={tc.steps}: the "
+                          f"checkpoint and export would hold the initial parameters; set train.local_steps <= "
+                          f"{tc.steps}, or more train.steps.")
     if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
         raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
                           f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
@@ -53,6 +58,16 @@ def check_run(run: Any) -> None:
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.local_steps=0.")
+
+
+def _outer_keys_unused(tc: Any, algorithm: str | None) -> None:
+    """One line where an outer optimizer key is set and neither DiLoCo nor Reptile reads it."""
+    if algorithm == "reptile":
+        return
+    for key in ("outer_lr", "outer_momentum"):
+        if getattr(tc, key) != type(tc).__dataclass_fields__[key].default:
+            raise ConfigError(f"train.{key}={getattr(tc, key)} steps the outer loop, which this run does not have; "
+                              f"set train.local_steps > 0 (DiLoCo) or meta.algorithm=reptile, or leave it unset.")
 
 
 def outer_optimizer(tc: Any) -> optax.GradientTransformation:
