@@ -42,6 +42,7 @@ def _embedding(params) -> np.ndarray:
     return np.asarray(jax.tree.leaves(params["embed"])[0])
 
 
+@pytest.mark.proves("1f1b+diloco")
 def test_one_local_step_at_outer_lr_1_without_momentum_is_synchronous_training():
     """dp2 x pp2 x tp2 (a group is a 1F1B pipeline with tp inside), two steps: SGD's update of the global mean
     gradient = the mean of the groups' SGD steps."""
@@ -133,6 +134,7 @@ def test_a_resume_continues_bit_for_bit_and_other_groups_restart_from_the_global
     assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
 
 
+@pytest.mark.proves("int8_reduce+diloco")
 def test_a_compressed_outer_average_is_the_exact_one_within_int8_and_keeps_what_it_lost():
     """dp2 x pp2, H=1, int8 (`train.grad_compression` compresses the outer average under DiLoCo): the carried
     mean of (global - copy) is the exact one within int8's rounding, the replicas' residuals hold the rest

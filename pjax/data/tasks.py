@@ -75,13 +75,20 @@ class TaskIterator:
         self.step = int(state["meta_step"])
 
 
+def check_reads(data_cfg: Any) -> None:
+    """One line unless the tasks can be read as meta-learning reads them: whole, in windows of train.seq_len."""
+    if data_cfg.streaming or data_cfg.curriculum:
+        raise ConfigError("meta.tasks are read whole, in windows of train.seq_len: set data.streaming=false and "
+                          "data.curriculum=null.")
+
+
 def build_tasks(data_cfg: Any, tasks: tuple[str, ...], train_cfg: Any, mesh: Mesh | None, tokenizer: Any,
                 sequence_layout: SequenceLayout = identity_layout, field: str | None = None) -> TaskIterator:
     """A TaskIterator over `tasks`, each tokenized (and cached) like data.path, its held-out tail split off; with
     a `field` (meta.task_field) the tasks are that field's values in data.path's records, each one the records
     that hold it."""
-    if data_cfg.streaming or data_cfg.curriculum:
-        raise ConfigError("meta.tasks are read whole: set data.streaming=false and data.curriculum=null.")
+    check_reads(data_cfg)
+
     def tokens(task: str) -> np.ndarray:
         if field is None:
             return load_tokens(dataclasses.replace(data_cfg, path=task), tokenizer)

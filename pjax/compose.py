@@ -1,0 +1,157 @@
+"""Which of pjax's features compose: every pair, asked of the rules `pjax.train` checks before its first step.
+
+A feature is a few config overrides (`FEATURES`); a pair's run is the shipped `debug` config with both
+features' overrides, on a mesh with the axes they need (dp 2 where either reads data replicas). The pair is
+refused when the rules refuse that run (`refusal`: the line `pjax.train` prints); two features that set the
+same key (two schedules, two context strategies) are alternatives, not a pair. Which composing pairs are
+proven, and by which test, the tests say themselves (`pytest.mark.proves`); `tests/test_composition.py` checks
+that every composing pair has one and writes the matrix into README.md.
+
+    python -m pjax.compose zb_h1 ring      # composes, or the line that refuses it
+    python -m pjax.compose                 # every pair
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import NamedTuple, Sequence
+
+from mesh.errors import ConfigError
+
+
+class Feature(NamedTuple):
+    """One row of the matrix: its name, its label, the key it sets (features that share one are
+    alternatives), the overrides that turn it on, and the mesh axes it needs besides dp."""
+
+    name: str
+    label: str
+    key: str
+    overrides: tuple[str, ...]
+    axes: tuple[str, ...] = ()
+    replicas: bool = False  # needs dp >= 2: it shards over, reduces over or groups the data replicas
+
+
+def _schedule(name: str, label: str, virtual: int = 1) -> Feature:
+    return Feature(name, label, "pipeline.schedule", (f"pipeline.schedule={name}", f"pipeline.virtual_stages={virtual}"),
+                   ("pp",))
+
+
+def _context(name: str, label: str) -> Feature:
+    return Feature(name, label, "context.strategy", (f"context.strategy={name}",), ("cp",))
+
+
+def _compression(name: str, label: str) -> Feature:
+    return Feature(f"{name}_reduce" if name != "powersgd" else name, label, "train.grad_compression",
+                   (f"train.grad_compression={name}",), replicas=True)
+
+
+def _meta(name: str, label: str) -> Feature:
+    inner = 2 if name == "reptile" else 1  # grad_accum = inner steps (+1 query for fomaml, maml) = 2
+    return Feature(name, label, "meta.algorithm", (f"meta.algorithm={name}", "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]",
+                                                   f"meta.inner_steps={inner}"), replicas=True)
+
+
+FEATURES: tuple[Feature, ...] = (
+    _schedule("1f1b", "1F1B"), _schedule("interleaved", "interleaved", 2), _schedule("zb_h1", "ZB-H1"),
+    _schedule("zb_v", "ZB-V", 2),
+    _context("ring", "ring"), _context("all_gather", "all-gather"), _context("ulysses", "Ulysses"),
+    Feature("sp", "SP", "train.sequence_parallel", ("train.sequence_parallel=true",), ("tp",)),
+    Feature("zero1", "ZeRO-1", "train.zero", ("train.zero=1",), replicas=True),
+    Feature("zero3", "ZeRO-3", "train.zero", ("train.zero=3",), replicas=True),
+    Feature("moe", "MoE", "model.num_local_experts", ("model.num_local_experts=4", "model.num_experts_per_tok=2"),
+            replicas=True),
+    _compression("bf16", "bf16 reduce"), _compression("int8", "int8 reduce"), _compression("powersgd", "PowerSGD"),
+    Feature("diloco", "DiLoCo", "train.local_steps", ("train.local_steps=2",), replicas=True),
+    _meta("reptile", "Reptile"), _meta("fomaml", "FOMAML"), _meta("maml", "MAML"),
+    Feature("curriculum", "curriculum", "data.curriculum", ("data.curriculum=16x2",)),
+    Feature("fp8", "fp8", "precision.preset", ("precision.preset=fp8",)),
+    Feature("remat_full", "remat full", "train.remat", ("train.remat=full",)),
+    Feature("loss_chunk", "loss_chunk", "train.loss_chunk", ("train.loss_chunk=16",)),
+)
+BY_NAME = {f.name: f for f in FEATURES}
+# Wide enough that no pair is refused for its sizes, small enough that a test runs every pair: 4 layers (pp 2 x 2
+# virtual stages), 8 heads and 4 kv heads (Ulysses over cp 2 x tp 2), 8 rows in 2 micro-batches of 32 tokens, 10
+# steps (DiLoCo synchronises at 2).
+BASE = ("model.num_hidden_layers=4", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+        "model.hidden_size=64", "model.intermediate_size=128", "train.steps=10", "train.batch_size=8",
+        "train.grad_accum=2", "train.seq_len=32")
+
+
+class Cell(NamedTuple):
+    """A pair's verdict: 'alternatives', 'refused' (with the line) or 'composes'."""
+
+    status: str
+    line: str = ""
+
+
+def pair_overrides(a: Feature, b: Feature) -> list[str]:
+    """The `pjax.train` overrides of the pair's run: BASE, the mesh both need, then both features'."""
+    return run_overrides((a, b))
+
+
+def run_overrides(features: Sequence[Feature]) -> list[str]:
+    """The overrides of a run with all of `features` on: BASE, a mesh of 2 along each axis one needs (dp when
+    one needs data replicas), then the features' own."""
+    axes = {axis for f in features for axis in f.axes}
+    mesh = {axis: 2 if axis in axes else 1 for axis in ("pp", "cp", "tp")}
+    mesh["dp"] = 2 if any(f.replicas for f in features) else 1
+    return [*BASE, *(f"mesh.{axis}={size}" for axis, size in mesh.items()), *(o for f in features for o in f.overrides)]
+
+
+def refusal(overrides: Sequence[str]) -> str | None:
+    """The line `pjax.train` prints before its first step for the `debug` config with `overrides`, or None when
+    the rules accept the run: the config's own checks, the layout's (`pjax.validate`), the curriculum's, the
+    meta-learning tasks' reading (`pjax.data.tasks`)."""
+    from pjax.config_io import load_config
+    from pjax.data import tasks
+    from pjax.data.curriculum import Curriculum
+    from pjax.validate import Run, validate_run
+
+    try:
+        config = load_config("debug", overrides)
+        run = Run(config.mesh, config.model, config.train, config.pipeline, config.context, config.precision,
+                  config.meta)
+        validate_run(*run)
+        Curriculum.for_run(config.data.curriculum, run)
+        if config.meta.algorithm is not None:
+            tasks.check_reads(config.data)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def cell(a: str, b: str) -> Cell:
+    """The verdict on features `a` and `b` (names in FEATURES)."""
+    fa, fb = BY_NAME[a], BY_NAME[b]
+    if fa.key == fb.key:
+        return Cell("alternatives")
+    line = refusal(pair_overrides(fa, fb))
+    return Cell("composes") if line is None else Cell("refused", line)
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every unordered pair of FEATURES, in the matrix's order."""
+    return [(a.name, b.name) for a, b in itertools.combinations(FEATURES, 2)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pjax.cli import ArgumentParser, run_main
+
+    ap = ArgumentParser(prog="python -m pjax.compose", description="Whether two of pjax's features compose, by "
+                        "the rules pjax.train checks; with no names, every pair.")
+    ap.add_argument("features", nargs="*", help=f"two of: {', '.join(BY_NAME)}")
+    args = ap.parse_args(argv)
+
+    def body() -> None:
+        unknown = [name for name in args.features if name not in BY_NAME]
+        if unknown or len(args.features) not in (0, 2):
+            raise ConfigError(f"name two features ({', '.join(BY_NAME)}), or none for every pair"
+                              f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}.")
+        for a, b in [tuple(args.features)] if args.features else pairs():
+            verdict = cell(a, b)
+            print(f"{a} + {b}: {verdict.status}{': ' + verdict.line if verdict.line else ''}")
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Every pair of pjax's features: refused with the line `pjax.train` prints, or proven by a test (tests/composition.py
+reads the matrix from the rules and the tests' `proves` marks); and runs of several features at once, each equal to
+its reference: the same run without the features that only change the layout.
+
+A run's reference keeps its math features (`MATH`: fp8, the curriculum, the payload of the reduction, DiLoCo,
+meta-learning, the experts themselves) on the smallest mesh they run on: one device, or dp 2 where one of them
+groups or reduces over data replicas. A run equal to its reference proves each pair with a feature the reference
+drops: that feature changed nothing the other computes. Expert parallelism is dropped with the mesh when the
+reference runs on one device."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import jax
+import numpy as np
+import pytest
+
+import composition
+from pjax import compose
+from pjax import train as pjax_train
+from pjax.config_io import load_config
+
+# Math features: the reference keeps them. The rest (schedules, context strategies, SP, ZeRO, remat, loss_chunk, and
+# the experts' split over dp) change only where and in what order the same sums run.
+MATH = ("moe", "bf16_reduce", "int8_reduce", "powersgd", "diloco", "reptile", "fomaml", "maml", "curriculum", "fp8")
+REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "reptile", "fomaml", "maml")
+# Loss tolerance (relative) of a run against its reference: float32 sums in another order, and with fp8 or a
+# compressed reduction a rounding or scaling that sees other blocks of the same values.
+RTOL = {"fp8": 2e-3, "bf16_reduce": 1e-3, "int8_reduce": 1e-3, "powersgd": 1e-3}
+RUN = ["train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", "log.every=1", "log.eval_every=0"]
+
+# Feature sets, each a run (tests/composition.py: the pairs each proves), as many features at once as the rules
+# and 8 devices accept. The rest of the composing pairs are composition.UNPROVEN until a test proves them.
+RUNS: tuple[tuple[str, ...], ...] = (
+    ("1f1b", "ring", "zero1", "moe", "bf16_reduce", "curriculum", "remat_full", "loss_chunk"),
+    ("interleaved", "all_gather", "zero3", "loss_chunk"),
+    ("zb_h1", "sp", "zero1", "bf16_reduce", "curriculum", "remat_full"),
+)
+
+
+def reference(features: tuple[str, ...]) -> tuple[str, ...]:
+    """The features a run's reference keeps (on the mesh `pjax.compose.run_overrides` gives them)."""
+    return tuple(f for f in features if f in MATH)
+
+
+def proven_by_run(features: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pairs a run equal to its reference proves: those with a feature the reference drops."""
+    kept = set(reference(features))
+    dropped = {f for f in features if f not in kept}
+    if "moe" in kept and not any(f in REPLICA_MATH for f in kept):
+        dropped.add("moe")  # the reference runs the experts on one device
+    return [composition.pair(a, b) for i, a in enumerate(features) for b in features[i + 1:]
+            if a in dropped or b in dropped]
+
+
+def losses(features: tuple[str, ...], tmp: str, cache: str) -> list[float]:
+    """The per-step losses of a `pjax.train` run with `features` on (`pjax.compose.run_overrides`)."""
+    overrides = compose.run_overrides([compose.BY_NAME[f] for f in features])
+    cfg = load_config("debug", [*overrides, *RUN, f"log.dir={tmp}", f"data.cache_dir={cache}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        metrics = pjax_train.train(cfg, progress=False, devices=jax.devices()[:cfg.mesh.size])
+    return [m["loss"] for m in metrics if "loss" in m]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("token_cache"))
+
+
+_references: dict[tuple[str, ...], list[float]] = {}
+
+
+@pytest.mark.parametrize("features", RUNS, ids="-".join)
+def test_features_together_equal_their_reference(features, cache, tmp_path):
+    kept = reference(features)
+    if kept not in _references:
+        _references[kept] = losses(kept, str(tmp_path / "reference"), cache)
+    got = losses(features, str(tmp_path / "run"), cache)
+    rtol = max([1e-5, *(RTOL.get(f, 0) for f in features)])
+    np.testing.assert_allclose(got, _references[kept], rtol=rtol, err_msg=f"{features} against {kept}")
+
+
+def test_every_pair_is_proven_refused_or_alternatives_and_every_proof_names_a_test():
+    cells = composition.matrix()
+    assert set(cells) == set(compose.pairs()) and len(cells) == len(compose.FEATURES) * (len(compose.FEATURES) - 1) // 2
+    unproven = {p for p, (cell, tests) in cells.items() if cell.status == "composes" and not tests}
+    assert unproven == composition.UNPROVEN, (f"now proven, drop from composition.UNPROVEN: "
+                                              f"{sorted(composition.UNPROVEN - unproven)}; composing without a test: "
+                                              f"{sorted(unproven - composition.UNPROVEN)}")
+    for p, (cell, tests) in cells.items():
+        assert not (tests and cell.status != "composes"), f"{p} is {cell.status} yet {tests} claims to prove it"
+        for test in tests:
+            file, _, name = test.partition("::")
+            source = (composition.ROOT / file).read_text()
+            assert f"def {name.split('[')[0]}(" in source, test
+
+
+def test_every_refused_pair_is_the_line_pjax_train_prints(monkeypatch, capfd, tmp_path):
+    monkeypatch.setattr(pjax_train, "force_cpu_devices", lambda *a: 8)
+    train = pjax_train.train
+    monkeypatch.setattr(pjax_train, "train", lambda cfg, progress=True, devices=None: train(
+        cfg, progress, devices=jax.devices()[:cfg.mesh.size]))
+    refused = [(a, b) for a, b in compose.pairs() if compose.cell(a, b).status == "refused"]
+    assert refused
+    for a, b in refused:
+        overrides = compose.pair_overrides(compose.BY_NAME[a], compose.BY_NAME[b])
+        status = pjax_train.main(["--no_progress", *overrides, f"log.dir={tmp_path}/run"])
+        err = capfd.readouterr().err.strip()
+        assert status == 2 and err == f"error: {compose.cell(a, b).line}", (a, b, err)
+
+
+def test_readme_and_the_guide_show_the_matrix_the_rules_and_tests_give():
+    cells = composition.matrix()
+    readme = composition.README.read_text()
+    assert composition.with_block(readme, composition.readme_block(cells)) == readme, \
+        "README.md's matrix is out of date: run python tests/composition.py"
+    assert composition.GUIDE.read_text() == composition.guide(cells), \
+        "docs/composition.md is out of date: run python tests/composition.py"
