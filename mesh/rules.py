@@ -16,6 +16,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "tokens": (DP, CP),
     # Sequence parallelism: tp inside each (dp, cp) block, so a gather over tp gives back 'tokens'.
     "sp_tokens": (DP, CP, TP),
+    # The tp part of a (dp, cp) block's tokens, as its own dimension (the chunked loss's blocks under SP).
+    "sp_part": TP,
     "embed": None,
     "heads": TP,
     "kv_heads": TP,

@@ -136,8 +136,7 @@ lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def check_run(run) -> None:
-    """With train.sequence_parallel and tp > 1: tokens split over tp, and the loss not chunked (its fused
-    blocks would all-reduce their input gradients over tp)."""
+    """With train.sequence_parallel and tp > 1: the tokens split over tp."""
     mc, tc = run.mesh, run.train
     if not (tc.sequence_parallel and mc.tp > 1):
         return
@@ -146,6 +145,6 @@ def check_run(run) -> None:
         raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "
                           f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, train.batch_size "
                           f"or train.grad_accum, or set train.sequence_parallel=false.")
-    if tc.loss_chunk:
-        raise ConfigError(f"train.loss_chunk={tc.loss_chunk} does not combine with train.sequence_parallel; "
-                          f"set train.loss_chunk=0 or train.sequence_parallel=false.")
+    if tc.loss_chunk % mc.tp:
+        raise ConfigError(f"train.loss_chunk={tc.loss_chunk} with train.sequence_parallel takes loss_chunk / mesh.tp "
+                          f"tokens from each tp part of the tokens; choose a multiple of mesh.tp={mc.tp}.")

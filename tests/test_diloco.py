@@ -91,6 +91,7 @@ def test_between_synchronisations_the_groups_drift_apart_and_the_global_paramete
     assert not np.allclose(_embedding(g0), _embedding(start))
 
 
+@pytest.mark.proves("ring+diloco")
 def test_the_outer_nesterov_step_moves_the_global_parameters_by_the_groups_mean_delta(rounds):
     """First outer step: momentum m = delta, Nesterov's step lr * (delta + mu * m) = lr * (1 + mu) * delta,
     delta = global - mean over groups; then every group restarts from the new global parameters."""

@@ -144,6 +144,7 @@ def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero:
     return float(loss), norm, lowered.as_text()
 
 
+@pytest.mark.proves("1f1b+fp8", "ring+fp8", "sp+fp8")
 def test_fp8_step_on_a_sharded_layout_tracks_one_device():
     """pp x cp x tp with sequence parallelism: fp8 GEMMs in a pipeline stage, with per-device scales
     over a manual axis (cp, as dp is) and global ones over tp's split of the projections. (dp and

@@ -62,6 +62,7 @@ def _norm(tree) -> float:
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
 
 
+@pytest.mark.proves("ring+int8_reduce", "zero1+int8_reduce", "zero1+powersgd", "moe+int8_reduce")
 def test_the_reduced_gradient_is_the_exact_one_within_the_payloads_rounding(layout):
     assert float(layout["loss"]) == pytest.approx(float(layout["exact_loss"]), rel=1e-6)  # the loss is not compressed
     diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), layout["grads"], layout["exact"])
@@ -131,6 +132,7 @@ def test_compression_is_refused_where_it_has_no_reduction_to_compress():
         _trainer("debug", ["mesh.dp=2", "mesh.pp=2", "train.zero=3", "train.grad_compression=bf16"])
 
 
+@pytest.mark.proves("1f1b+powersgd")
 def test_a_pipelined_step_compresses_its_once_per_step_reduction():
     """dp2 x pp2 (1F1B) with PowerSGD, whose state (residuals and Q) has the most pipelined specs: the reduced
     gradient is a projection of the exact one, and nothing is lost."""

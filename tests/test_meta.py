@@ -92,6 +92,7 @@ def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
 
 @pytest.mark.parametrize("algorithm, layout", [("reptile", "tp"), ("fomaml", "tp"), ("maml", "tp"), ("reptile", "pp"),
                                                ("fomaml", "pp"), ("maml", "cp")])
+@pytest.mark.proves("1f1b+reptile", "1f1b+fomaml", "ring+maml")
 def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorithm, layout):
     """dp2 x tp2; dp2 x pp2 (each group a 1F1B pipeline, one micro-batch per inner step); dp2 x cp2 (each inner
     step's gradient summed over cp; maml differentiates through that): the mean over the groups of what each

@@ -254,6 +254,7 @@ def assert_equal_one_device(layout):
 # pipelined layouts below cover it under pp, with dp x cp x pp the smallest that has dp inside a pipeline.
 @pytest.mark.parametrize("layout", [(4, 1, 3), (2, 2, 0, "dropless", 2), (2, 2, 1, "capacity", 1, 1, True)],
                          ids=["dp4_zero3", "dp2_cp2_tp2", "dp2_tp2_zero1_capacity_sequence_parallel"])
+@pytest.mark.proves("sp+moe", "zero3+moe")
 def test_moe_training_loss_grads_and_router_metrics_with_experts_over_dp_equal_one_device(layout):
     assert_equal_one_device(layout)
 

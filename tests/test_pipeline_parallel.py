@@ -315,6 +315,7 @@ def test_pipeline_with_data_and_tensor_parallelism_equals_one_device(schedule):
 
 @pytest.mark.parametrize("schedule,layout", [("1f1b", dict(dp=2, cp=2)), ("interleaved", dict(cp=2, tp=2))],
                          ids=["1f1b_dp2_cp2", "interleaved_cp2_tp2"])
+@pytest.mark.proves("interleaved+ring")
 def test_pipeline_with_context_parallelism_equals_one_device(schedule, layout):
     """pp=2 with ring attention inside the stages (lockstep tables): training gradients and the
     forwards-only evaluation loss. (AFAB's table under cp: the other strategies' cases below.)"""
@@ -330,6 +331,7 @@ def test_pipeline_with_context_parallelism_equals_one_device(schedule, layout):
 @pytest.mark.parametrize("schedule,layout", [("1f1b", dict(cp=2, zero=3, strategy="ulysses")),
                                              ("afab", dict(cp=2, tp=2, zero=3, strategy="all_gather"))],
                          ids=["1f1b_cp2_zero3_ulysses", "afab_cp2_tp2_zero3_all_gather"])
+@pytest.mark.proves("1f1b+ulysses")
 def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layout):
     """The all-gather and Ulysses strategies nested in a stage that is manual over pp only (ZeRO-3)."""
     ref_loss, ref_grads, _ = run(4)
@@ -343,6 +345,7 @@ def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layo
                                              ("zb_h1", dict(tp=2)), ("zb_v", dict(dp=2, tp=2, zero=1))],
                          ids=["1f1b_tp2", "interleaved_dp2_tp2_zero3", "afab_cp2_tp2_all_gather", "zb_h1_tp2",
                               "zb_v_dp2_tp2_zero1"])
+@pytest.mark.proves("1f1b+sp", "interleaved+sp", "zb_v+sp", "zb_v+zero1", "sp+zero3", "all_gather+sp")
 def test_pipeline_with_sequence_parallelism_equals_one_device(schedule, layout):
     """Stages hand each other activations split over tp along the tokens (and the embedding and
     loss run sequence-parallel on the first and last stage); zero-bubble W's gather what B left
@@ -356,6 +359,7 @@ def test_pipeline_with_sequence_parallelism_equals_one_device(schedule, layout):
 @pytest.mark.parametrize("schedule,layout", [("interleaved", dict(dp=2, tp=2, zero=1)),
                                              ("afab", dict(dp=2, cp=2, strategy="ulysses"))],
                          ids=["interleaved_dp2_tp2_zero1", "afab_dp2_cp2_ulysses"])
+@pytest.mark.proves("interleaved+zero1")
 def test_pipeline_reduces_gradients_over_the_data_axes_once_per_step(schedule, layout):
     """dp (and cp) are manual in the executor: each device accumulates its own partial gradients
     through every tick and they are reduced after the scan. Reduced per tick, as XLA does when dp

@@ -49,6 +49,27 @@ def test_sequence_parallel_loss_and_grads_equal_one_device(layout):
     assert_grads_close(grads, ref_grads, rtol=5e-2 if bf16 else 1e-5)
 
 
+@pytest.mark.proves("sp+loss_chunk")
+def test_a_chunked_loss_under_sequence_parallelism_equals_one_device_and_all_reduces_no_activation():
+    """dp2 x tp2, loss_chunk=16 (4 blocks of a device's 64 tokens): the blocks read the tokens gathered over tp, as
+    the unchunked output layer does; the input gradient leaves as the column-parallel one does, by reduce-scatter."""
+    ref_loss, ref_grads = loss_and_grads(dp=1)
+    loss, grads = sp_loss_and_grads(dp=2, tp=2, loss_chunk=16)
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    hlo = sp_trainer(dp=2, tp=2, loss_chunk=16).compile_step().as_text()
+    tokens = TC.batch_size // TC.grad_accum // 2 * TC.seq_len
+
+    def large_tp_all_reduce(kind, line):
+        if kind != "all-reduce" or sorted(map(sorted, device_groups(line, 4))) != [[0, 1], [2, 3]]:
+            return None
+        result = line.split("=", 1)[1].split(kind)[0]
+        sizes = [shape_bytes(array) for array in re.findall(r"\w+\[[\d,]*\]", result)]
+        return "large" if max(sizes, default=0) > max(tokens, CFG.hidden_size) * 4 else None
+
+    assert "large" not in collective_stats(hlo, large_tp_all_reduce), "an activation-sized all-reduce over tp"
+
+
 def test_no_activation_is_all_reduced_over_tp():
     """Each TP all-reduce became a reduce-scatter and an all-gather. Per micro-batch (m = 2) with L
     layers: reduce-scatters 2L forward (o, down) + 2L backward (the q/k/v and gate/up input
@@ -94,6 +115,4 @@ def test_sequence_parallel_layouts_that_do_not_split_are_config_errors():
     odd = dataclasses.replace(TC, sequence_parallel=True, seq_len=6, batch_size=2, grad_accum=2)
     with pytest.raises(ConfigError, match=r"a device's 6 tokens per micro-batch over mesh.tp=4"):
         build_trainer(mesh, CFG, odd)
-    chunked = dataclasses.replace(TC, sequence_parallel=True, loss_chunk=16)
-    with pytest.raises(ConfigError, match=r"train.loss_chunk=16 does not combine with train.sequence_parallel"):
-        build_trainer(mesh, CFG, chunked)
+

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from mesh.backend import target_backend
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, current
+from mesh.mesh import CP, DP, TP, current
 from mesh.rules import auto_size, constrain
 from models import sequence_parallel as seqpar
 from models.llama import mask_padded_vocab
@@ -22,7 +22,7 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
                                  chunk: int = 0, vocab_size: int | None = None,
                                  sequence_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy in fp32, token count) of hidden [N, D], kernel [D, V], labels [N]; `vocab_size` masks a
-    padded V. `pjax.step` refuses `sequence_parallel` with `chunk`: XLA all-reduces each block's input grad over tp."""
+    padded V."""
     vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
@@ -34,7 +34,8 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
         if (n // shares) % chunk:
             raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n // shares} tokens of a device's "
                               f"micro-batch; choose a divisor of {n // shares} (or 0 to turn chunking off).")
-        return _fused(hidden, kernel, labels, chunk, vocab_size, shares), count
+        parts = auto_size(mesh, TP) if sp else 1  # sequence_parallel.check_run: chunk splits over tp
+        return _fused(hidden, kernel, labels, chunk, vocab_size, shares, parts), count
     return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False, sp=sp)[0], count
 
 
@@ -86,36 +87,48 @@ def _logits_bwd(res, g):
 _logits.defvjp(_logits_fwd, _logits_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _fused(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, chunk: int, vocab_size: int,
-           shares: int) -> jax.Array:
-    return _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares)[0]
+           shares: int, parts: int) -> jax.Array:
+    return _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares, parts)[0]
 
 
-def _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares):
-    """The loss and both gradients block by block: block i is tokens [i*chunk, (i+1)*chunk) of each share's N/shares."""
+def _fused_fwd(hidden, kernel, labels, chunk, vocab_size, shares, parts):
+    """The loss and both gradients block by block. A block holds chunk / parts tokens of each of a share's `parts`
+    (1, or tp under sequence parallelism: the tokens' split over tp), so each block's logits gather its tokens over
+    tp and its input gradient leaves by reduce-scatter, as the unchunked output layer's do."""
+    sp = parts > 1
+
     def block(carry, xs):
         loss, d_kernel = carry
         h, y = xs
-        block_loss, d_logits = _loss_and_dlogits(h.reshape(-1, d), kernel, y.reshape(-1), vocab_size, with_grad=True)
-        d_logits = d_logits.astype(h.dtype).reshape(shares, chunk, -1)
-        d_h = jnp.einsum("snv,dv->snd", d_logits, kernel, preferred_element_type=jnp.float32)
-        d_kernel = d_kernel + jnp.einsum("snd,snv->sdv", h, d_logits, preferred_element_type=jnp.float32)
-        return (loss + block_loss, constrain(d_kernel, ("tokens", None, "vocab"))), d_h.astype(h.dtype)
+        h = constrain(h.reshape(-1, d), ("tokens", None))  # under SP: gathered over tp once, for both products
+        block_loss, d_logits = _loss_and_dlogits(h, kernel, y.reshape(-1), vocab_size, with_grad=True)
+        if sp:  # explicitly: XLA:CPU would all-reduce the block's input gradient and slice it
+            d_h = seqpar.reduce_scatter_product([d_logits], [kernel], h.dtype).reshape(shares, parts, step, d)
+            d_h = constrain(d_h, ("tokens", "sp_part", None, None))
+        d_logits = d_logits.astype(h.dtype).reshape(shares, parts * step, -1)
+        if not sp:
+            d_h = jnp.einsum("snv,dv->snd", d_logits, kernel, preferred_element_type=jnp.float32).reshape(
+                shares, parts, step, d)
+        d_kernel = d_kernel + jnp.einsum("snd,snv->sdv", h.reshape(shares, parts * step, d), d_logits,
+                                         preferred_element_type=jnp.float32)
+        return (loss + block_loss, constrain(d_kernel, ("tokens", None, "vocab"))), d_h.astype(hidden.dtype)
 
     n, d = hidden.shape
-    blocks = n // (shares * chunk)
-    cut = lambda a: jnp.swapaxes(a.reshape(shares, blocks, chunk, *a.shape[1:]), 0, 1)
+    blocks, step = n // (shares * chunk), chunk // parts
+    # [n, ...] -> [blocks, shares, parts, step, ...]: block i takes tokens [i*step, (i+1)*step) of every part.
+    cut = lambda a: jnp.moveaxis(a.reshape(shares, parts, blocks, step, *a.shape[1:]), 2, 0)
     # Zeros typed like what the blocks add (inside a shard_map: varying wherever hidden or kernel is).
     like = lambda shape: jnp.zeros_like(hidden, jnp.float32, shape=shape) + jnp.zeros_like(kernel, jnp.float32,
                                                                                               shape=shape)
     zeros = (like(()), constrain(like((shares, *kernel.shape)), ("tokens", None, "vocab")))
     (loss, d_kernel), d_hidden = jax.lax.scan(block, zeros, (cut(hidden), cut(labels)))
-    d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(n, d)
+    d_hidden = jnp.moveaxis(d_hidden, 0, 2).reshape(n, d)
     return loss, (d_hidden, jnp.sum(d_kernel, axis=0).astype(kernel.dtype))
 
 
-def _fused_bwd(chunk, vocab_size, shares, res, g):
+def _fused_bwd(chunk, vocab_size, shares, parts, res, g):
     d_hidden, d_kernel = res
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_kernel).astype(d_kernel.dtype), None
 
