@@ -35,7 +35,8 @@ from pjax.parallel import data_parallel, feedback
 
 
 def check_run(run: Any) -> None:
-    """One line where DiLoCo (`train.local_steps` > 0) cannot run on this layout."""
+    """One line where DiLoCo (`train.local_steps` > 0) cannot run on this layout or reach a synchronisation, or
+    where an outer optimizer key is set and no outer loop reads it."""
     tc, mesh = run.train, run.mesh
     if not tc.local_steps:
         _outer_keys_unused(tc, run.meta.algorithm)
