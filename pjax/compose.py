@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from mesh.errors import ConfigError
 
@@ -98,23 +98,28 @@ def run_overrides(features: Sequence[Feature]) -> list[str]:
     return [*BASE, *(f"mesh.{axis}={size}" for axis, size in mesh.items()), *(o for f in features for o in f.overrides)]
 
 
-def refusal(overrides: Sequence[str]) -> str | None:
-    """The line `pjax.train` prints before its first step for the `debug` config with `overrides`, or None when
-    the rules accept the run: the config's own checks, the layout's (`pjax.validate`), the curriculum's, the
-    meta-learning tasks' reading (`pjax.data.tasks`)."""
-    from pjax.config_io import load_config
+def check(config: Any) -> None:
+    """The ConfigError `pjax.train` raises before its first step, unless `config` (a Config) runs: the layout's rules
+    (`pjax.validate`), the curriculum's, the meta-learning tasks' reading (`pjax.data.tasks`). The planner asks the
+    same of each layout it lists."""
     from pjax.data import tasks
     from pjax.data.curriculum import Curriculum
     from pjax.validate import Run, validate_run
 
+    run = Run(config.mesh, config.model, config.train, config.pipeline, config.context, config.precision, config.meta)
+    validate_run(*run)
+    Curriculum.for_run(config.data.curriculum, run)
+    if config.meta.algorithm is not None:
+        tasks.check_reads(config.data)
+
+
+def refusal(overrides: Sequence[str]) -> str | None:
+    """The line `pjax.train` prints before its first step for the `debug` config with `overrides` (its own checks,
+    then `check`'s), or None when it runs."""
+    from pjax.config_io import load_config
+
     try:
-        config = load_config("debug", overrides)
-        run = Run(config.mesh, config.model, config.train, config.pipeline, config.context, config.precision,
-                  config.meta)
-        validate_run(*run)
-        Curriculum.for_run(config.data.curriculum, run)
-        if config.meta.algorithm is not None:
-            tasks.check_reads(config.data)
+        check(load_config("debug", overrides))
     except ConfigError as e:
         return str(e)
     return None

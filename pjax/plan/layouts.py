@@ -18,13 +18,12 @@ from mesh.errors import ConfigError
 from mesh.mesh import AXES, MeshConfig
 from models import llama
 from models.precision import Precision, bytes_per
+from pjax import compose
 from pjax.config import Config
-from pjax.data.curriculum import Curriculum
 from pjax.parallel.context.strategy import STRATEGIES as CONTEXT_STRATEGIES
 from pjax.parallel.pipeline.table import SCHEDULE_NAMES as SCHEDULES
 from pjax.parallel import data_parallel
 from pjax.plan.profiles import Profile
-from pjax.validate import Run, validate_run
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
@@ -137,10 +136,7 @@ def policy(config: Config, profile: Profile) -> Precision:
 
 def check(config: Config, layout: Layout) -> None:
     """A ConfigError, the one `pjax.train` would raise, unless `config` runs on `layout`."""
-    config = apply(config, layout)
-    run = Run(layout.mesh, config.model, config.train, config.pipeline, config.context, config.precision)
-    validate_run(*run)
-    Curriculum.for_run(config.data.curriculum, run)  # shorter lengths must split too; memory is train.seq_len's
+    compose.check(apply(config, layout))  # a curriculum's shorter lengths must split too; memory is train.seq_len's
 
 
 def micro_batch_counts(config: Config, dp: int) -> list[int]:
