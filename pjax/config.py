@@ -63,6 +63,9 @@ class TrainConfig:
     outer_lr: float = 0.7  # DiLoCo's outer SGD learning rate and Nesterov momentum (the paper's values)
     outer_momentum: float = 0.9
     diloco_groups: int | None = None  # null: one group per dp replica; else groups of dp / diloco_groups replicas
+    diloco_fragments: int = 1  # streaming DiLoCo (pjax/parallel/streaming.py): fragments synchronised in turn
+    diloco_overlap: int = 0  # streaming DiLoCo's tau: inner steps between a fragment's send and its arrival
+    diloco_mix: float = 0.0  # at an arrival, the share of the groups' own fragment kept (0: the global one alone)
     xla_options: bool = True  # pjax's XLA:GPU options on GPU steps (pjax/xla_options.py); false: XLA's defaults
 
     def __post_init__(self) -> None:
@@ -112,6 +115,14 @@ class TrainConfig:
                 "use an integer >= 1 (groups of dp / diloco_groups replicas), or null for one group per replica")
         require(self.diloco_groups is None or self.local_steps > 0, "train.diloco_groups", self.diloco_groups,
                 "it applies only with train.local_steps > 0 (DiLoCo): set that, or leave train.diloco_groups unset")
+        require(self.diloco_fragments >= 1, "train.diloco_fragments", self.diloco_fragments,
+                "use an integer >= 1 (1: the whole model at once)")
+        require(self.diloco_overlap >= 0, "train.diloco_overlap", self.diloco_overlap, "use an integer >= 0")
+        require(0 <= self.diloco_mix < 1, "train.diloco_mix", self.diloco_mix, "use a value in [0, 1)")
+        for key in ("diloco_fragments", "diloco_overlap", "diloco_mix"):
+            default = type(self).__dataclass_fields__[key].default
+            require(getattr(self, key) == default or self.local_steps > 0, f"train.{key}", getattr(self, key),
+                    f"it applies only with train.local_steps > 0 (DiLoCo): set that, or leave train.{key} unset")
 
     @property
     def compression_rank(self) -> int:

@@ -22,7 +22,7 @@ from pjax.config import Config, ContextConfig, MetaConfig, PipelineConfig, Train
 from pjax import xla_options
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import data_parallel, feedback, meta, outer
+from pjax.parallel import data_parallel, feedback, meta, outer, streaming
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline.step import Pipelined
@@ -192,6 +192,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     r_sharding = feedback.shardings(mesh, feedback_axes(mesh, tc), cfg, p_sharding,
                                     tc.grad_compression) if compressed else None
     l_sharding = outer.local_shardings(mesh, inner, p_sharding, params_shape) if tc.local_steps else None
+    if tc.diloco_overlap:  # streaming DiLoCo's fragment in flight: [groups, ...] slices placed as the groups' copies
+        l_sharding["inflight"] = l_sharding["params"]
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 
@@ -201,7 +203,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         residual = feedback.zeros(params, mesh, feedback_axes(mesh, tc), cfg, tc.grad_compression,
                                   tc.compression_rank) if compressed else None
-        local = outer.fresh_local(params, inner, mc.dp) if tc.local_steps else None
+        local = diloco.fresh(params, mc.dp) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
     attention_fn = None
@@ -212,7 +214,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
         strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
-    diloco = outer.DiLoCo(strategy, inner, optimizer, tc) if tc.local_steps else None
+    diloco = streaming.diloco_for(strategy, inner, optimizer, tc) if tc.local_steps else None
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
@@ -264,11 +266,12 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
                       fresh_local(trainer, params))
 
 
-def fresh_local(trainer: Trainer, params: Any) -> Any:
-    """DiLoCo's groups, every one at `params` with a fresh inner state; None without train.local_steps."""
+def fresh_local(trainer: Trainer, params: Any, step: int = 0) -> Any:
+    """DiLoCo's groups, every one at `params` with a fresh inner state (as of `step`); None without
+    train.local_steps."""
     if trainer.diloco is None:
         return None
-    fresh = functools.partial(outer.fresh_local, inner=trainer.diloco.inner, groups=trainer.mesh.shape[DP])
+    fresh = functools.partial(trainer.diloco.fresh, groups=trainer.mesh.shape[DP], step=step)
     return jax.jit(fresh, out_shardings=trainer.state_sharding.local)(params)
 
 

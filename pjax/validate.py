@@ -15,7 +15,7 @@ from models import sequence_parallel
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
 from pjax.config import MetaConfig, TrainConfig
-from pjax.parallel import compression, meta, outer
+from pjax.parallel import compression, meta, outer, streaming
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.context.strategy import ContextConfig
 from pjax.parallel.pipeline import table as pipeline_table
@@ -62,7 +62,7 @@ def accumulator_compiles(run: Run) -> None:
 
 
 RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run, context_strategy.check_run,
-         sequence_parallel.check_run, compression.check_run, outer.check_run,
+         sequence_parallel.check_run, compression.check_run, outer.check_run, streaming.check_run,
          meta.check_run)
 
 

@@ -5,6 +5,7 @@ loading never unpickles. ARCHITECTURE.md's checkpoint sections give the reasons.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -159,12 +160,16 @@ class Checkpointer:
         if meta.get("format") != FORMAT:
             raise ConfigError(f"{self.directory}/{step} has checkpoint format {meta.get('format')}, this pjax reads "
                               f"{FORMAT}; start afresh with checkpoint.resume=false and a new checkpoint.dir.")
-        residual, local = replicas.restore(self._manager, step, trainer, saved_cfg, cfg, meta, items["params"],
-                                           self._warn)
+        residual, local, fresh = replicas.restore(self._manager, step, trainer, saved_cfg, cfg, meta,
+                                                  items["params"], self._warn, self._rows)
         state = TrainState(jax.device_put(np.int32(meta["step"]), trainer.state_sharding.step),
                            items["params"], items["opt_state"], residual, local)
         if self._rows is not None:
             state = _permute_layers(state, self._rows)
+            if fresh and "inflight" in state.local:  # cut from the stored rows, as the step cuts it
+                recut = jax.jit(functools.partial(trainer.diloco.with_inflight, step=step),
+                                out_shardings=trainer.state_sharding.local)
+                state = state._replace(local=recut(state.local))
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"]["key_data"], np.uint32), impl=meta["rng"]["impl"])
         return Restored(state, meta["data"], rng, saved_cfg)
 
@@ -207,7 +212,7 @@ class Checkpointer:
         self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state))))
         with self._disk_full_is_one_line():
             # force: pjax decides when to save, not Orbax's interval policy.
-            per_replica = replicas.save_args(state, meta)
+            per_replica = replicas.save_args(state, meta, self._rows)
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **per_replica))
@@ -311,7 +316,9 @@ def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
     def permute(state):
         residual = None if state.residual is None else {
             k: _reorder_layers(v, rows, axis=1 if k == "error" else 2) for k, v in state.residual.items()}
-        local = None if state.local is None else _reorder_layers(state.local, rows, axis=1)
+        # Streaming DiLoCo's fragment in flight holds every P-th stored row: kept as stored (`replicas`).
+        local = None if state.local is None else {**_reorder_layers(state.local, rows, axis=1),
+                                                  **({"inflight": state.local["inflight"]} if "inflight" in state.local else {})}
         return _reorder_layers(state._replace(residual=None, local=None), rows)._replace(residual=residual,
                                                                                        local=local)
 

@@ -12,8 +12,9 @@ import orbax.checkpoint as ocp
 from pjax.config import Config
 
 
-def save_args(state: Any, meta: dict) -> dict[str, Any]:
-    """The Orbax items for `state`'s per-replica parts; their replica counts go into `meta`."""
+def save_args(state: Any, meta: dict, rows: Any = None) -> dict[str, Any]:
+    """The Orbax items for `state`'s per-replica parts; their replica counts go into `meta`, and with streaming
+    DiLoCo's fragment in flight the stored layer order `rows` it was cut from (None: model order)."""
     items = {}
     if state.residual is not None:
         items["residual"] = ocp.args.StandardSave(state.residual)
@@ -21,16 +22,21 @@ def save_args(state: Any, meta: dict) -> dict[str, Any]:
     if state.local is not None:
         items["local"] = ocp.args.StandardSave(state.local)
         meta["local_groups"] = _replicas(state.local["params"])  # the replicas' copies: one per dp replica
+        if "inflight" in state.local:
+            meta["inflight_rows"] = None if rows is None else [int(r) for r in rows]
     return items
 
 
 def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, meta: dict, params: Any,
-            warn: Callable[[str], None]) -> tuple[Any, Any]:
-    """(residual, local) for `trainer`'s state: as saved, or afresh where the run saved none or other replicas."""
+            warn: Callable[[str], None], rows: Any = None) -> tuple[Any, Any, bool]:
+    """(residual, local) for `trainer`'s state: as saved, or afresh where the run saved none or other replicas
+    (or, with streaming DiLoCo, other fragments, or its fragment in flight in another stored layer order `rows`);
+    third, whether the groups started afresh (their fragment in flight is then cut in model order)."""
     from pjax.step import fresh_local, fresh_residual
 
     target = trainer.abstract_state()
     residual = local = None
+    fresh = False
     if target.residual is not None:
         same = (saved.train.grad_compression, saved.train.compression_rank, saved.train.zero,
                 meta.get("residual_replicas")) == (cfg.train.grad_compression, cfg.train.compression_rank,
@@ -44,13 +50,18 @@ def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, m
     if target.local is not None:
         replicas = _replicas(target.local["params"])
         saved_groups = saved.train.diloco_groups or meta.get("local_groups")  # null: one group per replica
-        if (meta.get("local_groups"), saved_groups) == (replicas, cfg.train.diloco_groups or replicas):
+        streams = lambda c: (c.train.diloco_fragments, c.train.diloco_overlap)  # noqa: E731
+        order = None if rows is None else [int(r) for r in rows]
+        same = ((meta.get("local_groups"), saved_groups) == (replicas, cfg.train.diloco_groups or replicas)
+                and streams(saved) == streams(cfg)
+                and ("inflight" not in target.local or meta.get("inflight_rows") == order))
+        if same:
             local = _read(manager, step, "local", target.local)
         else:
             warn(f"train.local_steps={cfg.train.local_steps}: every DiLoCo group starts from the global parameters "
-                 f"(step {step} was saved without groups, or with other replicas or groups).")
-            local = fresh_local(trainer, params)
-    return residual, local
+                 f"(step {step} was saved without groups, or with other replicas, groups or fragments).")
+            local, fresh = fresh_local(trainer, params, step), True
+    return residual, local, fresh
 
 
 def _read(manager: Any, step: int, item: str, target: Any) -> Any:

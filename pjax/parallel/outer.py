@@ -127,6 +127,10 @@ class DiLoCo:
     outer: optax.GradientTransformation
     tc: Any  # TrainConfig
 
+    def fresh(self, params: Any, groups: int, step: int = 0) -> Any:
+        """`TrainState.local` at the start (or at a resume's `step`): every group at `params`, a fresh inner state."""
+        return fresh_local(params, self.inner, groups)
+
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One inner step in every group; after every H-th, the outer step. Metrics as `train_step`'s."""
         local, loss, grad_norm = self.inner_step(state.local, batch)

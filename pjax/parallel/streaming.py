@@ -1,0 +1,193 @@
+"""Streaming DiLoCo (Douillard et al., 2025): DiLoCo whose groups synchronise one fragment of the model at a time,
+in turn, each fragment's average landing `train.diloco_overlap` (tau) inner steps after it was sent.
+
+A fragment is every P-th slice (P = `train.diloco_fragments`) along each parameter's leading axis: of the layer
+stack [layers, ...], layers f, f + P, f + 2P, ... in the stored order (the paper's strided fragments); of the
+embedding, rows f, f + P, ...; so each fragment holds 1/P of every parameter, and an outer step moves 1/P of
+DiLoCo's bytes. With H = `train.local_steps` and K = H / P, fragment f is sent after step n when n % K = 0 and
+f = (n / K - 1) mod P, so each fragment is sent once every H steps, the last one at DiLoCo's steps.
+
+A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of
+the model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
+all-reduce over dp, in the fragment's payload with `train.grad_compression`), the outer Nesterov step moves the
+global fragment along (global - mean), and every group takes the result, keeping `train.diloco_mix` (alpha) of
+its own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner
+step and the reduction of the snapshot, which depends on nothing the inner step computes, so XLA may run the two
+at once. With tau = 0 the fragment is averaged right after the step that sends it, as DiLoCo does; with P = 1,
+tau = 0 and alpha = 0 this is DiLoCo, bit for bit (tests/test_streaming_diloco.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from mesh.errors import ConfigError
+from pjax.divergence import keep_if_finite
+from pjax.optim import lr_schedule, schedule_count
+from pjax.parallel import outer
+
+
+def check_run(run: Any) -> None:
+    """One line where streaming DiLoCo's fragments or overlap do not fit the run."""
+    tc, mesh, cfg = run.train, run.mesh, run.model
+    if not tc.local_steps or (tc.diloco_fragments, tc.diloco_overlap) == (1, 0):
+        return
+    parts, tau, h = tc.diloco_fragments, tc.diloco_overlap, tc.local_steps
+    head = f"train.diloco_fragments={parts} (streaming DiLoCo)"
+    if h % parts:
+        raise ConfigError(f"{head} sends one fragment every train.local_steps / fragments steps, and "
+                          f"train.local_steps={h} does not divide by {parts}; use a divisor of {h}.")
+    if tau >= h // parts:
+        raise ConfigError(f"train.diloco_overlap={tau} must land before the next fragment is sent, "
+                          f"{h // parts} steps later: use an overlap below {h // parts}.")
+    sizes = {"model.num_hidden_layers": (cfg.num_hidden_layers, parts * mesh.pp),
+             "the padded vocabulary": (cfg.padded_vocab_size, parts * mesh.tp),
+             "model.hidden_size": (cfg.hidden_size, parts)}
+    for what, (size, by) in sizes.items():
+        if size % by:
+            raise ConfigError(f"{head} takes every {parts}-th slice of each parameter's leading axis, and {what} "
+                              f"({size}) does not divide by {by} (fragments x the mesh axis that splits it); "
+                              f"change train.diloco_fragments.")
+    if tc.grad_compression == "powersgd" and parts > 1:
+        raise ConfigError(f"{head} with train.grad_compression=powersgd: PowerSGD's warm-start Q belongs to whole "
+                          f"matrices, not to fragments; use bf16 or int8, or train.diloco_fragments=1.")
+    if tc.steps < h + tau:
+        raise ConfigError(f"{head}: its last fragment first lands at step {h + tau}, after train.steps={tc.steps}; "
+                          f"the checkpoint and export would hold initial parameters; set more train.steps.")
+
+
+def fragment(x: jax.Array, f: jax.Array, parts: int, axis: int = 0) -> jax.Array:
+    """Slices f, f + parts, ... of `x` along `axis`."""
+    shape = x.shape
+    view = x.reshape(*shape[:axis], shape[axis] // parts, parts, *shape[axis + 1:])
+    return lax.dynamic_index_in_dim(view, f, axis + 1, keepdims=False)
+
+
+def with_fragment(x: jax.Array, part: jax.Array, f: jax.Array, parts: int, axis: int = 0) -> jax.Array:
+    """`x` with its fragment f (`fragment`) replaced by `part`."""
+    shape = x.shape
+    view = x.reshape(*shape[:axis], shape[axis] // parts, parts, *shape[axis + 1:])
+    return lax.dynamic_update_index_in_dim(view, part.astype(x.dtype), f, axis + 1).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingDiLoCo(outer.DiLoCo):
+    """DiLoCo's step with fragments (`train.diloco_fragments`), overlap and mixing."""
+
+    @property
+    def parts(self) -> int:
+        return self.tc.diloco_fragments
+
+    @property
+    def period(self) -> int:
+        """K: steps from one fragment's send to the next's."""
+        return self.tc.local_steps // self.parts
+
+    def sent(self, n: jax.Array) -> jax.Array:
+        """The fragment sent after step n (meaningful where n % K == 0)."""
+        return (n // self.period - 1) % self.parts
+
+    def fresh(self, params: Any, groups: int, step: int = 0) -> Any:
+        """Every group at `params`, a fresh inner state, and (with an overlap) the fragment last sent by `step`
+        cut from them: a landing before the next send then moves the global fragment by its momentum alone."""
+        local = outer.fresh_local(params, self.inner, groups)
+        return self.with_inflight(local, step) if self.tc.diloco_overlap else local
+
+    def with_inflight(self, local: Any, step: int) -> Any:
+        """`local` with the fragment last sent by `step` cut afresh from the groups' copies."""
+        last = jnp.asarray(step) // self.period * self.period
+        return {**local, "inflight": self.slices(local["params"], self.sent(last))}
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """One inner step in every group; a fragment sent after every K-th, landing tau steps later."""
+        n = state.step + 1
+        if not self.tc.diloco_overlap:
+            local, metrics = self._inner(state, batch)
+            arrive = lambda p, o, lc, r: self.arrive(p, o, lc, r, self.sent(n), None)  # noqa: E731
+            params, opt_state, local, residual = lax.cond(n % self.period == 0, arrive, lambda *a: a, state.params,
+                                                          state.opt_state, local, state.residual)
+        else:
+            lands = (n % self.period == self.tc.diloco_overlap) & (n > self.period)
+            params, opt_state, local, residual, metrics = lax.cond(lands, self._landing_step, self._plain_step,
+                                                                   state, batch)
+            sending = lambda lc: {**lc, "inflight": self.slices(lc["params"], self.sent(n))}  # noqa: E731
+            local = lax.cond(n % self.period == 0, sending, lambda lc: lc, local)
+        return state._replace(step=n, params=params, opt_state=opt_state, local=local, residual=residual), metrics
+
+    def _plain_step(self, state: Any, batch: Any) -> tuple[Any, ...]:
+        local, metrics = self._inner(state, batch)
+        return state.params, state.opt_state, local, state.residual, metrics
+
+    def _landing_step(self, state: Any, batch: Any) -> tuple[Any, ...]:
+        """The inner step and, alongside it, the outer step of the fragment sent tau steps ago."""
+        f = self.sent(state.step + 1 - self.tc.diloco_overlap)
+        params, opt_state, residual, landed = self.outer_fragment(state.params, state.opt_state, state.residual,
+                                                                  state.local["inflight"], f)
+        local, metrics = self._inner(state, batch)
+        return params, opt_state, self.merge(local, landed, f), residual, metrics
+
+    def _inner(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """`DiLoCo.inner_step` on the groups, a non-finite step dropped under on_nonfinite=skip, and its metrics."""
+        own = {k: state.local[k] for k in ("params", "opt_state")}
+        new, loss, grad_norm = self.inner_step(own, batch)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.tc.on_nonfinite == "skip":
+            new = keep_if_finite(finite, new, own)
+        lr = lr_schedule(self.tc)(schedule_count(own["opt_state"])[0])
+        return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+
+    def slices(self, stacked: Any, f: jax.Array) -> Any:
+        """Fragment f of every group's copy ([groups, ...] leaves)."""
+        return jax.tree.map(lambda x: fragment(x, f, self.parts, 1), stacked)
+
+    def arrive(self, params: Any, opt_state: Any, local: Any, residual: Any, f: jax.Array, sent: Any
+               ) -> tuple[Any, ...]:
+        """Fragment f's outer step from `sent` (None: the groups' copies now) and every group's copy merged."""
+        sent = self.slices(local["params"], f) if sent is None else sent
+        params, opt_state, residual, landed = self.outer_fragment(params, opt_state, residual, sent, f)
+        return params, opt_state, self.merge(local, landed, f), residual
+
+    def outer_fragment(self, params: Any, opt_state: Any, residual: Any, sent: Any, f: jax.Array
+                       ) -> tuple[Any, ...]:
+        """The outer step of fragment f of the global parameters from the groups' copies `sent`: (params,
+        opt_state, residual, the new global fragment)."""
+        part = lambda x: fragment(x, f, self.parts)  # noqa: E731
+        mine = jax.tree.map(part, params)
+        state = optax.tree_map_params(self.outer, part, opt_state)
+        if residual is None:
+            average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), sent)
+            mine, state = outer.outer_step(self.outer, mine, state, average)
+        else:
+            r = {**residual, "error": jax.tree.map(lambda x: fragment(x, f, self.parts, 1), residual["error"])}
+            delta, r = self.compressed_delta(mine, sent, r)
+            mine, state = outer.outer_update(self.outer, mine, state, delta)
+            errors = jax.tree.map(lambda x, e: with_fragment(x, e, f, self.parts, 1), residual["error"], r["error"])
+            residual = {**r, "error": errors}
+        put = lambda x, y: with_fragment(x, y, f, self.parts)  # noqa: E731
+        params = jax.tree.map(put, params, mine)
+        is_param = optax.tree_map_params(self.outer, lambda _: True, opt_state, transform_non_params=lambda _: False)
+        opt_state = jax.tree.map(lambda x, y, p: put(x, y) if p else y, opt_state, state, is_param)
+        return params, opt_state, residual, mine
+
+    def merge(self, local: Any, landed: Any, f: jax.Array) -> Any:
+        """Every group's fragment f <- alpha * its own + (1 - alpha) * the landed global fragment."""
+        alpha = self.tc.diloco_mix
+
+        def one(stacked: jax.Array, new: jax.Array) -> jax.Array:
+            own = fragment(stacked, f, self.parts, 1)
+            mixed = jnp.broadcast_to(new, own.shape) if not alpha else alpha * own + (1 - alpha) * new[None]
+            return with_fragment(stacked, mixed, f, self.parts, 1)
+
+        return {**local, "params": jax.tree.map(one, local["params"], landed)}
+
+
+def diloco_for(strategy: Any, inner: optax.GradientTransformation, outer_opt: optax.GradientTransformation,
+               tc: Any) -> outer.DiLoCo:
+    """DiLoCo, or its streaming form where `train.diloco_fragments` > 1 or `train.diloco_overlap` > 0."""
+    kind = outer.DiLoCo if (tc.diloco_fragments, tc.diloco_overlap) == (1, 0) else StreamingDiLoCo
+    return kind(strategy, inner, outer_opt, tc)

@@ -1,0 +1,135 @@
+"""Streaming DiLoCo (`train.diloco_fragments`, `train.diloco_overlap`, `train.diloco_mix`;
+pjax/parallel/streaming.py): with one fragment and no overlap it is DiLoCo bit for bit; fragments land in turn,
+each moving only its own slices, tau steps after they were sent, mixed into the groups' copies; a resume with a
+fragment in flight continues bit for bit; an outer step sends 1/P of DiLoCo's bytes (the compiled HLO)."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from pjax.config_io import load_config
+from pjax.observe import hlo
+from pjax.parallel import streaming
+from pjax.train import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import random_batch, trainer_for  # noqa: E402
+from run_helpers import preempted_after  # noqa: E402
+
+SMALL = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32",
+         "train.warmup_steps=0", "mesh.tp=1"]
+host = functools.partial(jax.tree.map, lambda x: np.asarray(x, np.float64))
+
+
+def _trainer(overrides: list[str]):
+    return trainer_for("debug", [*SMALL, *overrides])
+
+
+def _steps(trainer, step, state, count: int) -> list:
+    """The host copies of `state` and of the state after each of `count` steps (the step donates its input)."""
+    states = [jax.tree.map(np.asarray, state)]
+    with jax.set_mesh(trainer.mesh):
+        for seed in range(count):
+            state = step(state, random_batch(trainer, seed))[0]
+            states.append(jax.tree.map(np.asarray, state))
+    return states
+
+
+@pytest.mark.proves("diloco+int8_reduce")
+@pytest.mark.parametrize("layout", [["mesh.dp=2", "mesh.tp=2"], ["mesh.dp=2", "mesh.pp=2",
+                                                                  "train.grad_compression=int8"]],
+                         ids=["dp2-tp2", "dp2-pp2-int8"])
+def test_one_fragment_without_overlap_is_diloco_bit_for_bit(layout):
+    _, trainer = _trainer([*layout, "train.local_steps=2"])
+    diloco = trainer.diloco
+    stream = streaming.StreamingDiLoCo(diloco.strategy, diloco.inner, diloco.outer, diloco.tc)
+    jit = functools.partial(jax.jit, in_shardings=(trainer.state_sharding, trainer.batch_sharding),
+                            out_shardings=(trainer.state_sharding, None))
+    a = _steps(trainer, jit(diloco.step), trainer.init(jax.random.key(0)), 4)
+    b = _steps(trainer, jit(stream.step), trainer.init(jax.random.key(0)), 4)
+    assert not np.array_equal(jax.tree.leaves(a[-1].params)[0], jax.tree.leaves(a[0].params)[0])
+    for x, y in zip(a, b):
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            np.testing.assert_array_equal(u, v)
+
+
+@pytest.fixture(scope="module")
+def turns():
+    """dp2, H=4 in 2 fragments (one sent every 2 steps), tau=1, alpha=0.5: the state before and after each of 5
+    steps, and the groups after step 3's inner step alone."""
+    cfg, trainer = _trainer(["mesh.dp=2", "train.local_steps=4", "train.diloco_fragments=2",
+                             "train.diloco_overlap=1", "train.diloco_mix=0.5"])
+    states = _steps(trainer, trainer.step, trainer.init(jax.random.key(0)), 5)
+    with jax.set_mesh(trainer.mesh):
+        inner_only = jax.jit(trainer.diloco._inner)(states[2], random_batch(trainer, 2))[0]
+    return cfg, states, jax.tree.map(np.asarray, inner_only)
+
+
+def _part(tree, f: int, axis: int = 0):
+    return jax.tree.map(lambda x: np.asarray(streaming.fragment(x, f, 2, axis), np.float64), tree)
+
+
+def _equal(a, b, rtol=0.0, atol=0.0) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+def test_fragments_land_in_turn_tau_steps_after_their_send_and_move_only_their_slices(turns):
+    cfg, s, inner_only = turns
+    lr, mu = cfg.train.outer_lr, cfg.train.outer_momentum
+    for n in (1, 2):  # nothing lands before step 3
+        _equal(s[n].params, s[0].params)
+    _equal(s[2].local["inflight"], _part(s[2].local["params"], 0, 1))  # step 2 sent fragment 0
+    # Step 3: fragment 0 lands (first outer step: lr (1 + mu) (global - mean of the sent copies)); 1 waits.
+    mean = jax.tree.map(lambda x: x.mean(axis=0), host(s[2].local["inflight"]))
+    want = jax.tree.map(lambda p, m: p - lr * (1 + mu) * (p - m), _part(s[0].params, 0), mean)
+    _equal(_part(s[3].params, 0), want, rtol=1e-5, atol=1e-7)
+    _equal(_part(s[3].params, 1), _part(s[0].params, 1))
+    # Every group keeps half of its own fragment 0 (alpha = 0.5), and all of its fragment 1.
+    landed = _part(s[3].params, 0)
+    mixed = jax.tree.map(lambda own, g: 0.5 * own + 0.5 * g[None], _part(inner_only["params"], 0, 1), landed)
+    _equal(_part(s[3].local["params"], 0, 1), mixed, rtol=1e-6, atol=1e-7)
+    _equal(_part(s[3].local["params"], 1, 1), _part(inner_only["params"], 1, 1))
+    # Step 4 sends fragment 1 and step 5 lands it; fragment 0 waits for its next turn.
+    _equal(s[4].local["inflight"], _part(s[4].local["params"], 1, 1))
+    _equal(_part(s[5].params, 0), _part(s[3].params, 0))
+    assert not np.allclose(_part(s[5].params, 1)["embed"]["embedding"], _part(s[3].params, 1)["embed"]["embedding"])
+
+
+def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capfd):
+    """Saved at step 2, between fragment 0's send and its landing at step 3."""
+    def run(name: str) -> list[float]:
+        overrides = [*SMALL, "mesh.dp=2", "train.steps=6", "log.every=1", "log.eval_every=0",
+                     "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1",
+                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
+        cfg = load_config("debug", overrides)
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
+
+    straight = run("a")
+    preempted_after(tmp_path / "a", tmp_path / "b", 2)
+    assert run("b") == straight[2:]
+    assert "starts from the global parameters" not in capfd.readouterr().err
+
+
+def test_an_outer_step_sends_one_fragment_of_dilocos_bytes():
+    """dp2: the compiled step's all-reduces over dp are the scalars (loss, token count, norm) and, under the
+    outer step's branch, the average: all the fp32 parameters for DiLoCo, half of them in 2 fragments (with an
+    overlap as well: the arrival's branch holds the inner step too, so its scalars are counted twice)."""
+    def all_reduce_bytes(extra: list[str]) -> tuple[int, int]:
+        _, trainer = _trainer(["mesh.dp=2", *extra])
+        stats = hlo.collective_stats(trainer.compile_step().as_text())
+        model = sum(x.size * 4 for x in jax.tree.leaves(trainer.abstract_state().params))
+        return stats["all-reduce"]["bytes"], model
+
+    diloco, model = all_reduce_bytes(["train.local_steps=2"])
+    halves, _ = all_reduce_bytes(["train.local_steps=2", "train.diloco_fragments=2"])
+    overlap, _ = all_reduce_bytes(["train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1"])
+    scalars = diloco - model
+    assert 0 < scalars < 64
+    assert halves == model // 2 + scalars
+    assert overlap == model // 2 + 2 * scalars
