@@ -9,7 +9,8 @@
 2. Convergence: `--config` trained `--steps` steps on `--dp` data replicas per mode (same seed, same batches),
    the held-out loss every `--eval-every` steps. A mode `diloco:H` is DiLoCo (`train.local_steps=H`), whose
    bytes are its inner and outer steps compiled apart, inner + outer / H per step; `diloco:H+int8` sends
-   its outer average in int8 (or bf16, powersgd) with error feedback.
+   its outer average in int8 (or bf16, powersgd) with error feedback; `streaming:H/P/tau` is streaming DiLoCo,
+   P fragments (`train.diloco_fragments`) landing tau steps after their send (`train.diloco_overlap`).
 3. A time model: the dp reduction of a real model (`--model`, e.g. smollm-360m) on 8 replicas at each link
    speed, bytes / bandwidth, against one H100's compute time for the step at the MFU measured there
    (benchmarks/README.md, "One GPU"), assuming none of it overlaps.
@@ -36,16 +37,26 @@ def mode_overrides(mode: str) -> list[str]:
     """The config keys of a mode name ('powersgd:4' -> powersgd at rank 4, 'diloco:16' -> DiLoCo with H=16,
     'diloco:16+int8' -> its outer average in int8)."""
     name, _, rank = mode.partition(":")
-    if name == "diloco":
+    if name in ("diloco", "streaming"):
         steps, payload = diloco_mode(mode)
-        return [f"train.local_steps={steps}", *([f"train.grad_compression={payload}"] if payload != "none" else [])]
+        parts, tau = streaming_mode(mode)
+        return [f"train.local_steps={steps}", *([f"train.grad_compression={payload}"] if payload != "none" else []),
+                *([f"train.diloco_fragments={parts}", f"train.diloco_overlap={tau}"] if name == "streaming" else [])]
     return [f"train.grad_compression={name}", *([f"train.powersgd_rank={rank}"] if rank else [])]
 
 
 def diloco_mode(mode: str) -> tuple[int, str]:
-    """(H, the outer average's payload) of a mode 'diloco:H' or 'diloco:H+int8'."""
+    """(H, the outer average's payload) of a mode 'diloco:H', 'diloco:H+int8' or 'streaming:H/P/tau[+int8]'."""
     steps, _, payload = mode.partition(":")[2].partition("+")
-    return int(steps), payload or "none"
+    return int(steps.split("/")[0]), payload or "none"
+
+
+def streaming_mode(mode: str) -> tuple[int, int]:
+    """(fragments, overlap) of a mode 'streaming:H/P/tau' (streaming DiLoCo); (1, 0) for 'diloco:H'."""
+    if not mode.startswith("streaming:"):
+        return 1, 0
+    _, parts, tau = mode.partition(":")[2].partition("+")[0].split("/")
+    return int(parts), int(tau)
 
 
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s InfiniBand": 100e9 / 8, "400 Gb/s InfiniBand": 400e9 / 8,
@@ -97,7 +108,7 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
                 group = 2 if kind == "collective-permute" else max(len(g) for g in groups)
                 return runs(kind, line) * link_factor(kind, group)
 
-            if mode.startswith("diloco:"):
+            if mode.startswith(("diloco:", "streaming:")):
                 row = {"layout": layout, "mode": mode, **_diloco_bytes(built, scale, diloco_mode(mode)[0])}
             else:
                 stats = collective_stats(built["compiled"].as_text(), scale=scale)
@@ -110,19 +121,30 @@ def measure_bytes(config: str, layouts: list[str], overrides: list[str], modes: 
 
 def _diloco_bytes(built: dict, scale: Any, local_steps: int) -> dict:
     """DiLoCo's bytes: its inner step and its outer step compiled apart (the step runs the outer one under a
-    conditional, once every H steps), and their mean per step: inner + outer / H."""
+    conditional, once every H steps), and their mean per step: inner + outer / H. Streaming DiLoCo's outer step
+    is one fragment's, P of them every H steps: the same mean, 1/P of the peak."""
     import jax
+    import jax.numpy as jnp
 
     from pjax.observe.hlo import collective_stats
+    from pjax.parallel.streaming import StreamingDiLoCo
 
     trainer, state = built["trainer"], built["trainer"].abstract_state()
+    diloco, parts = trainer.diloco, trainer.tc.diloco_fragments
     with jax.set_mesh(trainer.mesh):
-        inner = jax.jit(trainer.diloco.inner_step).lower(state.local, trainer.abstract_batch()).compile()
-        outer = jax.jit(trainer.diloco.synchronise).lower(state.params, state.opt_state, state.local,
-                                                          state.residual).compile()
+        own = {k: state.local[k] for k in ("params", "opt_state")}
+        inner = jax.jit(diloco.inner_step).lower(own, trainer.abstract_batch()).compile()
+        if isinstance(diloco, StreamingDiLoCo):
+            first = jnp.zeros((), jnp.int32)
+            fragment = lambda p, o, r, lc: diloco.outer_fragment(p, o, r, diloco.slices(lc, first), first)  # noqa: E731
+            outer = jax.jit(fragment).lower(state.params, state.opt_state, state.residual,
+                                            state.local["params"]).compile()
+        else:
+            outer = jax.jit(diloco.synchronise).lower(state.params, state.opt_state, state.local,
+                                                      state.residual).compile()
     inner_b, outer_b = (round(sum(v["bytes"] for v in collective_stats(c.as_text(), scale=scale).values()))
                         for c in (inner, outer))
-    return {"sent_bytes_per_device": round(inner_b + outer_b / local_steps), "inner_step_bytes": inner_b,
+    return {"sent_bytes_per_device": round(inner_b + outer_b * parts / local_steps), "inner_step_bytes": inner_b,
             "outer_step_bytes": outer_b}
 
 

@@ -62,6 +62,8 @@ FEATURES: tuple[Feature, ...] = (
             replicas=True),
     _compression("bf16", "bf16 reduce"), _compression("int8", "int8 reduce"), _compression("powersgd", "PowerSGD"),
     Feature("diloco", "DiLoCo", "train.local_steps", ("train.local_steps=2",), replicas=True),
+    Feature("streaming", "streaming DiLoCo", "train.local_steps", ("train.local_steps=2", "train.diloco_fragments=2"),
+            replicas=True),
     _meta("reptile", "Reptile"), _meta("fomaml", "FOMAML"), _meta("maml", "MAML"),
     Feature("curriculum", "curriculum", "data.curriculum", ("data.curriculum=16x2",)),
     Feature("fp8", "fp8", "precision.preset", ("precision.preset=fp8",)),

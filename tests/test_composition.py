@@ -24,8 +24,9 @@ from test_errors import in_process
 
 # Math features: the reference keeps them. The rest (schedules, context strategies, SP, ZeRO, remat, loss_chunk, and
 # the experts' split over dp) change only where and in what order the same sums run.
-MATH = ("moe", "bf16_reduce", "int8_reduce", "powersgd", "diloco", "reptile", "fomaml", "maml", "curriculum", "fp8")
-REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "reptile", "fomaml", "maml")
+MATH = ("moe", "bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming", "reptile", "fomaml", "maml",
+        "curriculum", "fp8")
+REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming", "reptile", "fomaml", "maml")
 # Loss tolerance (relative) of a run against its reference: float32 sums in another order (1e-5), and with a bf16
 # reduction its rounding of other blocks of the same values (measured 1.2e-4 after two steps).
 RTOL = {"bf16_reduce": 1e-3}
@@ -39,6 +40,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("zb_h1", "sp", "zero1", "bf16_reduce", "curriculum", "remat_full"),
     ("zb_v", "sp", "zero1", "remat_full", "loss_chunk"),
     ("1f1b", "ulysses", "sp", "remat_full", "loss_chunk"),
+    ("zb_h1", "sp", "int8_reduce", "streaming", "curriculum", "remat_full", "loss_chunk"),
 )
 
 

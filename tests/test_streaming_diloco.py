@@ -40,7 +40,6 @@ def _steps(trainer, step, state, count: int) -> list:
     return states
 
 
-@pytest.mark.proves("diloco+int8_reduce")
 @pytest.mark.parametrize("layout", [["mesh.dp=2", "mesh.tp=2"], ["mesh.dp=2", "mesh.pp=2",
                                                                   "train.grad_compression=int8"]],
                          ids=["dp2-tp2", "dp2-pp2-int8"])
@@ -60,9 +59,9 @@ def test_one_fragment_without_overlap_is_diloco_bit_for_bit(layout):
 
 @pytest.fixture(scope="module")
 def turns():
-    """dp2, H=4 in 2 fragments (one sent every 2 steps), tau=1, alpha=0.5: the state before and after each of 5
-    steps, and the groups after step 3's inner step alone."""
-    cfg, trainer = _trainer(["mesh.dp=2", "train.local_steps=4", "train.diloco_fragments=2",
+    """dp2 x cp2 (ring attention in each group), H=4 in 2 fragments (one sent every 2 steps), tau=1, alpha=0.5:
+    the state before and after each of 5 steps, and the groups after step 3's inner step alone."""
+    cfg, trainer = _trainer(["mesh.dp=2", "mesh.cp=2", "train.local_steps=4", "train.diloco_fragments=2",
                              "train.diloco_overlap=1", "train.diloco_mix=0.5"])
     states = _steps(trainer, trainer.step, trainer.init(jax.random.key(0)), 5)
     with jax.set_mesh(trainer.mesh):
@@ -79,6 +78,7 @@ def _equal(a, b, rtol=0.0, atol=0.0) -> None:
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
 
 
+@pytest.mark.proves("ring+streaming")
 def test_fragments_land_in_turn_tau_steps_after_their_send_and_move_only_their_slices(turns):
     cfg, s, inner_only = turns
     lr, mu = cfg.train.outer_lr, cfg.train.outer_momentum
