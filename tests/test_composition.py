@@ -41,6 +41,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("zb_v", "sp", "zero1", "remat_full", "loss_chunk"),
     ("1f1b", "ulysses", "sp", "remat_full", "loss_chunk"),
     ("zb_h1", "sp", "int8_reduce", "streaming", "curriculum", "remat_full", "loss_chunk"),
+    ("interleaved", "ulysses", "zero3", "moe", "curriculum", "remat_full", "loss_chunk"),
 )
 
 

@@ -36,7 +36,7 @@ def check_run(run: Any) -> None:
     """One line where streaming DiLoCo's fragments or overlap do not fit the run."""
     tc, mesh, cfg = run.train, run.mesh, run.model
     if not tc.local_steps or (tc.diloco_fragments, tc.diloco_overlap) == (1, 0):
-        return
+        return  # train.diloco_mix alone: DiLoCo with the groups' copies mixed at each synchronisation
     parts, tau, h = tc.diloco_fragments, tc.diloco_overlap, tc.local_steps
     head = f"train.diloco_fragments={parts} (streaming DiLoCo)"
     if h % parts:
@@ -188,6 +188,7 @@ class StreamingDiLoCo(outer.DiLoCo):
 
 def diloco_for(strategy: Any, inner: optax.GradientTransformation, outer_opt: optax.GradientTransformation,
                tc: Any) -> outer.DiLoCo:
-    """DiLoCo, or its streaming form where `train.diloco_fragments` > 1 or `train.diloco_overlap` > 0."""
-    kind = outer.DiLoCo if (tc.diloco_fragments, tc.diloco_overlap) == (1, 0) else StreamingDiLoCo
+    """DiLoCo, or its streaming form where `train.diloco_fragments` > 1, `train.diloco_overlap` > 0 or
+    `train.diloco_mix` > 0."""
+    kind = outer.DiLoCo if (tc.diloco_fragments, tc.diloco_overlap, tc.diloco_mix) == (1, 0, 0) else StreamingDiLoCo
     return kind(strategy, inner, outer_opt, tc)
