@@ -39,12 +39,15 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(tc: TrainConfig, state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
-    """Clip (if `grad_clip` > 0), then AdamW on the schedule, moments in `state_dtype` (`precision.optimizer_state`)."""
+def make_optimizer(tc: TrainConfig, state_dtype: Any = jnp.float32, clipped_before: bool = False
+                   ) -> optax.GradientTransformation:
+    """Clip (if `grad_clip` > 0), then AdamW on the schedule, moments in `state_dtype` (`precision.optimizer_state`).
+    `clipped_before`: the caller clips by a norm the update cannot see (DiLoCo under ZeRO: its group's, of which
+    it updates a chunk), and the clip node is an identity, keeping the state's tree."""
     adamw = optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps,
                         weight_decay=tc.weight_decay, mask=_decay_mask)
     if tc.grad_clip > 0:
-        adamw = optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+        adamw = optax.chain(optax.identity() if clipped_before else optax.clip_by_global_norm(tc.grad_clip), adamw)
     return stored_in(adamw, state_dtype)
 
 

@@ -22,7 +22,7 @@ from pjax.config import Config, ContextConfig, MetaConfig, PipelineConfig, Train
 from pjax import xla_options
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, make_optimizer, schedule_count
-from pjax.parallel import data_parallel, feedback, meta, outer, streaming
+from pjax.parallel import data_parallel, feedback, group_zero, meta, outer, streaming
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.pipeline import layout as pipeline_layout
 from pjax.parallel.pipeline.step import Pipelined
@@ -67,12 +67,12 @@ class Accumulation:
         local = functools.partial(accumulate, spec=self.spec)
         return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero, self.compression, residual)
 
-    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1
-                                   ) -> tuple[jax.Array, Any]:
+    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1,
+                                   scatter: bool = False) -> tuple[jax.Array, Any]:
         """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
-        [replicas, ...] parameters (`data_parallel.per_replica`)."""
+        [replicas, ...] parameters (`data_parallel.per_replica`; with `scatter`, its chunk of the group's)."""
         local = functools.partial(accumulate, spec=self.spec)
-        return data_parallel.per_replica(local, stacked_params, batch, self.spec.cfg, group_size)
+        return data_parallel.per_replica(local, stacked_params, batch, self.spec.cfg, group_size, scatter)
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) of a batch without gradients."""
@@ -151,7 +151,8 @@ class Trainer:
 
     def abstract_state(self) -> TrainState:
         """The state as sharded shapes: a restore target, or an input to compile from without allocating."""
-        shapes = jax.eval_shape(self.init.jitted, jax.random.key(0))
+        with jax.set_mesh(self.mesh):  # DiLoCo under ZeRO cuts the groups' chunks in a shard_map
+            shapes = jax.eval_shape(self.init.jitted, jax.random.key(0))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
 
@@ -180,7 +181,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
     validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg)
     policy = precision.resolve(tc.dtype)
-    inner = make_optimizer(tc, policy.optimizer_state)
+    inner = make_optimizer(tc, policy.optimizer_state, clipped_before=group_zero.sharded(tc, mc.dp))
     optimizer = outer.outer_optimizer(tc) if tc.local_steps else inner
     if meta_cfg.algorithm:
         optimizer = meta.meta_optimizer(meta_cfg, tc, inner)
@@ -191,7 +192,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     compressed = tc.grad_compression != "none"
     r_sharding = feedback.shardings(mesh, feedback_axes(mesh, tc), cfg, p_sharding,
                                     tc.grad_compression) if compressed else None
-    l_sharding = outer.local_shardings(mesh, inner, p_sharding, params_shape) if tc.local_steps else None
+    local_p = data_parallel.param_shardings(mesh, cfg, 0)  # a group's copy or chunk: its [replicas] axis is dp's
+    l_sharding = outer.local_shardings(mesh, inner, local_p, params_shape) if tc.local_steps else None
     if tc.diloco_overlap:  # streaming DiLoCo's fragment in flight: [groups, ...] slices placed as the groups' copies
         l_sharding["inflight"] = l_sharding["params"]
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
@@ -272,7 +274,8 @@ def fresh_local(trainer: Trainer, params: Any, step: int = 0) -> Any:
     if trainer.diloco is None:
         return None
     fresh = functools.partial(trainer.diloco.fresh, groups=trainer.mesh.shape[DP], step=step)
-    return jax.jit(fresh, out_shardings=trainer.state_sharding.local)(params)
+    with jax.set_mesh(trainer.mesh):  # under ZeRO the groups' chunks are cut in a shard_map
+        return jax.jit(fresh, out_shardings=trainer.state_sharding.local)(params)
 
 
 def fresh_residual(trainer: Trainer) -> Any:

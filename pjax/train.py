@@ -127,6 +127,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     mesh = make_mesh(cfg.mesh, devices)
     build = lambda train: trainer_for(mesh, cfg, train)
     trainer = build(tc)
+    _warn_if_zero_has_whole_groups(tc, mesh)
     curriculum = Curriculum.for_run(cfg.data.curriculum,
                                     Run(MeshConfig.of(mesh), mc, tc, cfg.pipeline, cfg.context, cfg.precision))
     train_iter, _, tokenizer = build_data(cfg.data, tc, mesh, cfg.meta.tasks, cfg.meta.task_field,
@@ -192,6 +193,17 @@ def _warn_if_longer_than_the_model(cfg: Config) -> None:
               f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
               f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
               file=sys.stderr, flush=True)
+
+
+def _warn_if_zero_has_whole_groups(tc: Any, mesh: Any) -> None:
+    """Only a warning: ZeRO under DiLoCo in groups of one replica shards the global state, not the groups'."""
+    import jax
+
+    from pjax.parallel.group_zero import whole_groups_note
+
+    note = whole_groups_note(tc, mesh.shape["dp"])
+    if note and jax.process_index() == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def _compile_steps(trainer: Any, build: Callable[[Any], Any], curriculum: Any, say: Callable[..., None]

@@ -197,7 +197,6 @@ def test_groups_of_two_replicas_step_as_one_replica_with_their_rows():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.dp=2", "train.zero=1"], "does not run with train.zero=1"),
     (["mesh.dp=2", "train.grad_compression=powersgd", "train.powersgd_start=3"],
      "does not run with train.powersgd_start=3; use train.powersgd_start=0"),
     (["mesh.dp=4", "train.diloco_groups=3"], "the groups split the mesh.dp=4 replicas evenly; use a divisor of 4"),

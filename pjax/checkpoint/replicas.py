@@ -32,6 +32,7 @@ def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, m
     """(residual, local) for `trainer`'s state: as saved, or afresh where the run saved none or other replicas
     (or, with streaming DiLoCo, other fragments, or its fragment in flight in another stored layer order `rows`);
     third, whether the groups started afresh (their fragment in flight is then cut in model order)."""
+    from pjax.parallel import group_zero
     from pjax.step import fresh_local, fresh_residual
 
     target = trainer.abstract_state()
@@ -51,15 +52,16 @@ def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, m
         replicas = _replicas(target.local["params"])
         saved_groups = saved.train.diloco_groups or meta.get("local_groups")  # null: one group per replica
         streams = lambda c: (c.train.diloco_fragments, c.train.diloco_overlap)  # noqa: E731
+        layout = lambda c: c.train.zero if group_zero.sharded(c.train, replicas) else 0  # noqa: E731 (chunks)
         order = None if rows is None else [int(r) for r in rows]
         same = ((meta.get("local_groups"), saved_groups) == (replicas, cfg.train.diloco_groups or replicas)
-                and streams(saved) == streams(cfg)
+                and streams(saved) == streams(cfg) and layout(saved) == layout(cfg)
                 and ("inflight" not in target.local or meta.get("inflight_rows") == order))
         if same:
             local = _read(manager, step, "local", target.local)
         else:
             warn(f"train.local_steps={cfg.train.local_steps}: every DiLoCo group starts from the global parameters "
-                 f"(step {step} was saved without groups, or with other replicas, groups or fragments).")
+                 f"(step {step} was saved without groups, or with other replicas, groups, fragments or ZeRO).")
             local, fresh = fresh_local(trainer, params, step), True
     return residual, local, fresh
 

@@ -145,12 +145,13 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
     return out if residual is not None else out[:3]
 
 
-def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConfig, group_size: int = 1
-                ) -> tuple[jax.Array, Any]:
+def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConfig, group_size: int = 1,
+                scatter: bool = False) -> tuple[jax.Array, Any]:
     """Each dp replica's own mean gradient, with no reduction over dp beyond its group of `group_size` replicas
     (DiLoCo's groups, `pjax.parallel.outer`): `stacked_params` carry a leading [replicas] axis over dp, and so
     do the gradients returned with the global mean loss. Sums over cp and the group; tp stays with the
-    partitioner."""
+    partitioner. With `scatter` (DiLoCo under ZeRO) the group's sum is reduce-scattered by 'embed': each replica
+    keeps its chunk (`groups.group_scatter`)."""
     axes = replica_axes(current())
     in_group = axes[1:]
 
@@ -159,7 +160,12 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
         loss, count, grads, _ = accumulate(vary(one, in_group), batch)
         grads, (loss, count) = _psum([grads, (loss, count)], in_group)
         total, tokens = lax.psum((loss, count), DP)
-        grads, count = groups.group_sum((grads, count), group_size)
+        if scatter:
+            grads = jax.tree.map(lambda g, names: groups.group_scatter(g, group_size, names.index("embed")),
+                                 grads, llama.param_logical_axes(cfg), is_leaf=_is_names)
+            count = groups.group_sum(count, group_size)
+        else:
+            grads, count = groups.group_sum((grads, count), group_size)
         return total / tokens, jax.tree.map(lambda g: g[None] / count, grads)
 
     specs = stacked_specs(data_specs(cfg, axes))

@@ -13,6 +13,8 @@ Nesterov momentum (`train.outer_lr`, `train.outer_momentum`; the paper's 0.7 and
 parameters, which every group then starts its next round from. `TrainState.opt_state` is that outer
 optimizer's state; evaluation and export read the global parameters, as of the last synchronisation.
 
+Under `train.zero` 1 or 3 each group's inner state is sharded over the group's replicas (`group_zero`).
+
 With H = 1, an outer lr of 1, no momentum and an SGD inner optimizer this is synchronous data parallelism
 (tests/test_diloco.py checks it).
 """
@@ -31,7 +33,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
-from pjax.parallel import data_parallel, feedback
+from pjax.parallel import data_parallel, feedback, group_zero
 
 
 def check_run(run: Any) -> None:
@@ -52,13 +54,27 @@ def check_run(run: Any) -> None:
     if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
         raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
                           f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
-    refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0 (every replica keeps a whole copy)"),
-               (tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
+    _check_zero(tc, mesh, head)
+    refused = [(tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
                 "train.powersgd_start=0 (the outer average is compressed from the first synchronisation)"),
                (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.local_steps=0.")
+
+
+def _check_zero(tc: Any, mesh: Any, head: str) -> None:
+    """One line where ZeRO cannot shard the groups' inner state (`group_zero`)."""
+    if not tc.zero:
+        return
+    refused = [(mesh.pp > 1, f"mesh.pp={mesh.pp}", "mesh.pp=1 (the pipeline's per-replica step has no sharded "
+                                                    "inner state yet)"),
+               ((tc.diloco_fragments, tc.diloco_overlap) != (1, 0), "streaming DiLoCo",
+                "train.diloco_fragments=1 and train.diloco_overlap=0 (fragments and in-flight copies are "
+                "not sharded within a group)")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{head} with train.zero={tc.zero} does not run with {what}; use {fix}, or train.zero=0.")
 
 
 def _outer_keys_unused(tc: Any, algorithm: str | None) -> None:
@@ -128,7 +144,11 @@ class DiLoCo:
     tc: Any  # TrainConfig
 
     def fresh(self, params: Any, groups: int, step: int = 0) -> Any:
-        """`TrainState.local` at the start (or at a resume's `step`): every group at `params`, a fresh inner state."""
+        """`TrainState.local` at the start (or at a resume's `step`): every group at `params`, a fresh inner state
+        (under ZeRO sharded within each group: `group_zero`)."""
+        if group_zero.sharded(self.tc, groups):
+            size = group_zero.group_replicas(self.tc, groups)
+            return group_zero.fresh(params, self.inner, groups, self.strategy.spec.cfg, size, self.tc.zero)
         return fresh_local(params, self.inner, groups)
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
@@ -149,6 +169,8 @@ class DiLoCo:
         """Each group's AdamW step on its rows, its gradient summed over cp and the group's replicas only
         (`per_replica_loss_and_grads`), the update vmapped over the replicas: (new local state, global mean
         loss, mean of the replicas' gradient norms). The loss and token count are all that crosses groups."""
+        if group_zero.sharded(self.tc, current().shape[DP]):
+            return group_zero.inner_step(self, local, batch)
         loss, grads = self.strategy.per_replica_loss_and_grads(local["params"], batch, self.group_size())
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = jax.vmap(self.inner.update)(grads, local["opt_state"], local["params"])
@@ -158,13 +180,22 @@ class DiLoCo:
 
     def group_size(self) -> int:
         """Replicas per group: 1, or dp / `train.diloco_groups`."""
-        replicas = current().shape[DP]
-        return replicas // (self.tc.diloco_groups or replicas)
+        return group_zero.group_replicas(self.tc, current().shape[DP])
 
     def synchronise(self, params: Any, opt_state: Any, local: Any, residual: Any = None) -> tuple[Any, ...]:
         """Average the groups (the all-reduce over dp), step the global parameters by the outer optimizer
         along (global - average), and start every group from the result; with `train.grad_compression` the
-        average of (global - copy) in its payload, with error feedback in `residual`."""
+        average of (global - copy) in its payload, with error feedback in `residual`. Under ZeRO-3 the groups'
+        chunks are gathered into whole copies for it, and its result cut into chunks again."""
+        if self.tc.zero >= 3 and group_zero.sharded(self.tc, current().shape[DP]):
+            cfg, size = self.strategy.spec.cfg, self.group_size()
+            whole = {**local, "params": group_zero.gather(local["params"], cfg, size)}
+            params, opt_state, local, residual = self._synchronise(params, opt_state, whole, residual)
+            return params, opt_state, {**local, "params": group_zero.shard(local["params"], cfg, size)}, residual
+        return self._synchronise(params, opt_state, local, residual)
+
+    def _synchronise(self, params: Any, opt_state: Any, local: Any, residual: Any) -> tuple[Any, ...]:
+        """`synchronise` on whole copies."""
         if residual is None:
             average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), local["params"])
             params, opt_state = outer_step(self.outer, params, opt_state, average)

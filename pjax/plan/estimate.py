@@ -94,10 +94,11 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     act = tokens * mc.hidden_size * act_bytes
     params, shared = reduced_gradient_bytes(config, layout), shared_bytes(config, layout)
     out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
-    if dp * cp > 1 and layout.zero >= 3 and dp > 1:
+    zero = 0 if tc.local_steps else layout.zero  # DiLoCo's ZeRO splits its group's ring in halves: the same bytes
+    if dp * cp > 1 and zero >= 3 and dp > 1:
         out["dp"] = k * params / dp + 2 * k * params
     elif dp * cp > 1:  # the gradient sum in train.grad_compression's payload; ZeRO-1's fp32 parameter gather
-        out["dp"] = params * _payload(config, dp) + (params / dp if layout.zero == 1 and dp > 1 else 0)
+        out["dp"] = params * _payload(config, dp) + (params / dp if zero == 1 and dp > 1 else 0)
     if tp > 1 and layout.sequence_parallel:
         out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
     elif tp > 1:

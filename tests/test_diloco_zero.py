@@ -1,0 +1,125 @@
+"""DiLoCo under ZeRO (pjax/parallel/group_zero.py): dp4 x tp2 in 2 groups of 2 replicas, H=2, three steps (an
+inner step, a synchronisation, an inner step from the new global parameters). ZeRO-1 and ZeRO-3 take the steps
+DiLoCo without ZeRO takes, clipping by the group's whole norm, while each device keeps half its group's inner
+state (and under ZeRO-3 half its parameters); in groups of one replica ZeRO-3 keeps the groups whole and shards
+the global parameters alone; a resume continues bit for bit, and one onto other ZeRO restarts the groups from the
+global parameters."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjax.config_io import load_config
+from pjax.parallel import group_zero
+from pjax.train import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import random_batch, trainer_for  # noqa: E402
+from run_helpers import preempted_after  # noqa: E402
+
+# grad_clip below the gradients' norm (checked), weight decay large enough that a norm scale decayed would show.
+RUN = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32", "mesh.dp=4",
+       "mesh.tp=2", "train.local_steps=2", "train.warmup_steps=0", "train.grad_clip=0.5",
+       "train.weight_decay=0.5", "train.lr=1e-2"]
+
+
+def _run(zero: int, groups: int | None) -> dict:
+    """Three steps from the same start: losses, grad norms, and per step the global parameters and the groups'
+    whole copies (host copies: the step donates its state), and the last state's arrays."""
+    cfg, trainer = trainer_for("debug", [*RUN, f"train.zero={zero}", f"train.diloco_groups={groups or 'null'}"])
+    state, out = trainer.init(jax.random.key(0)), {"loss": [], "grad_norm": [], "params": [], "copies": []}
+    for seed in range(3):
+        state, metrics = trainer.step(state, random_batch(trainer, seed))
+        copies = state.local["params"]
+        if zero >= 3 and groups:
+            with jax.set_mesh(trainer.mesh):
+                copies = jax.jit(functools.partial(group_zero.gather, cfg=cfg.model, size=2))(copies)
+        out["loss"].append(float(metrics["loss"]))
+        out["grad_norm"].append(float(metrics["grad_norm"]))
+        out["params"].append(jax.tree.map(np.asarray, state.params))
+        out["copies"].append(jax.tree.map(np.asarray, copies))
+    return {**out, "state": state}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[int, int | None], dict]:
+    """Keyed (train.zero, train.diloco_groups): 2 groups of 2 replicas, or (None) 4 groups of one."""
+    return {key: _run(*key) for key in ((0, 2), (1, 2), (3, 2), (0, None), (3, None))}
+
+
+def _close(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-7)
+
+
+def _same_steps(plain: dict, sharded: dict) -> None:
+    assert min(plain["grad_norm"]) > 0.5  # every step clipped: the group's norm decides each update
+    np.testing.assert_allclose(sharded["loss"], plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(sharded["grad_norm"], plain["grad_norm"], rtol=1e-6)
+    for step in range(3):
+        _close(sharded["params"][step], plain["params"][step])
+        _close(sharded["copies"][step], plain["copies"][step])
+    first, last = plain["params"][0], plain["params"][2]
+    assert not np.allclose(first["embed"]["embedding"], last["embed"]["embedding"])  # the outer step moved them
+
+
+def _per_device(tree) -> int:
+    """Elements of the floating-point leaves (not the step counts) on one device."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return sum(x.addressable_shards[0].data.size for x in leaves)
+
+
+@pytest.mark.proves("zero1+diloco")
+def test_zero1_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_per_device(runs):
+    _same_steps(runs[0, 2], runs[1, 2])
+    plain, sharded = runs[0, 2]["state"].local, runs[1, 2]["state"].local
+    assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
+    assert _per_device(sharded["params"]) == _per_device(plain["params"])  # ZeRO-1 keeps whole copies
+
+
+@pytest.mark.proves("zero3+diloco")
+def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_copy_per_device(runs):
+    _same_steps(runs[0, 2], runs[3, 2])
+    plain, sharded = runs[0, 2]["state"].local, runs[3, 2]["state"].local
+    assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
+    assert 2 * _per_device(sharded["params"]) == _per_device(plain["params"])
+
+
+
+@pytest.mark.proves("zero3+diloco")
+def test_zero3_in_groups_of_one_replica_keeps_them_whole_and_shards_the_global_parameters(runs):
+    """Nothing to shard within a group of one: the groups as without ZeRO, the global parameters over dp4."""
+    plain, sharded = runs[0, None], runs[3, None]
+    _same_steps(plain, sharded)
+    assert _per_device(sharded["state"].local) == _per_device(plain["state"].local)
+    assert 4 * _per_device(sharded["state"].params) == _per_device(plain["state"].params)
+    assert 4 * _per_device(sharded["state"].opt_state) == _per_device(plain["state"].opt_state)  # outer momentum
+    tc = load_config("debug", [*RUN, "train.zero=3"]).train
+    assert "nothing to shard within a group" in group_zero.whole_groups_note(tc, 4)
+    assert group_zero.whole_groups_note(load_config("debug", [*RUN, "train.zero=3", "train.diloco_groups=2"]).train,
+                                        4) is None
+
+
+def test_a_resume_under_zero3_continues_bit_for_bit_and_other_zero_restarts_the_groups(tmp_path, capfd):
+    """Saved at step 3 (mid-round: the groups' chunks hold an inner step the global parameters do not); resumed
+    as it was, and under ZeRO-1 (whole copies, not chunks: the groups restart from the global parameters)."""
+    def run(name: str, *extra: str) -> list[float]:
+        overrides = [*RUN, "train.zero=3", "train.diloco_groups=2", "train.steps=4", "log.every=1", "log.eval_every=0",
+                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=3",
+                     *extra]
+        cfg = load_config("debug", overrides)
+        return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:8])]
+
+    straight = run("a")
+    preempted_after(tmp_path / "a", tmp_path / "b", 3)
+    assert run("b") == straight[3:]
+    assert "starts from the global parameters" not in capfd.readouterr().err
+    preempted_after(tmp_path / "a", tmp_path / "c", 3)
+    assert len(run("c", "train.zero=1")) == 1
+    assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err
