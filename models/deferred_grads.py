@@ -58,13 +58,15 @@ tapped_row = _tapped(seqpar.row, _row_input_grad)
 
 
 def layer_taps(cfg: LlamaConfig, layers: int, tokens: int, precision: Precision) -> dict[str, Tap]:
-    """Zero taps for `layers` stacked layers of `tokens` tokens: per site, [layers, tokens, width] in its module's dtype."""
+    """Zero taps for `layers` stacked layers of `tokens` tokens: per site, [layers, tokens, width] in its module's dtype.
+    An MoE layer's experts are no tapped projection (their gradients stay in B, beside the router's): attention only."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     widths = {"qkv": (d, (q, kv, kv)), "o": (q, (d,)), "gate_up": (d, (f, f)), "down": (f, (d,))}
     dtypes = {"qkv": precision.attention, "o": precision.attention, "gate_up": precision.mlp, "down": precision.mlp}
     z = lambda w, site: jnp.zeros((layers, tokens, w), dtypes[site])
-    return {site: (z(x, site), tuple(z(w, site) for w in outs)) for site, (x, outs) in widths.items()}
+    sites = ("qkv", "o") if cfg.num_local_experts else tuple(widths)
+    return {site: (z(x, site), tuple(z(w, site) for w in outs)) for site, (x, outs) in widths.items() if site in sites}
 
 
 def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence_parallel: bool = False,
@@ -81,9 +83,10 @@ def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence
 
 def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any, sequence_parallel: bool = False,
                      gemm: Gemm = PLAIN) -> dict[str, jax.Array]:
-    """W: the projections' fp32 gradients shaped like the stacked `w`, from taps stacked per layer or a per-layer list."""
-    out = {}
-    for site, names in SITES.items():
+    """W: the tapped projections' fp32 gradients shaped like the stacked `w`, from taps stacked per layer or a
+    per-layer list (the sites `layer_taps` gave)."""
+    out, present = {}, taps[0] if isinstance(taps, list) else taps
+    for site, names in ((site, names) for site, names in SITES.items() if site in present):
         one = lambda x, gs: site_weight_grads(site, x, gs, sequence_parallel, gemm)
         with jax.named_scope(site):  # the layer's own scope names (models/llama.py: `_named`)
             if isinstance(taps, list):

@@ -14,7 +14,7 @@ import pytest
 from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama, moe
 from models.config import LlamaConfig
-from pjax.config import TrainConfig
+from pjax.config import PipelineConfig, TrainConfig
 from pjax.observe.hlo import collective_stats
 from pjax.parallel.context.zigzag import zigzag_layout
 from pjax.parallel.pipeline import layout as ppl
@@ -170,7 +170,8 @@ def text_batch():
 
 
 def moe_layout(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
-               sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum):
+               sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum, schedule: str = "1f1b",
+               layers: int = MOE_CFG.num_hidden_layers):
     """The layouts these tests train on (a signature only)."""
 
 
@@ -191,21 +192,32 @@ def cache_by_layout(fn):
 
 
 @cache_by_layout
-def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum):
+def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, schedule, layers):
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel, grad_accum=grad_accum)
-    return build_trainer(mesh, MOE_CFG, tc, moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
+    pipeline = PipelineConfig(schedule=schedule, virtual_stages=2 if schedule == "zb_v" else 1)
+    return build_trainer(mesh, moe_cfg(layers), tc, pipeline, moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
+
+
+def moe_cfg(layers: int = MOE_CFG.num_hidden_layers) -> LlamaConfig:
+    return dataclasses.replace(MOE_CFG, num_hidden_layers=layers)
 
 
 @functools.cache
-def moe_params():
-    return jax.tree.map(np.asarray, llama.init_params(MOE_CFG, jax.random.key(0)))
+def moe_params(layers: int = MOE_CFG.num_hidden_layers):
+    return jax.tree.map(np.asarray, llama.init_params(moe_cfg(layers), jax.random.key(0)))
+
+
+def _pipeline_order(trainer) -> tuple[int, int, bool]:
+    """(pp, v, vshape) of the trainer's stored layer order."""
+    pipeline = trainer.pipeline
+    return trainer.mesh.shape["pp"], pipeline.virtual_stages if pipeline else 1, bool(pipeline and pipeline.vshape)
 
 
 def params_for(trainer):
     """The same parameters on every layout, in the trainer's layer order and sharding (a trainer's own
     init would compile once per layout)."""
-    return jax.device_put(ppl.to_pipeline_layout(moe_params(), trainer.mesh.shape["pp"], 1),
+    return jax.device_put(ppl.to_pipeline_layout(moe_params(trainer.cfg.num_hidden_layers), *_pipeline_order(trainer)),
                           trainer.state_sharding.params)
 
 
@@ -218,7 +230,8 @@ def loss_grads_router(*layout):
     params, batch = params_for(trainer), batch_for(trainer)
     with jax.set_mesh(trainer.mesh):
         loss, grads, router = fn(params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(float, router)
+    grads = ppl.to_model_layout(jax.tree.map(np.asarray, grads), *_pipeline_order(trainer))
+    return float(loss), grads, jax.tree.map(float, router)
 
 
 def batch_for(trainer):
@@ -241,7 +254,7 @@ def step_metrics(*layout):
 
 
 def assert_equal_one_device(layout):
-    ref_loss, ref_grads, ref_router = loss_grads_router(1)
+    ref_loss, ref_grads, ref_router = loss_grads_router(1, layers=LAYOUT.bind(*layout).arguments.get("layers", MOE_CFG.num_hidden_layers))
     loss, grads, router = loss_grads_router(*layout)
     assert abs(loss - ref_loss) <= 1e-6
     assert_close(grads, ref_grads, rtol=1e-5)
@@ -269,6 +282,19 @@ def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(l
     assert_equal_one_device(layout)
     trainer = moe_trainer(*layout)
     assert float(trainer.loss(params_for(trainer), batch_for(trainer))) == pytest.approx(loss_grads_router(1)[0], abs=1e-6)
+
+
+# Zero-bubble: the router statistics travel with the activations (forward) and their cotangents (B), as in
+# 1F1B; the experts and the router keep their weight gradients in B, W takes attention's projections
+# (models/deferred_grads.py). Four layers, so that ZB-V's V has a layer per half stage.
+ZB_MOE = [(2, 1, 0, "dropless", 1, 2, False, 2, "zb_h1", 4), (1, 1, 0, "dropless", 1, 2, False, 2, "zb_v", 4)]
+
+
+@pytest.mark.parametrize("layout", ZB_MOE, ids=["dp2_pp2_zb_h1", "pp2_zb_v"])
+@pytest.mark.proves("zb_h1+moe", "zb_v+moe")
+def test_moe_zero_bubble_loss_grads_and_router_metrics_equal_one_device(layout):
+    """ZB-H1 with the experts over dp (their all-to-alls in F and B), ZB-V's V on one data device."""
+    assert_equal_one_device(layout)
 
 
 @pytest.mark.parametrize("pp", [1, 2], ids=["step", "pipeline"])

@@ -340,6 +340,45 @@ def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layo
     assert_grads_close(grads, ref_grads)
 
 
+# Zero-bubble under cp > 1 runs its own lockstep tables (pipeline/zero_bubble_lockstep.py): every context
+# strategy once per schedule, with cp manual in the executor, and left to XLA under ZeRO-3 (whose W then sums
+# x^T g over cp inside the tick).
+ZB_CP = [("zb_h1", dict(cp=2)), ("zb_v", dict(cp=2)), ("zb_h1", dict(cp=2, strategy="all_gather", zero=3)),
+         ("zb_v", dict(cp=2, strategy="all_gather")), ("zb_h1", dict(cp=2, strategy="ulysses")),
+         ("zb_v", dict(cp=2, strategy="ulysses", zero=3))]
+
+
+@pytest.mark.parametrize("schedule,layout", ZB_CP,
+                         ids=[f"{s}_{l.get('strategy', 'ring')}{'_zero3' if l.get('zero') else ''}" for s, l in ZB_CP])
+@pytest.mark.proves("zb_h1+ring", "zb_v+ring", "zb_h1+all_gather", "zb_v+all_gather", "zb_h1+ulysses",
+                    "zb_v+ulysses", "zb_h1+zero3", "zb_v+zero3")
+def test_zero_bubble_with_context_parallelism_equals_one_device(schedule, layout):
+    """B's hold the context strategy's collectives and run in lockstep; W's hold none and run only where a
+    device has one (pjax/parallel/pipeline/zero_bubble_lockstep.py)."""
+    ref_loss, ref_grads, _ = run(4)
+    loss, grads, _ = run(4, pp=2, schedule=schedule, **layout)
+    assert abs(loss - ref_loss) <= 1e-5
+    assert_grads_close(grads, ref_grads)
+
+
+def test_a_split_table_of_your_own_runs_under_context_parallelism_split_into_f_b_and_w_ticks():
+    """`ps.lockstep` splits ZB-H1's mixed ticks: W ticks where some devices have no W, which they skip (run on the
+    discard slot, a W would add what a discard B left there)."""
+    from pjax.parallel.pipeline.zero_bubble import zb_h1
+
+    mine = zb_h1(2, 4)
+    assert any(len(set(row.tolist()) - {ps.IDLE}) > 1 for row in mine.op)
+    lock = ps.lockstep(mine)
+    assert any(np.any(row == ps.WEIGHT) and np.any(row == ps.IDLE) for row in lock.op)  # partial W ticks
+    c = compile_layout(4, 2, "zb_h1", 1, 1, 2, CFG, 0, "ring", False, TC.remat, TC.scan_layers)
+    strategy = dataclasses.replace(c.trainer.strategy, schedule=mine)
+    with jax.set_mesh(c.trainer.mesh):
+        loss, grads, _ = jax.jit(strategy.loss_and_grads)(c.params, c.batch)
+    ref_loss, ref_grads, _ = run(4)
+    assert abs(float(loss) - ref_loss) <= 1e-5
+    assert_grads_close(ppl.to_model_layout(jax.tree.map(np.asarray, grads), 2, 1, False), ref_grads)
+
+
 @pytest.mark.parametrize("schedule,layout", [("1f1b", dict(tp=2)), ("interleaved", dict(dp=2, tp=2, zero=3)),
                                              ("afab", dict(cp=2, tp=2, strategy="all_gather")),
                                              ("zb_h1", dict(tp=2)), ("zb_v", dict(dp=2, tp=2, zero=1))],

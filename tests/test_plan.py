@@ -15,6 +15,7 @@ from pjax.plan import __main__ as plan_cli
 from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline.schedules import one_f_one_b
 from pjax.parallel.pipeline.zero_bubble import zb_h1 as zb_h1_table
+from pjax.parallel.pipeline.zero_bubble_lockstep import zb_h1_lockstep
 from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict, weight_share
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES
@@ -36,6 +37,12 @@ def test_pipeline_ratio_is_the_span_of_the_schedule_table(p, m):
     zb_v = pipeline_ratio(Layout(dp=1, pp=p, schedule="zb_v", virtual_stages=2, grad_accum=m))
     assert zb_h1 == pytest.approx(zb_h1_table(p, m).span(1.0, 2.0) / (3 * m))
     assert 1 < zb_v < zb_h1 < interleaved
+    # cp > 1: the lockstep tables the executor runs; zero-bubble's W ticks still beat lockstep 1F1B's.
+    lockstep = {s: pipeline_ratio(Layout(dp=1, pp=p, cp=2, schedule=s, virtual_stages=2 if s == "zb_v" else 1,
+                                         grad_accum=m)) for s in ("1f1b", "zb_h1", "zb_v")}
+    assert lockstep["zb_h1"] == pytest.approx(zb_h1_lockstep(p, m).span(1.0, 2.0) / (3 * m))
+    assert lockstep["1f1b"] == pytest.approx(3 * (m + p - 1) / (3 * m))
+    assert 1 < lockstep["zb_v"] <= lockstep["zb_h1"] < lockstep["1f1b"]
 
 
 def test_zero_bubble_span_takes_w_s_share_of_the_backward_from_the_model_s_flops():

@@ -155,20 +155,58 @@ def test_sequence_parallel_taps_give_b_the_input_gradient_and_w_the_weight_gradi
     assert all(not np.any(d) for d in jax.tree.leaves(zero))  # B computes no weight gradient
 
 
-def test_zb_h1_refuses_cp():
-    import dataclasses
+def replay_slots(sched):
+    """Replay the buffer plan by lanes: an arrival (or stage 0's embedding) takes a free slot, which its F, B
+    and W all name, and its W frees it."""
+    plan, held = buffer_plan(sched), {}  # (device, slot) -> (micro-batch, stage)
+    for t in range(sched.ticks):
+        for s in range(sched.p):
+            op, i = int(sched.op[t, s]), int(sched.mb[t, s])
+            j = sched.stage(s, int(sched.chunk[t, s]))
+            key = (s, int(plan.slot[t, s]))
+            if op == ps.FORWARD and j == 0:
+                assert key not in held, f"{sched.name} tick {t}: device 0 overwrites slot {key[1]}"
+                held[key] = (i, 0)
+            if op != ps.IDLE:
+                assert held.get(key) == (i, j), f"{sched.name} tick {t} device {s}: slot {key[1]} holds {held.get(key)}"
+            if op == ps.WEIGHT:
+                del held[key]
+        for s in range(sched.p):  # arrivals land at the end of the tick, after its reads
+            for lane in range(plan.lanes):
+                sender = int(plan.from_x[t, s, lane])
+                if sender >= 0:
+                    key = (s, int(plan.recv_x[t, s, lane]))
+                    assert key not in held, f"{sched.name} tick {t}: an arrival on device {s} overwrites slot {key[1]}"
+                    j = sched.stage(sender, int(sched.chunk[t, sender])) + 1
+                    held[key] = (int(sched.mb[t, sender]), j)
+    assert not held
 
-    import jax
 
-    from mesh import MeshConfig, make_mesh
-    from mesh.errors import ConfigError
-    from pjax.config import PipelineConfig
-    from pjax.step import build_trainer
-    from test_pipeline_parallel import CFG, MICRO, TC
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_lockstep_zero_bubble_tables_run_f_and_b_in_lockstep_and_full_w_ticks(p, m):
+    """cp > 1: no tick mixes kinds (forwards and B's hold the context strategy's collectives); ZB-H1's
+    are lockstep 1F1B's forward and B ticks and m full W ticks, in its memory; the V's span no more in
+    half stages, within 3p half-stage slots (lockstep 1F1B: 4p - 2)."""
+    from pjax.parallel.pipeline.zero_bubble_lockstep import zb_h1_lockstep, zb_v_lockstep
 
-    tc = dataclasses.replace(TC, batch_size=4 * MICRO, grad_accum=4)
-    with pytest.raises(ConfigError, match="pipeline.schedule=zb_h1 does not run with mesh.cp=2"):
-        build_trainer(make_mesh(MeshConfig(pp=2, cp=2), jax.devices()[:4]), CFG, tc, PipelineConfig(schedule="zb_h1"))
+    one_f_one_b = ps.one_f_one_b_lockstep(p, m)
+    h1, v = zb_h1_lockstep(p, m), zb_v_lockstep(p, m)
+    for sched, stages in ((h1, p), (v, 2 * p)):
+        tick = ticks_of(sched)
+        assert len(tick) == 3 * m * stages, sched.render()
+        for (op, i, j), t in tick.items():
+            deps = {ps.FORWARD: [(ps.FORWARD, i, j - 1)] if j > 0 else [],
+                    ps.BACKWARD: [(ps.FORWARD, i, j)] + ([(ps.BACKWARD, i, j + 1)] if j < stages - 1 else []),
+                    ps.WEIGHT: [(ps.BACKWARD, i, j)]}[op]
+            assert all(tick[d] < t for d in deps), (sched.name, op, i, j)
+        kinds = ps.tick_ops(sched)  # raises on a mixed tick
+        assert np.all((sched.op == ps.IDLE) | (sched.op == kinds[:, None]))
+        replay_slots(sched)
+    w_ticks = ps.tick_ops(h1) == ps.WEIGHT
+    assert w_ticks.sum() == m and np.all(h1.op[w_ticks] == ps.WEIGHT)
+    assert h1.ticks == one_f_one_b.ticks + m  # (m + p - 1)(F + B) + m W against (m + p - 1)(F + B + W)
+    assert buffer_plan(h1).slots == buffer_plan(one_f_one_b).slots
+    assert v.span(1.0, 2.0) / 2 <= h1.span(1.0, 2.0) and buffer_plan(v).slots <= 3 * p
 
 
 def test_pipelines_xla_cpu_cannot_compile_are_one_line_not_an_abort():

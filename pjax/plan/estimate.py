@@ -12,7 +12,7 @@ from pjax.config import Config
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
 from pjax.parallel.compression import bytes_per_value
-from pjax.parallel.pipeline.table import SCHEDULES, SPLIT_BACKWARD
+from pjax.parallel.pipeline.table import SPLIT_BACKWARD, PipelineConfig, make_schedule
 from pjax.plan.curves import compute_seconds, replay_seconds
 from pjax.plan.layouts import Layout, state_bytes
 from pjax.plan.pipeline_cost import pipeline_factor
@@ -70,7 +70,8 @@ def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
     if layout.pp == 1:
         return 1.0
     m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
-    sched = SCHEDULES[layout.schedule](p, m, v)
+    # The table the executor runs: in lockstep with cp > 1 (`table.make_schedule`).
+    sched = make_schedule(PipelineConfig(layout.schedule, v), p, m, lockstep=layout.cp > 1)
     return sched.span(1.0, 2.0, weight) / (3.0 * m * v)
 
 

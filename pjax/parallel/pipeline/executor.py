@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import auto_size, constrain
 from models.moe import ROUTER_METRICS
@@ -31,9 +30,6 @@ def executor(sched: ps.Schedule, stage: Stage, lockstep: bool = False,
              reduce: Callable[[Any], Any] | None = lambda g: g) -> tuple[Callable, np.ndarray]:
     """The shard_map body running `sched`, and the table it reads. `lockstep`: one kind of op per tick (cp > 1);
     `reduce` sums the gradients over the manual data axes; None: forwards only, no gradients."""
-    if sched.split_backward and lockstep:  # tables of your own (the config's: validate_split_backward)
-        raise ConfigError(f"schedule {sched.name} splits backwards into B and W, which does not run with cp > 1 "
-                          f"yet; use pipeline.schedule=1f1b.")
     table = executor_table(sched, lockstep)
 
     def body(params: Any, batch: Batch, table: jax.Array) -> tuple[jax.Array, Any, dict]:

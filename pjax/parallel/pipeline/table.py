@@ -16,6 +16,7 @@ from mesh.mesh import CP, MeshConfig, current
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
 from pjax.parallel.pipeline.zero_bubble import zb_h1, zb_v
+from pjax.parallel.pipeline.zero_bubble_lockstep import zb_h1_lockstep, zb_v_lockstep
 
 SCHEDULE_NAMES = ("1f1b", "1f1b_lockstep", "afab", "interleaved", "zb_h1", "zb_v")
 
@@ -46,6 +47,9 @@ SCHEDULES: dict[str, Callable[[int, int, int], ps.Schedule]] = {
     "zb_v": lambda p, m, v: zb_v(p, m),
 }
 SPLIT_BACKWARD = ("zb_h1", "zb_v")
+# cp > 1: the schedules with a lockstep table of their own; the others are split by `ps.lockstep`.
+LOCKSTEP: dict[str, Callable[[int, int], ps.Schedule]] = {
+    "1f1b": ps.one_f_one_b_lockstep, "zb_h1": zb_h1_lockstep, "zb_v": zb_v_lockstep}
 COLUMNS = ("op", "mb", "chunk", "slot", "active")  # then per lane LANE_COLUMNS
 LANE_COLUMNS = ("recv_x", "recv_dy", "send_x", "send_dy")
 SCOPES = {"forward": "pp_forward", "backward": "pp_backward", "weight": "pp_weight", "embed": "pp_embed",
@@ -63,7 +67,6 @@ def check_run(run) -> None:
     check_xla_cpu(run)
     if mc.pp > 1:
         validate_pipeline(mc, pipeline, run.model.num_hidden_layers, run.train.grad_accum)
-        validate_split_backward(mc, pipeline, run.model.num_local_experts)
     elif (pipeline.schedule, pipeline.virtual_stages) != ("1f1b", 1):
         raise ConfigError(f"pipeline.schedule={pipeline.schedule} and pipeline.virtual_stages={pipeline.virtual_stages} "
                           f"apply only when mesh.pp > 1; set mesh.pp, or leave them at 1f1b and 1.")
@@ -99,20 +102,11 @@ def validate_pipeline(mesh: MeshConfig, pipeline: PipelineConfig, num_layers: in
                           f"schedule needs micro-batches in groups of pp.")
 
 
-def validate_split_backward(mesh: MeshConfig, pipeline: PipelineConfig, experts: int) -> None:
-    """Zero-bubble schedules run dense layers without cp (lockstep would split every W from its B)."""
-    if pipeline.schedule not in SPLIT_BACKWARD:
-        return
-    for bad, what in [(mesh.cp > 1, f"mesh.cp={mesh.cp}"), (experts > 0, "a Mixture-of-Experts model")]:
-        if bad:
-            raise ConfigError(f"pipeline.schedule={pipeline.schedule} does not run with {what} yet; "
-                              f"use pipeline.schedule=1f1b.")
-
-
 def make_schedule(pipeline: PipelineConfig, pp: int, m: int, lockstep: bool = False) -> ps.Schedule:
     """The table `pipeline.schedule` gives; with `lockstep`, one kind of op per tick."""
-    name = "1f1b_lockstep" if lockstep and pipeline.schedule == "1f1b" else pipeline.schedule
-    sched = SCHEDULES[name](pp, m, pipeline.virtual_stages)
+    if lockstep and pipeline.schedule in LOCKSTEP:
+        return LOCKSTEP[pipeline.schedule](pp, m)
+    sched = SCHEDULES[pipeline.schedule](pp, m, pipeline.virtual_stages)
     return ps.lockstep(sched) if lockstep else sched
 
 
@@ -171,7 +165,8 @@ def scope_runs(sched: ps.Schedule, lockstep: bool = False) -> dict[str, float]:
     col = {name: table[..., i] for i, name in enumerate(COLUMNS)}
     stage = sched.stage(np.arange(sched.p)[None, :], col["chunk"])
     forward, backward = col["op"] == ps.FORWARD, col["op"] == ps.BACKWARD
-    runs = {"forward": forward, "backward": backward, "weight": col["op"] == ps.WEIGHT,
+    weight = (col["op"] == ps.WEIGHT) & (col["active"] > 0)  # a device without a W skips it, in lockstep too
+    runs = {"forward": forward, "backward": backward, "weight": weight,
             "embed": forward & (stage == 0), "loss": forward & (stage == sched.p * sched.v - 1)}
     x_sets, dy_sets = send_patterns(sched)
     for lane in range(len(x_sets)):

@@ -191,7 +191,9 @@ def weight(plan: Plan, row: Row, buf: Buffers, sends: list) -> tuple[Buffers, li
         return {k: g.at[row.chunk].add(dw[k].astype(g.dtype)) if k in dw else g for k, g in grad_layers.items()}, riders
 
     riders = sends if plan.ordered else []
-    grad_layers, riders = _run_if(row.op == ps.WEIGHT, _scoped("weight", run), (buf.grad_layers, riders))
+    # Only where active: a W holds no collective, so in lockstep (cp > 1) a device without one skips it.
+    grad_layers, riders = _run_if((row.op == ps.WEIGHT) & (row.active > 0), _scoped("weight", run),
+                                  (buf.grad_layers, riders))
     return buf._replace(grad_layers=grad_layers), riders if plan.ordered else sends
 
 

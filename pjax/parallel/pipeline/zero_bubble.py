@@ -30,7 +30,7 @@ def zb_h1(p: int, m: int) -> Schedule:
 def zb_v(p: int, m: int) -> Schedule:
     """Two half-stage chunks per device in a V, played tick by tick in 1F1B's memory: 6m + p - 1 ticks for m >= p.
     Of two forwards or two B's the second chunk's runs first (it brings a loss, or a cotangent down the V, sooner)."""
-    play, rows = _VPlay(p, m), []
+    play, rows = VPlay(p, m), []
     while not play.finished():
         t = len(rows)
         rows.append([play.run(s, t) for s in range(p)])
@@ -40,15 +40,15 @@ def zb_v(p: int, m: int) -> Schedule:
     return Schedule("zb_v", p, m, 2, table[..., 0], table[..., 1], table[..., 2], vshape=True)
 
 
-class _VPlay:
+class VPlay:
     """The state of `zb_v`'s play. `live[d]`: slots held from arrival to W, as `buffer_plan` counts them. `owed[d]`:
     slots d's micro-batches hold or will hold until their B's (two on arrival, one less per B); a forward brings a
     micro-batch to d only if d can owe two more, so slots beyond wait only for W's, which always run: no deadlock."""
 
     ORDER = ((FORWARD, 1), (FORWARD, 0), (BACKWARD, 1), (BACKWARD, 0), (WEIGHT, 0))
 
-    def __init__(self, p: int, m: int):
-        self.p, self.m, self.last, self.limit = p, m, 2 * p - 1, 2 * p
+    def __init__(self, p: int, m: int, limit: int | None = None):
+        self.p, self.m, self.last, self.limit = p, m, 2 * p - 1, limit or 2 * p
         self.done: dict[tuple[int, int, int], int] = {}
         self.next = {(s, op, c): 0 for s in range(p) for op in (FORWARD, BACKWARD) for c in (0, 1)}
         self.pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
@@ -82,8 +82,10 @@ class _VPlay:
         """Device s's item at tick t, (op, micro-batch, chunk), recorded as run; IDLE if none is ready."""
         first = [(WEIGHT, 0)] if self.live[s] == self.limit else []
         op, c = next((k for k in first + list(self.ORDER) if self.ready(s, *k, t)), (IDLE, 0))
-        if op == IDLE:
-            return IDLE, 0, 0
+        return (IDLE, 0, 0) if op == IDLE else self.record(s, t, op, c)
+
+    def record(self, s: int, t: int, op: int, c: int) -> tuple[int, int, int]:
+        """(op, chunk c) recorded as run by device s at tick t: (op, micro-batch, chunk); a W takes its oldest."""
         if op == WEIGHT:
             (i, c), self.live[s] = self.pending[s].pop(0), self.live[s] - 1
         else:
