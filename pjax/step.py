@@ -151,8 +151,9 @@ class Trainer:
 
     def abstract_state(self) -> TrainState:
         """The state as sharded shapes: a restore target, or an input to compile from without allocating."""
+        key = jax.random.key(0)  # made outside the mesh: a compile-only GPU mesh runs no eager op
         with jax.set_mesh(self.mesh):  # DiLoCo under ZeRO cuts the groups' chunks in a shard_map
-            shapes = jax.eval_shape(self.init.jitted, jax.random.key(0))
+            shapes = jax.eval_shape(self.init.jitted, key)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
 
