@@ -193,10 +193,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     compressed = tc.grad_compression != "none"
     r_sharding = feedback.shardings(mesh, feedback_axes(mesh, tc), cfg, p_sharding,
                                     tc.grad_compression) if compressed else None
-    local_p = data_parallel.param_shardings(mesh, cfg, 0)  # a group's copy or chunk: its [replicas] axis is dp's
-    l_sharding = outer.local_shardings(mesh, inner, local_p, params_shape) if tc.local_steps else None
-    if tc.diloco_overlap:  # streaming DiLoCo's fragment in flight: [groups, ...] slices placed as the groups' copies
-        l_sharding["inflight"] = l_sharding["params"]
+    l_sharding = outer.local_shardings(mesh, inner, cfg, params_shape, tc) if tc.local_steps else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
     batch_sharding = NamedSharding(mesh, P(None, DP, CP))
 

@@ -63,7 +63,7 @@ def turns():
                              "train.diloco_overlap=1", "train.diloco_mix=0.5"])
     states = _steps(trainer, trainer.step, trainer.init(jax.random.key(0)), 5)
     with jax.set_mesh(trainer.mesh):
-        inner_only = jax.jit(trainer.diloco._inner)(states[2], random_batch(trainer, 2))[0]
+        inner_only = jax.jit(trainer.diloco.inner_round)(states[2], random_batch(trainer, 2))[0]
     return cfg, states, jax.tree.map(np.asarray, inner_only)
 
 

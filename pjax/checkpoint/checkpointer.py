@@ -316,9 +316,10 @@ def _permute_layers(state: TrainState, rows: np.ndarray) -> TrainState:
     def permute(state):
         residual = None if state.residual is None else {
             k: _reorder_layers(v, rows, axis=1 if k == "error" else 2) for k, v in state.residual.items()}
-        # Streaming DiLoCo's fragment in flight holds every P-th stored row: kept as stored (`replicas`).
-        local = None if state.local is None else {**_reorder_layers(state.local, rows, axis=1),
-                                                  **({"inflight": state.local["inflight"]} if "inflight" in state.local else {})}
+        local = None
+        if state.local is not None:  # streaming DiLoCo's fragment in flight stays in its stored order (`replicas`)
+            copies = {k: v for k, v in state.local.items() if k != "inflight"}
+            local = {**state.local, **_reorder_layers(copies, rows, axis=1)}
         return _reorder_layers(state._replace(residual=None, local=None), rows)._replace(residual=residual,
                                                                                        local=local)
 

@@ -114,13 +114,17 @@ def stacked(sharding: Any) -> Any:
     return jax.tree.map(one, sharding)
 
 
-def local_shardings(mesh: Mesh, inner: optax.GradientTransformation, p_sharding: Any, params_shape: Any) -> Any:
-    """Where `TrainState.local` lives: every leaf of the groups' parameters and inner state over dp first."""
+def local_shardings(mesh: Mesh, inner: optax.GradientTransformation, cfg: Any, params_shape: Any, tc: Any) -> Any:
+    """Where `TrainState.local` lives: every leaf of the groups' parameters and inner state over dp first, each
+    group's copy (or ZeRO chunk) placed as without ZeRO, its [replicas] axis being dp's; with streaming DiLoCo's
+    overlap, the fragment in flight placed as the copies."""
+    p_sharding = data_parallel.param_shardings(mesh, cfg, 0)
     state_shape = jax.eval_shape(inner.init, params_shape)
     replicated = NamedSharding(mesh, P())
     inner_sharding = optax.tree_map_params(inner, lambda _, s: s, state_shape, p_sharding,
                                            transform_non_params=lambda _: replicated)
-    return {"params": stacked(p_sharding), "opt_state": stacked(inner_sharding)}
+    local = {"params": stacked(p_sharding), "opt_state": stacked(inner_sharding)}
+    return {**local, "inflight": local["params"]} if tc.diloco_overlap else local
 
 
 def copies(params: Any, groups: int) -> Any:
@@ -153,17 +157,23 @@ class DiLoCo:
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One inner step in every group; after every H-th, the outer step. Metrics as `train_step`'s."""
-        local, loss, grad_norm = self.inner_step(state.local, batch)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.tc.on_nonfinite == "skip":
-            local = keep_if_finite(finite, local, state.local)
+        local, metrics = self.inner_round(state, batch)
         sync = (state.step + 1) % self.tc.local_steps == 0
         params, opt_state, local, residual = lax.cond(sync, self.synchronise, lambda *a: a, state.params,
                                                       state.opt_state, local, state.residual)
-        lr = lr_schedule(self.tc)(schedule_count(state.local["opt_state"])[0])  # every group's count is the same
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
         return state._replace(step=state.step + 1, params=params, opt_state=opt_state, local=local,
                               residual=residual), metrics
+
+    def inner_round(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """`inner_step` on the groups' parameters and inner state (other entries of `state.local` kept), a
+        non-finite step dropped under on_nonfinite=skip, and the step's metrics."""
+        own = {k: state.local[k] for k in ("params", "opt_state")}
+        new, loss, grad_norm = self.inner_step(own, batch)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.tc.on_nonfinite == "skip":
+            new = keep_if_finite(finite, new, own)
+        lr = lr_schedule(self.tc)(schedule_count(own["opt_state"])[0])  # every group's count is the same
+        return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
 
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """Each group's AdamW step on its rows, its gradient summed over cp and the group's replicas only

@@ -27,8 +27,6 @@ import optax
 from jax import lax
 
 from mesh.errors import ConfigError
-from pjax.divergence import keep_if_finite
-from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import outer
 
 
@@ -107,7 +105,7 @@ class StreamingDiLoCo(outer.DiLoCo):
         """One inner step in every group; a fragment sent after every K-th, landing tau steps later."""
         n = state.step + 1
         if not self.tc.diloco_overlap:
-            local, metrics = self._inner(state, batch)
+            local, metrics = self.inner_round(state, batch)
             arrive = lambda p, o, lc, r: self.arrive(p, o, lc, r, self.sent(n), None)  # noqa: E731
             params, opt_state, local, residual = lax.cond(n % self.period == 0, arrive, lambda *a: a, state.params,
                                                           state.opt_state, local, state.residual)
@@ -120,7 +118,7 @@ class StreamingDiLoCo(outer.DiLoCo):
         return state._replace(step=n, params=params, opt_state=opt_state, local=local, residual=residual), metrics
 
     def _plain_step(self, state: Any, batch: Any) -> tuple[Any, ...]:
-        local, metrics = self._inner(state, batch)
+        local, metrics = self.inner_round(state, batch)
         return state.params, state.opt_state, local, state.residual, metrics
 
     def _landing_step(self, state: Any, batch: Any) -> tuple[Any, ...]:
@@ -128,18 +126,8 @@ class StreamingDiLoCo(outer.DiLoCo):
         f = self.sent(state.step + 1 - self.tc.diloco_overlap)
         params, opt_state, residual, landed = self.outer_fragment(state.params, state.opt_state, state.residual,
                                                                   state.local["inflight"], f)
-        local, metrics = self._inner(state, batch)
+        local, metrics = self.inner_round(state, batch)
         return params, opt_state, self.merge(local, landed, f), residual, metrics
-
-    def _inner(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        """`DiLoCo.inner_step` on the groups, a non-finite step dropped under on_nonfinite=skip, and its metrics."""
-        own = {k: state.local[k] for k in ("params", "opt_state")}
-        new, loss, grad_norm = self.inner_step(own, batch)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if self.tc.on_nonfinite == "skip":
-            new = keep_if_finite(finite, new, own)
-        lr = lr_schedule(self.tc)(schedule_count(own["opt_state"])[0])
-        return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
 
     def slices(self, stacked: Any, f: jax.Array) -> Any:
         """Fragment f of every group's copy ([groups, ...] leaves)."""
