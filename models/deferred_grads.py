@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from models import sequence_parallel as seqpar
 from models.config import LlamaConfig
 from models.precision import Precision
-from models.projection import PLAIN, Gemm, input_grad, plain_projection, weight_grads
+from models.projection import PLAIN, Gemm, input_grad, plain_projection, weight_grads, weight_products
 
 Tap = tuple[jax.Array, tuple[jax.Array, ...]]  # (like x [N, D_in], like each output [N, F_i])
 SITES = {"qkv": ("wq", "wk", "wv"), "o": ("wo",), "gate_up": ("w_gate", "w_up"), "down": ("w_down",)}
@@ -78,7 +78,7 @@ def site_weight_grads(site: str, x: jax.Array, gs: Sequence[jax.Array], sequence
     if site in ROW_SITES:
         return weight_grads(x, [seqpar.gather(gs[0])], f32, gemm)
     xt = seqpar.gather_transposed(x)
-    return tuple(gemm.weight_grad(xt, g).astype(jnp.float32) for g in gs)
+    return tuple(dw.astype(jnp.float32) for dw in weight_products(xt, gs, gemm))
 
 
 def tap_weight_grads(taps: dict[str, Tap] | list[dict[str, Tap]], w: Any, sequence_parallel: bool = False,

@@ -1,5 +1,7 @@
 """fp8 GEMMs for the layer's projections and experts: operands in e4m3, the output's cotangent in e5m2, each with
-one per-tensor scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs")."""
+one per-tensor scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs"). A tensor
+a manual region splits over devices (rows over dp, tokens over cp or over tp under sequence parallelism) takes its
+amax over all of its blocks, so every layout scales as one device does."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from mesh.errors import ConfigError
+from mesh.mesh import PP
 from models.projection import PLAIN, Gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -23,9 +26,18 @@ def _largest(fp8: jnp.dtype) -> float:
     return float(jnp.finfo(fp8).max)
 
 
+def whole_amax(x: jax.Array) -> jax.Array:
+    """x's largest magnitude over the whole tensor: over the devices whose blocks of it a manual region holds
+    (the axes x varies over; an automatic axis's split XLA reduces itself). Not over pp: its devices hold other
+    layers, and a layer's tensors are one device's."""
+    amax = jnp.max(jnp.abs(x)).astype(_F32)
+    split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax != PP))
+    return lax.pmax(amax, split) if split else amax
+
+
 def scale_of(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
     """The per-tensor scale that maps x's largest magnitude onto fp8's largest finite value (1 for zeros)."""
-    amax = jnp.max(jnp.abs(x)).astype(_F32)
+    amax = whole_amax(x)
     return amax / _largest(fp8) + (amax <= 0).astype(_F32)
 
 
@@ -52,6 +64,13 @@ def _scaled(product, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax
     return (product(a, b, _F32) * scale).astype(dtype)
 
 
+def _typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent summed over the manual axes it varies over and its primal does not (a weight replicated over
+    cp, its gradient from cp's tokens): a custom_vjp's cotangent has its primal's type, as autodiff's would."""
+    extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying
+    return lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
 def _dot(contract: tuple[int, int]):
     return lambda a, b, out: lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                                               preferred_element_type=out)
@@ -75,7 +94,8 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(res, g):
     xq, sx, wq, sw, w_like = res
     gq, sg = quantize(g, E5M2)
-    return _scaled(_GWT, gq, wq, sg * sw, g.dtype), _scaled(_XTG, xq, gq, sx * sg, w_like.dtype)
+    return (_typed_like(_scaled(_GWT, gq, wq, sg * sw, g.dtype), xq),
+            _typed_like(_scaled(_XTG, xq, gq, sx * sg, w_like.dtype), wq))
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -104,7 +124,7 @@ def weight_grad(xt: jax.Array, g: jax.Array, out=None) -> jax.Array:
     return _scaled(_XW, xq, gq, sx * sg, out or g.dtype)
 
 
-GEMM = Gemm(matmul, prepare, multiply, input_grad, weight_grad)
+GEMM = Gemm(matmul, prepare, multiply, input_grad, weight_grad, merged=True)
 
 
 def gemm(enabled: bool) -> Gemm:
@@ -130,8 +150,8 @@ def _einsum_bwd(subscripts, res, g):
     a, rest = subscripts.split(",")
     b, c = rest.split("->")
     over = lambda spec: lambda p, q, out: jnp.einsum(spec, p, q, preferred_element_type=out)  # noqa: E731
-    return (_scaled(over(f"{c},{b}->{a}"), gq, wq, sg * sw, g.dtype),
-            _scaled(over(f"{a},{c}->{b}"), xq, gq, sx * sg, w_like.dtype))
+    return (_typed_like(_scaled(over(f"{c},{b}->{a}"), gq, wq, sg * sw, g.dtype), xq),
+            _typed_like(_scaled(over(f"{a},{c}->{b}"), xq, gq, sx * sg, w_like.dtype), wq))
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
@@ -159,7 +179,8 @@ def _ragged_bwd(res, g):
     d_x = lambda a, b, out: lax.ragged_dot(a, b.swapaxes(1, 2), group_sizes, preferred_element_type=out)  # noqa: E731
     d_w = lambda a, b, out: lax.ragged_dot_general(a, b, group_sizes, _GROUPED_WEIGHT_GRAD,  # noqa: E731
                                                    preferred_element_type=out)
-    return _scaled(d_x, gq, wq, sg * sw, g.dtype), _scaled(d_w, xq, gq, sx * sg, w_like.dtype), None
+    return (_typed_like(_scaled(d_x, gq, wq, sg * sw, g.dtype), xq),
+            _typed_like(_scaled(d_w, xq, gq, sx * sg, w_like.dtype), wq), None)
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

@@ -43,13 +43,16 @@ class Gemm(NamedTuple):
     take Y = X W as `multiply(*prepare(x, w))` (`prepare` gives the operands and their scale, which a shard_map
     can take in: see `sequence_parallel.row`), and `input_grad` dX = dY W^T (g [N, F], w [D, F]) and
     `weight_grad` dW = X^T dY (xt [D, N], g [N, F]); each but `forward` takes an optional result dtype. These
-    multiply in the operands' dtype; `models.fp8.GEMM`'s read fp8."""
+    multiply in the operands' dtype; `models.fp8.GEMM`'s read fp8. With `merged`, weights that share an input
+    (q, k, v; gate, up) multiply as one merged GEMM on every layout, not only under tp: one per-tensor scale
+    for them, and one for their cotangents, as a fused QKV weight has (fp8's)."""
 
     forward: Callable[[jax.Array, jax.Array], jax.Array] = _forward
     prepare: Callable[[jax.Array, jax.Array], tuple] = _prepare
     multiply: Callable[..., jax.Array] = _multiply
     input_grad: Callable[..., jax.Array] = _input_product
     weight_grad: Callable[..., jax.Array] = _weight_product
+    merged: bool = False
 
 
 PLAIN = Gemm()
@@ -74,11 +77,16 @@ def split_over_tp(y: jax.Array, widths: Sequence[int], tp: int) -> tuple[jax.Arr
     return tuple(part.reshape(*lead, w) for part, w in zip(parts, widths))
 
 
+def merges(gemm: Gemm, n: int) -> bool:
+    """Whether n weights that share an input multiply as one merged GEMM: under tp, or by `gemm.merged`."""
+    return n > 1 and (_tp() > 1 or gemm.merged)
+
+
 def plain_projection(x: jax.Array, ws: Sequence[jax.Array], gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:
     """x [N, D] times each w [D, F_i]; under tp one dot, so that autodiff's backward transposes one dot."""
-    tp = _tp()
-    if tp == 1 or len(ws) == 1:
+    if not merges(gemm, len(ws)):
         return tuple(gemm.forward(x, w) for w in ws)
+    tp = _tp()
     return split_over_tp(gemm.forward(x, merge_over_tp(ws, tp)), [w.shape[-1] for w in ws], tp)
 
 
@@ -98,13 +106,21 @@ def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array],
     # On XLA:CPU x^T materialised once (behind a barrier, or XLA folds it back into each dot); elsewhere the
     # transpose folds into the dots' dimensions.
     xt = jax.lax.optimization_barrier(x.T) if target_backend() == "cpu" else x.T
-    return tuple(gemm.weight_grad(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
+    return tuple(dw.astype(w.dtype) for dw, w in zip(weight_products(xt, gs, gemm), ws))
+
+
+def weight_products(xt: jax.Array, gs: Sequence[jax.Array], gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:
+    """dW_i = x^T g_i (xt [D, N]), in the product's dtype; by a `merged` gemm one product of the merged g's."""
+    if not (gemm.merged and len(gs) > 1):
+        return tuple(gemm.weight_grad(xt, g) for g in gs)
+    tp = _tp()
+    return split_over_tp(gemm.weight_grad(xt, merge_over_tp(gs, tp)), [g.shape[-1] for g in gs], tp)
 
 
 def input_grad(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array], gemm: Gemm = PLAIN) -> jax.Array:
     """dx = sum_i g_i @ w_i^T in x's dtype; under tp one dot over the merged operands: one all-reduce."""
-    tp = _tp()
-    if tp > 1 and len(ws) > 1:
+    if merges(gemm, len(ws)):
+        tp = _tp()
         d_x = gemm.input_grad(merge_over_tp(gs, tp), merge_over_tp(ws, tp))
     else:
         d_x = sum(gemm.input_grad(g, w) for g, w in zip(gs, ws))

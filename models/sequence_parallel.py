@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import TP, current
 from mesh.rules import auto_size, logical_to_spec, per_device
-from models.projection import PLAIN, Gemm, weight_grads
+from models.projection import PLAIN, Gemm, merge_over_tp, split_over_tp, weight_grads, weight_products
 
 TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",))
 
@@ -65,6 +65,10 @@ def column(x: jax.Array, ws: Sequence[jax.Array], out_dtype=None, gemm: Gemm = P
     full = gather(x)
     if out_dtype is not None:
         return tuple(jnp.matmul(full, w, preferred_element_type=out_dtype) for w in ws)
+    if gemm.merged and len(ws) > 1:  # one GEMM, one scale for the weights (`Gemm.merged`)
+        tp = auto_size(current(), TP)
+        return split_over_tp(gemm.multiply(*gemm.prepare(full, merge_over_tp(ws, tp)), full.dtype),
+                             [w.shape[-1] for w in ws], tp)
     return tuple(gemm.multiply(*gemm.prepare(full, w), full.dtype) for w in ws)
 
 
@@ -76,7 +80,7 @@ def _column_bwd(out_dtype, gemm, res, gs):
     x, ws = res
     gs = [g.astype(x.dtype) for g in gs]
     xt = gather_transposed(x)
-    d_ws = tuple(gemm.weight_grad(xt, g).astype(w.dtype) for g, w in zip(gs, ws))
+    d_ws = tuple(dw.astype(w.dtype) for dw, w in zip(weight_products(xt, gs, gemm), ws))
     return reduce_scatter_product(gs, ws, x.dtype, gemm), type(ws)(d_ws)
 
 

@@ -66,7 +66,7 @@ FEATURES: tuple[Feature, ...] = (
             replicas=True),
     _meta("reptile", "Reptile"), _meta("fomaml", "FOMAML"), _meta("maml", "MAML"),
     Feature("curriculum", "curriculum", "data.curriculum", ("data.curriculum=16x2",)),
-    Feature("fp8", "fp8", "precision.preset", ("precision.preset=fp8",)),
+    Feature("fp8", "fp8", "precision.fp8", ("precision.fp8=true",)),
     Feature("remat_full", "remat full", "train.remat", ("train.remat=full",)),
     Feature("loss_chunk", "loss_chunk", "train.loss_chunk", ("train.loss_chunk=16",)),
 )

@@ -218,7 +218,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
-    options = xla_options.step_options(tc.xla_options, _local_device(mesh))
+    options = xla_options.step_options(tc.xla_options, _local_device(mesh), policy.fp8)
     jit = functools.partial(jax.jit, compiler_options=options or None)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,

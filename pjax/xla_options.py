@@ -40,9 +40,18 @@ def user_flags(flags: str | None = None) -> set[str]:
     return set(re.findall(r"--(xla_\w+)", flags))
 
 
-def step_options(enabled: bool, device: Any = None) -> dict[str, Any]:
+# XLA:CPU has no fp8 dot: it converts the fp8 operands to f32, and with excess precision allowed its simplifier
+# then folds some convert(convert(x, f8), f32) pairs into x, so that a GEMM reads an operand fp8 never rounded
+# (in one program and not in another: a layout's fp8 step then differs from one device's).
+FP8_CPU_OPTIONS: dict[str, bool] = {"xla_allow_excess_precision": False}
+
+
+def step_options(enabled: bool, device: Any = None, fp8: bool = False) -> dict[str, Any]:
     """The compile options of a step built for the target backend: on GPUs `GPU_OPTIONS` less what XLA_FLAGS
-    sets (and, with a `device` of the target kind, less what this XLA does not know); elsewhere none."""
+    sets (and, with a `device` of the target kind, less what this XLA does not know); on CPU with fp8 GEMMs,
+    `FP8_CPU_OPTIONS` (whatever `enabled` says: they keep the fp8 arithmetic, not its speed); elsewhere none."""
+    if fp8 and target_backend() == "cpu":
+        return {k: v for k, v in FP8_CPU_OPTIONS.items() if k not in user_flags()}
     if not enabled or target_backend() != "gpu":
         return {}
     mine = {k: v for k, v in GPU_OPTIONS.items() if k not in user_flags()}
@@ -72,8 +81,8 @@ def _known(options: tuple[tuple[str, Any], ...], device: Any) -> dict[str, Any]:
 
 
 def describe(options: dict[str, Any]) -> str | None:
-    """The one line `pjax.train` prints of them, or None where there are none."""
-    if not options:
+    """The one line `pjax.train` prints of the GPU options, or None where there are none."""
+    if not options or target_backend() != "gpu":
         return None
     flags = " ".join(f"--{k}={str(v).lower()}" for k, v in options.items())
     kept = sorted(user_flags() & set(GPU_OPTIONS))

@@ -15,7 +15,7 @@ from mesh.errors import ConfigError
 from models import fp8
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
-from models.projection import PLAIN
+from models.projection import PLAIN, plain_projection
 from pjax.config import PipelineConfig, TrainConfig
 from pjax.config_io import load_config
 from pjax.parallel.pipeline.layout import to_pipeline_layout
@@ -153,6 +153,29 @@ def test_fp8_step_on_a_sharded_layout_tracks_one_device():
     loss, norm, text = loss_and_grad_norm(pp=2, cp=2, tp=2, sp=True)
     assert "f8E4M3FN" in text and "f8E5M2" in text  # the sharded program does round through fp8
     assert abs(loss - ref_loss) <= 1e-2 * ref_loss and abs(norm - ref_norm) <= 5e-2 * ref_norm, (loss, norm)
+
+
+@pytest.mark.proves("zero1+fp8", "zero3+fp8")
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, sp=True, zero=1), dict(dp=2, pp=2, zero=3)], ids=str)
+def test_fp8_scales_are_per_tensor_on_every_layout(layout):
+    """fp8 GEMMs on float32 (no bf16 rounding elsewhere): one scale per tensor and one merged GEMM for weights that
+    share an input, on every layout, so loss and gradients equal one device's (a scale per device block, or per
+    unmerged q/k/v weight, is 1e-5 to 1e-4 off). XLA:CPU keeps every fp8 rounding (`xla_options.FP8_CPU_OPTIONS`)."""
+    fp8_only = PrecisionConfig(fp8=True)
+    ref_loss, ref_norm, _ = loss_and_grad_norm(precision=fp8_only)
+    loss, norm, text = loss_and_grad_norm(precision=fp8_only, **layout)
+    assert "f8E4M3FN" in text and "f8E5M2" in text
+    assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6), (loss, norm)
+
+
+def test_weights_that_share_an_input_take_one_scale():
+    """q, k and v (gate and up) as one fp8 tensor: their products equal one GEMM of the merged weights'."""
+    ks = jax.random.split(jax.random.key(2), 3)
+    x, wa, wb = jax.random.normal(ks[0], (8, 16)), jax.random.normal(ks[1], (16, 4)), 8 * jax.random.normal(ks[2], (16, 6))
+    ya, yb = plain_projection(x, [wa, wb], fp8.GEMM)
+    merged = fp8.matmul(x, jnp.concatenate([wa, wb], axis=1))
+    np.testing.assert_array_equal(jnp.concatenate([ya, yb], axis=1), merged)
+    assert not np.allclose(ya, fp8.matmul(x, wa), rtol=1e-6)  # wa alone takes a finer scale
 
 
 def test_fp8_on_a_gpu_without_fp8_gemms_is_one_line(monkeypatch):
