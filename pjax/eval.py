@@ -159,7 +159,8 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
 
 # --- Command line ---
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     parser = ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", metavar="DIR", help="a HuggingFace LLaMA checkpoint directory")
@@ -174,7 +175,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "of evaluating")
     parser.add_argument("--max_new_tokens", type=int, default=50, help="tokens to generate (default 50)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. mesh.tp=2")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] | str:
