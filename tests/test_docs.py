@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import os
 import re
 import shlex
 import urllib.parse
@@ -126,7 +127,7 @@ def link_problem(doc: Path, target: str) -> str | None:
         return None  # http(s), mailto and the like
     path, _, anchor = target.partition("#")
     path = urllib.parse.unquote(path.split("?")[0])
-    file = doc if not path else (REPO / path.lstrip("/") if path.startswith("/") else doc.parent / path)
+    file = doc if not path else Path(os.path.normpath(REPO / path.lstrip("/") if path.startswith("/") else doc.parent / path))
     if not file.exists():
         return f"links {target}, but {file.relative_to(REPO) if file.is_relative_to(REPO) else file} does not exist"
     if anchor and file.suffix == ".md" and file.is_file():
