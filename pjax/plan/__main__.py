@@ -116,7 +116,7 @@ def _run(args: Any) -> None:
         raise ConfigError(f"this process has {len(jax.devices('cpu'))} CPU devices and the layouts need {args.devices}; "
                           f"compile in worker processes (--workers 1 or more), or start JAX with more CPU devices.")
     if args.explain:
-        from pjax.plan.inspect import explain
+        from pjax.plan.explain import explain
 
         print(explain(config, layout, profile, per_host, backend))
         return
