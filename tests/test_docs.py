@@ -223,7 +223,8 @@ def command_problems(module: str, argv: list[str]) -> list[str]:
 # --- Config keys in prose ---
 
 KEY = re.compile(r"^([a-z]+)\.([a-z][a-z0-9_]*)(?:=(.*))?$")  # keys are lower-case: `moe.Gemms` and `moe._x` are code
-FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "jsonl", "txt", "toml", "sh", "ipynb", "png", "csv", "parquet"}
+FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "jsonl", "txt", "toml", "sh", "ipynb", "png", "svg", "csv", "parquet",
+                 "safetensors", "bin", "pt", "npz", "npy", "log", "html", "zip", "tar", "gz"}  # `model.safetensors`: a file
 
 
 def config_keys(line: str) -> Iterator[str]:
@@ -329,7 +330,7 @@ def test_every_command_line_has_a_parser_to_check(module):
 
 def test_config_keys_in_code_spans():
     line = ("set `mesh.tp=2`, `train.zero`, `mesh.errors`, `jax.jit`, `model.nonsense` and `cfg.train.lr`; "
-            "`mesh.dp=2 train.nope=1`, `train.py`, `moe.Gemms`")
+            "`mesh.dp=2 train.nope=1`, `train.py`, `moe.Gemms`, `model.safetensors`")
     assert list(config_keys(line)) == ["mesh.tp", "train.zero", "model.nonsense", "mesh.dp", "train.nope"]
     assert key_problem("train.zero") is None and key_problem("model.num_hidden_layers") is None
     assert "no key nonsense" in key_problem("model.nonsense")
