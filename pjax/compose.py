@@ -141,13 +141,20 @@ def pairs() -> list[tuple[str, str]]:
     return [(a.name, b.name) for a, b in itertools.combinations(FEATURES, 2)]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from pjax.cli import ArgumentParser, run_main
+def parser() -> Any:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
+    from pjax.cli import ArgumentParser
 
     ap = ArgumentParser(prog="python -m pjax.compose", description="Whether two of pjax's features compose, by "
                         "the rules pjax.train checks; with no names, every pair.")
     ap.add_argument("features", nargs="*", help=f"two of: {', '.join(BY_NAME)}")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pjax.cli import run_main
+
+    args = parser().parse_args(argv)
 
     def body() -> None:
         unknown = [name for name in args.features if name not in BY_NAME]

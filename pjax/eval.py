@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, MeshConfig, make_mesh
-from mesh.rules import constrain, flatten_tokens
+from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch
 from models import llama
 from models.attention import select_attention
@@ -38,6 +38,7 @@ from pjax.data.text import documents, load_tokenizer, tokenize
 from pjax.fit import describe, fitted_mesh, names_a_mesh
 from pjax.generate import generate, put_rows
 from pjax.parallel.data_parallel import param_shardings
+from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from pjax.spec import StepSpec
 from pjax.validate import validate_layout
 
@@ -110,26 +111,15 @@ def windows(tokens: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
 
 # --- Loss ---
 
-def masked_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, weights: jax.Array,
-                         vocab_size: int) -> jax.Array:
-    """Weighted sum of next-token cross-entropies, vocab-parallel (reductions only) as in `tensor_parallel`."""
-    logits = jnp.einsum("nd,dv->nv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    logits = llama.mask_padded_vocab(constrain(logits, ("tokens", "vocab")), vocab_size)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[:, 0]
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    target = jnp.sum(jnp.where(vocab_ids == labels[:, None], logits, 0.0), axis=-1)
-    # where, not a multiply: a padded position's loss is never mixed in, even if not finite.
-    return jnp.sum(jnp.where(weights > 0, (lse - target) * weights, 0.0))
-
-
 @functools.partial(jax.jit, static_argnames="spec")
 def _batch_loss(params: Params, batch: dict[str, jax.Array], *, spec: StepSpec) -> jax.Array:
+    """The weighted sum of the batch's next-token cross-entropies: the training step's loss
+    (`tensor_parallel.vocab_parallel_cross_entropy`), padding weighted 0."""
     b, t = batch["inputs"].shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden = spec.hidden(params, batch["inputs"], positions)
-    return masked_cross_entropy(hidden, llama.output_kernel(params, spec.cfg), flatten_tokens(batch["labels"]),
-                                flatten_tokens(batch["weights"]), spec.cfg.vocab_size)
+    return vocab_parallel_cross_entropy(hidden, llama.output_kernel(params, spec.cfg), flatten_tokens(batch["labels"]),
+                                        vocab_size=spec.cfg.vocab_size, weights=flatten_tokens(batch["weights"]))[0]
 
 
 def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *, seq_len: int,
@@ -159,7 +149,8 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
 
 # --- Command line ---
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     parser = ArgumentParser(prog="python -m pjax.eval", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", metavar="DIR", help="a HuggingFace LLaMA checkpoint directory")
@@ -174,7 +165,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "of evaluating")
     parser.add_argument("--max_new_tokens", type=int, default=50, help="tokens to generate (default 50)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. mesh.tp=2")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace, cfg: Config, mesh: Mesh) -> dict[str, float] | str:

@@ -38,12 +38,17 @@ def export(checkpoint: str, out: str, step: int | None = None) -> int:
     return step
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     ap = ArgumentParser(prog="python -m pjax.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint.dir")
     ap.add_argument("--step", type=int, default=None, help="the step to export (default: the newest readable)")
     ap.add_argument("--out", required=True, metavar="HF_DIR", help="where to write config.json + model.safetensors")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     def body() -> None:
         step = export(args.checkpoint, args.out, args.step)

@@ -78,11 +78,16 @@ def plot(records: list[dict[str, Any]], out: Path, title: str = "") -> None:
     fig.savefig(out, dpi=120)
 
 
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
+    ap = ArgumentParser(prog="python -m pjax.plot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    ap.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    return ap
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m pjax.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "metrics.png"
 

@@ -25,7 +25,8 @@ from pjax.config_io import load_config, named_keys
 from pjax.observe.progress import StopFlag
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     ap = ArgumentParser(prog="python -m pjax.train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="a shipped config name (pjax/assets/configs/) or a YAML path (default: debug)")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.tp=2 train.steps=50")
@@ -33,7 +34,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
     ap.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
     ap.add_argument("--no_progress", action="store_true", help="log lines instead of a progress bar")
-    return ap.parse_intermixed_args(argv)  # options may come after the overrides too
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return parser().parse_intermixed_args(argv)  # options may come after the overrides too
 
 
 def main(argv: Sequence[str] | None = None) -> int:

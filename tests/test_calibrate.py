@@ -204,7 +204,8 @@ def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
     from pjax.config_io import load_config
     from pjax.plan.breakdown import breakdown
     from pjax.plan.curves import Curves, forward_and_backward
-    from pjax.plan.estimate import pipeline_ratio, predict, weight_share
+    from pjax.plan.estimate import predict
+    from pjax.plan.pipeline_cost import pipeline_ratio, weight_share
     from pjax.plan.layouts import Layout
     from pjax.plan.profiles import PROFILES
 
@@ -242,7 +243,7 @@ def test_a_pipeline_s_cost_is_its_step_measured_against_the_step_without_one(pip
     products) and records the pipeline's extra time; a batch the layouts cannot split is one line, not a
     traceback."""
     from pjax.config_io import load_config
-    from pjax.plan.estimate import pipeline_ratio, weight_share
+    from pjax.plan.pipeline_cost import pipeline_ratio, weight_share
     from pjax.plan.layouts import Layout
     from pjax.plan.pipeline_cost import measure_pipeline
 
@@ -267,7 +268,8 @@ def test_the_roofline_charges_a_pipeline_its_ticks_share_and_the_bubble_the_mach
     from pjax.config_io import load_config
     from pjax.plan.breakdown import breakdown
     from pjax.plan.curves import Curves
-    from pjax.plan.estimate import pipeline_ratio, predict, weight_share
+    from pjax.plan.estimate import predict
+    from pjax.plan.pipeline_cost import pipeline_ratio, weight_share
     from pjax.plan.layouts import Layout
     from pjax.plan.pipeline_cost import ticks_share
     from pjax.plan.profiles import PROFILES

@@ -129,3 +129,20 @@ def test_cli_errors_are_one_line_and_exit_2(setup, tmp_path, what):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "nope" in lines[0], proc.stderr
+
+
+def test_eval_uses_the_steps_loss_with_padding_weighed_out():
+    """pjax.eval's loss is the training step's (`vocab_parallel_cross_entropy`), padding at weight 0 left out
+    even where its loss is not finite; the count is the weights' sum."""
+    from pjax.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    rng = np.random.default_rng(0)
+    hidden, kernel = rng.normal(size=(6, 8)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
+    labels = rng.integers(0, 16, 6).astype(np.int32)
+    hidden[5] = np.inf  # a padded position's garbage
+    weights = np.array([1, 1, 1, 1, 0, 0], np.float32)
+    loss, count = vocab_parallel_cross_entropy(hidden, kernel, labels, weights=weights)
+    alone, four = vocab_parallel_cross_entropy(hidden[:4], kernel, labels[:4])
+    assert float(count) == float(four) == 4 and np.isclose(float(loss), float(alone), rtol=1e-6)
+    with pytest.raises(ValueError, match="unchunked"):
+        vocab_parallel_cross_entropy(hidden, kernel, labels, chunk=2, weights=weights)

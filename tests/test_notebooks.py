@@ -27,7 +27,7 @@ def cells(path: Path) -> list[dict]:
 
 def test_there_is_a_notebook_for_each_idea_and_the_readme_shows_each():
     readme = (NOTEBOOKS / "README.md").read_text()
-    assert [p.name[:2] for p in PATHS] == [f"{k:02d}" for k in range(7)], PATHS
+    assert [p.name[:2] for p in PATHS] == [f"{k:02d}" for k in range(8)], PATHS
     for path in PATHS:
         assert f"({path.name})" in readme, f"notebooks/README.md does not link {path.name}"
         figures = sorted((NOTEBOOKS / "figures").glob(f"{path.stem}-*.png"))

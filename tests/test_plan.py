@@ -1,5 +1,6 @@
 """The layout planner (`python -m pjax.plan`): its roofline pieces, its verdict when nothing fits,
 and its winning layout, which `pjax.train` must run as printed."""
+import ast
 import json
 import os
 import subprocess
@@ -16,11 +17,36 @@ from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline.schedules import one_f_one_b
 from pjax.parallel.pipeline.zero_bubble import zb_h1 as zb_h1_table
 from pjax.parallel.pipeline.zero_bubble_lockstep import zb_h1_lockstep
-from pjax.plan.estimate import analytic_memory, pipeline_ratio, predict, weight_share
+from pjax.plan.estimate import analytic_memory, predict
+from pjax.plan.pipeline_cost import pipeline_ratio, weight_share
 from pjax.plan.layouts import Layout
 from pjax.plan.profiles import PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_planners_modules_import_each_other_without_a_circle():
+    """pjax/plan's import graph, imports inside functions included (the usual way round a circle), has no cycle."""
+    modules = {path.stem: ast.parse(path.read_text()) for path in (REPO / "pjax" / "plan").glob("*.py")}
+    graph = {name: {node.module.split(".")[2] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.level == 0 and (node.module or "").startswith("pjax.plan.")}
+             for name, tree in modules.items()}
+    assert all(targets <= set(modules) for targets in graph.values()), graph  # every import seen is `from pjax.plan.X`
+
+    def back(start, goal):  # the shortest import path from start to goal, BFS
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop(0)
+            if path[-1] == goal:
+                return path
+            for target in sorted(graph[path[-1]] - seen):
+                seen.add(target)
+                paths.append(path + [target])
+        return None
+
+    circles = {tuple(c[c.index(min(c)):] + c[1:c.index(min(c)) + 1])  # each circle once, from its first name
+               for name in graph for target in graph[name] if (path := back(target, name)) and (c := [name] + path)}
+    assert not circles, f"import circles in pjax/plan: {circles}"
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])

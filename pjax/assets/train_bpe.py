@@ -13,12 +13,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pjax.assets import ROOT
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
+    ap = argparse.ArgumentParser(prog="python -m pjax.assets.train_bpe", description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--text", default=str(ROOT / "data" / "prideprejudice.txt"))
     ap.add_argument("--out", default=str(ROOT / "data" / "tokenizer" / "bpe4096"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -20,10 +20,17 @@ from models.llama import mask_padded_vocab
 
 def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: jax.Array,
                                  chunk: int = 0, vocab_size: int | None = None,
-                                 sequence_parallel: bool = False) -> tuple[jax.Array, jax.Array]:
+                                 sequence_parallel: bool = False, weights: jax.Array | None = None
+                                 ) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy in fp32, token count) of hidden [N, D], kernel [D, V], labels [N]; `vocab_size` masks a
-    padded V."""
+    padded V. `weights` [N] (evaluation's: 0 on padding) weigh each token's loss, the count being their sum; the
+    training step passes none, and they do not combine with `chunk`."""
     vocab_size = kernel.shape[1] if vocab_size is None else vocab_size
+    if weights is not None:
+        if chunk:
+            raise ValueError("vocab_parallel_cross_entropy: weights apply to the unchunked loss only (chunk=0)")
+        return _loss_and_dlogits(hidden, kernel, labels, vocab_size, with_grad=False, weights=weights)[0], \
+            jnp.sum(weights.astype(jnp.float32))
     count = jnp.asarray(labels.size, jnp.float32)
     kernel = kernel.astype(hidden.dtype)
     n = hidden.shape[0]
@@ -40,8 +47,10 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
 
 
 def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int,
-                      with_grad: bool, sp: bool = False) -> tuple[jax.Array, jax.Array | None]:
-    """Summed loss of [N, D] hidden states and, if `with_grad`, d(loss)/d(logits) [N, V] in fp32."""
+                      with_grad: bool, sp: bool = False, weights: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array | None]:
+    """Summed loss of [N, D] hidden states and, if `with_grad`, d(loss)/d(logits) [N, V] in fp32; `weights` [N]
+    weigh the tokens' losses (none: all 1)."""
     logits = seqpar.column(hidden, [kernel], jnp.float32)[0] if sp else output_logits(hidden, kernel)
     logits = constrain(logits, ("tokens", "vocab"))
     logits = mask_padded_vocab(logits, vocab_size)
@@ -51,8 +60,13 @@ def _loss_and_dlogits(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, v
     lse = jnp.log(total) + m[:, 0]
     hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == labels[:, None]
     target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    loss = jnp.sum(lse - target)
-    return loss, (e / total[:, None] - hit.astype(jnp.float32) if with_grad else None)
+    if weights is None:
+        loss = jnp.sum(lse - target)
+        return loss, (e / total[:, None] - hit.astype(jnp.float32) if with_grad else None)
+    # where, not a multiply: a position of weight 0 (padding) is never mixed in, even if its loss is not finite.
+    weights = jnp.where(weights > 0, weights.astype(jnp.float32), 0.0)
+    loss = jnp.sum(jnp.where(weights > 0, (lse - target) * weights, 0.0))
+    return loss, ((e / total[:, None] - hit.astype(jnp.float32)) * weights[:, None] if with_grad else None)
 
 
 def output_logits(hidden: jax.Array, kernel: jax.Array) -> jax.Array:

@@ -20,7 +20,8 @@ from pjax.cli import ArgumentParser, run_main  # noqa: E402
 from pjax.plan.profiles import PROFILES, of_kind  # noqa: E402
 
 
-def parse_args(argv: Sequence[str] | None) -> Any:
+def parser() -> ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     ap = ArgumentParser(prog="python -m pjax.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="debug", help="a shipped config name (pjax/assets/configs/) or a YAML file")
     ap.add_argument("--devices", type=int, required=True, help="how many devices (GPUs) in all")
@@ -49,7 +50,11 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     ap.add_argument("--explain", metavar="LAYOUT", default=None,
                     help="inspect one layout (e.g. dp2-tp4-zero1-m4) instead of searching")
     ap.add_argument("overrides", nargs="*", help="config overrides applied before planning, e.g. train.batch_size=64")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    return parser().parse_args(argv)
 
 
 def _curves(path: str, kind: str) -> Any:
@@ -111,7 +116,7 @@ def _run(args: Any) -> None:
         raise ConfigError(f"this process has {len(jax.devices('cpu'))} CPU devices and the layouts need {args.devices}; "
                           f"compile in worker processes (--workers 1 or more), or start JAX with more CPU devices.")
     if args.explain:
-        from pjax.plan.inspect import explain
+        from pjax.plan.explain import explain
 
         print(explain(config, layout, profile, per_host, backend))
         return

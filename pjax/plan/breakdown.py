@@ -9,11 +9,10 @@ from typing import Any
 
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
-from pjax.plan.estimate import (DP_AXES, Prediction, compute_model, host_share, link_model, per_device,
-                                pipeline_ratio, weight_share)
+from pjax.plan.estimate import DP_AXES, Prediction, compute_model, link_model, per_device
 from pjax.plan.layouts import Layout
-from pjax.plan.pipeline_cost import pipeline_factor
-from pjax.plan.profiles import Profile
+from pjax.plan.pipeline_cost import pipeline_factor, pipeline_ratio, weight_share
+from pjax.plan.profiles import Profile, host_share
 from pjax.plan.stream_cost import stream_seconds
 
 

@@ -181,8 +181,9 @@ def this_machine(kind: str, cache_dir: str | None, config: str | None = None, ov
     return record, path, True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
+    ap = argparse.ArgumentParser(prog="python -m pjax.plan.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the record to this JSON file (also printed)")
     ap.add_argument("--quick", action="store_true", help="fewer matmul row counts")
     ap.add_argument("--threads", type=int, default=None,
@@ -192,7 +193,11 @@ def main() -> None:
     ap.add_argument("--only", default=None, help=f"comma-separated sections of {', '.join(SECTIONS)} (default: all)")
     ap.add_argument("--verbose", action="store_true", help="each measurement on stderr as it is taken")
     ap.add_argument("overrides", nargs="*", help="with --config: its overrides (train.batch_size=32 ...)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     only = tuple(args.only.split(",")) if args.only else SECTIONS
     if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", *STEPS} & set(only)):
         sys.exit(f"--only takes {', '.join(SECTIONS)} (matmul, pipeline or stream with --config); not {args.only}")

@@ -7,19 +7,17 @@ import dataclasses
 import math
 from typing import Any
 
-from models.config import LlamaConfig
 from pjax.config import Config
 from pjax.observe.hlo_flops import StepMatmuls
-from pjax.observe.metrics import expert_mlps_per_token, model_flops_per_token, routing_group_tokens
+from pjax.observe.metrics import model_flops_per_token, routing_group_tokens
 from pjax.parallel.compression import bytes_per_value
-from pjax.parallel.pipeline.table import SPLIT_BACKWARD, PipelineConfig, make_schedule
+from pjax.parallel.pipeline.table import SPLIT_BACKWARD
 from pjax.plan.curves import compute_seconds, replay_seconds
-from pjax.plan.layouts import Layout, state_bytes
-from pjax.plan.pipeline_cost import pipeline_factor
-from pjax.plan.profiles import Profile
+from pjax.plan.layouts import REMAT_RECOMPUTE, Layout, state_bytes
+from pjax.plan.pipeline_cost import pipeline_factor, pipeline_ratio, weight_share
+from pjax.plan.profiles import Profile, host_share
 from pjax.plan.stream_cost import stream_seconds
 
-REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
 DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute
 WORK = ("compute", "stream", "bubble")  # the terms that are not collectives
 
@@ -40,11 +38,6 @@ class Prediction:
         return self.memory_bytes <= self.usable_bytes
 
 
-def host_share(profile: Profile, devices: int) -> int:
-    """How many devices share one host's peak, memory and links: fake CPU devices do, GPUs do not."""
-    return min(devices, profile.devices_per_host) if profile.shares_host else 1
-
-
 def per_device(profile: Profile, devices: int) -> tuple[float, int]:
     """(peak FLOP/s, memory bytes) of one device; fake CPU devices share their host's."""
     share = host_share(profile, devices)
@@ -54,25 +47,6 @@ def per_device(profile: Profile, devices: int) -> tuple[float, int]:
 def usable_bytes(profile: Profile, devices: int, mem_fraction: float) -> int:
     """What the allocator lets one device use."""
     return int(per_device(profile, devices)[1] * mem_fraction)
-
-
-def weight_share(cfg: LlamaConfig, seq_len: int) -> float:
-    """A layer's W in forwards, its backward being 2: W lacks attention's share (its backward is B's)."""
-    d, f, h, kv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       cfg.head_dim)
-    projections = 2 * (d * dh * (2 * h + 2 * kv) + expert_mlps_per_token(cfg) * 3 * d * f)
-    attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average
-    return projections / (projections + attention)
-
-
-def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
-    """The schedule's span over a device's busy time (1 without a pipeline), a backward twice a forward."""
-    if layout.pp == 1:
-        return 1.0
-    m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
-    # The table the executor runs: in lockstep with cp > 1 (`table.make_schedule`).
-    sched = make_schedule(PipelineConfig(layout.schedule, v), p, m, lockstep=layout.cp > 1)
-    return sched.span(1.0, 2.0, weight) / (3.0 * m * v)
 
 
 def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:

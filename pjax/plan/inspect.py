@@ -1,5 +1,6 @@
 """The sharding inspector: where every parameter lives, what a device holds, and what a step communicates
-(`python -m pjax.plan --explain LAYOUT` for any layout, `log.inspect=true` for a training run's own)."""
+(`python -m pjax.plan --explain LAYOUT` for any layout, through `explain`; `log.inspect=true` for a training
+run's own)."""
 from __future__ import annotations
 
 import math
@@ -12,10 +13,11 @@ from pjax.observe.hlo import collectives_by_axis
 from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_census, kind_order
 from pjax.observe.memory import step_memory_bytes
 from pjax.parallel.pipeline.table import part_runs, tick_runs
-from pjax.plan.layouts import Layout, check, state_bytes
+from pjax.plan.layouts import Layout, state_bytes
 
 
-def _size(n: float) -> str:
+def readable_bytes(n: float) -> str:
+    """GiB from one GiB up, else MiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -32,7 +34,7 @@ def parameter_table(params: Any, logical_axes: Any) -> str:
         name = "/".join(str(k.key) for k in path)
         names = ",".join(n or "-" for n in flat_axes[path])  # '-': a dimension with no logical name (the router's experts)
         per_device = math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
-        rows.append((name, "x".join(map(str, p.shape)), names, str(tuple(p.sharding.spec)), _size(per_device)))
+        rows.append((name, "x".join(map(str, p.shape)), names, str(tuple(p.sharding.spec)), readable_bytes(per_device)))
     return _table(rows)
 
 
@@ -65,19 +67,19 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
     need = step_memory_bytes(compiled)
     memory = [
         ("per device", "bytes"),
-        ("fp32 parameters", _size(state["params"])),
-        ("AdamW moments", _size(state["opt_state"])),
-        ("fp32 gradient (in the temporaries)", _size(state["grads"])),
-        ("step arguments (parameters, moments, batch)", _size(m.argument_size_in_bytes)),
-        ("temporaries (gradient, activations, buffers)", _size(m.temp_size_in_bytes)),
-        ("step in all (arguments + outputs - donated + temporaries)", _size(need)),
+        ("fp32 parameters", readable_bytes(state["params"])),
+        ("AdamW moments", readable_bytes(state["opt_state"])),
+        ("fp32 gradient (in the temporaries)", readable_bytes(state["grads"])),
+        ("step arguments (parameters, moments, batch)", readable_bytes(m.argument_size_in_bytes)),
+        ("temporaries (gradient, activations, buffers)", readable_bytes(m.temp_size_in_bytes)),
+        ("step in all (arguments + outputs - donated + temporaries)", readable_bytes(need)),
     ]
     if comm is None:
         comm = step_collectives(config, dict(mesh.shape), compiled.as_text(), devices_per_host)
     rows = [("mesh axes", "ops per step", "bytes per device", "ring link bytes", "crosses hosts", "kinds")]
     for axes, row in sorted(comm.items(), key=lambda kv: -kv[1]["link_bytes"]):
         kinds = ", ".join(f"{k} x{_count(n)}" for k, n in sorted(row["kinds"].items()))
-        rows.append((axes, _count(row["count"]), _size(row["bytes"]), _size(row["link_bytes"]),
+        rows.append((axes, _count(row["count"]), readable_bytes(row["bytes"]), readable_bytes(row["link_bytes"]),
                      "yes" if row["inter_host"] else "no", kinds))
     if len(rows) == 1:
         rows.append(("(none)", "0", "0", "0", "-", "-"))
@@ -98,31 +100,3 @@ def kernel_report(config: Config, hlo_text: str) -> str:
     gemms = ", ".join(f"{k} {_count(census[k]['gemms'])} ({100 * census[k]['flops'] / total:.1f}% of the FLOPs)"
                       for k in sorted(census, key=kind_order)) or "none"
     return f"attention: {attention}\nGEMMs per step by operand dtype: {gemms}"
-
-
-def explain(config: Config, layout: Layout, profile: Any, devices_per_host: int, backend: str = "cpu") -> str:
-    """One layout in full: parameter shardings, the compiled step's memory and collectives (XLA:CPU's, or
-    XLA:GPU's with `backend` 'gpu'), its prediction and why (`breakdown`: each term and what it came from)."""
-    from models.llama import param_logical_axes
-    from pjax.plan.breakdown import breakdown
-    from pjax.plan.compile import compile_planned
-    from pjax.plan.estimate import predict
-
-    check(config, layout)
-    cfg, trainer, compiled = compile_planned(config, layout, profile, devices_per_host, backend)
-    mesh, devices = trainer.mesh, trainer.mesh.devices.size
-    hlo = compiled.as_text()
-    comm = step_collectives(cfg, dict(mesh.shape), hlo, devices_per_host)
-    matmuls = step_matmuls(cfg, dict(mesh.shape), hlo)
-    p = predict(cfg, layout, profile, comm, step_memory_bytes(compiled), 1.0 if profile.shares_host else 0.75,
-                matmuls)
-    terms = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in p.terms.items() if v)
-    head = (f"{layout.name} on {devices} {profile.name}, compiled by XLA:{backend.upper()} "
-            f"({cfg.precision.preset_name(cfg.train.dtype)} precision, attention {cfg.train.attention}); "
-            f"overrides: {' '.join(layout.overrides())}")
-    verdict = (f"predicted {p.step_s * 1e3:,.1f} ms per step ({terms}), {p.tokens_per_s:,.0f} tokens/s, "
-               f"{100 * p.mfu:.1f}% MFU; {_size(p.memory_bytes)} of {_size(p.usable_bytes)} usable: "
-               f"{'fits' if p.fits else 'does NOT fit'}")
-    return "\n\n".join([head, parameter_table(trainer.abstract_state().params, param_logical_axes(cfg.model)),
-                        step_report(cfg, mesh, compiled, devices_per_host, comm), kernel_report(cfg, hlo), verdict,
-                        breakdown(cfg, layout, profile, comm, p, matmuls)])

@@ -27,6 +27,7 @@ from pjax.plan.profiles import Profile
 
 ZEROS = (0, 1, 3)
 REMATS = ("none", "full")
+REMAT_RECOMPUTE = {"full": 4 / 3}  # the forward again: 8 instead of 6 FLOPs per parameter and token
 # AFAB and lockstep 1F1B beat 1F1B only by holding more micro-batches, so the search leaves them out.
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zb_v", 2))
 

@@ -1,6 +1,6 @@
 """What a pipeline pays on this machine beyond its work, measured on the model at hand.
 
-A schedule's table says how long a device idles (the bubble, `estimate.pipeline_ratio`). What the machine
+A schedule's table says how long a device idles (the bubble, `pipeline_ratio`). What the machine
 pays for it is another matter. On devices of their own every tick ends in a permute that all of them meet,
 so an idle tick lasts as long as the busiest device's item: the whole bubble is paid. On forced CPU devices
 that share a host's cores, the stages with work run on the idle stages' cores, so the bubble costs next to
@@ -14,22 +14,44 @@ turns it into what the roofline charges a layout: its work, times the table's sp
 bubble is paid, times one plus the ticks' share."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 
-if TYPE_CHECKING:
-    from pjax.plan.layouts import Layout
-    from pjax.plan.profiles import Profile
+from mesh.errors import ConfigError
+from models.config import LlamaConfig
+from pjax.config_io import load_config
+from pjax.observe.metrics import expert_mlps_per_token
+from pjax.parallel.pipeline.table import PipelineConfig, make_schedule
+from pjax.plan.layouts import Layout
+from pjax.plan.profiles import Profile
+from pjax.plan.step_pairs import timed_pair
 
 _MICRO_BATCHES = 2  # the flat step's; the pipeline's dp is half, so twice as many give the same products
+
+
+def weight_share(cfg: LlamaConfig, seq_len: int) -> float:
+    """A layer's W in forwards, its backward being 2: W lacks attention's share (its backward is B's)."""
+    d, f, h, kv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim)
+    projections = 2 * (d * dh * (2 * h + 2 * kv) + expert_mlps_per_token(cfg) * 3 * d * f)
+    attention = 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average
+    return projections / (projections + attention)
+
+
+def pipeline_ratio(layout: Layout, weight: float = 1.0) -> float:
+    """The schedule's span over a device's busy time (1 without a pipeline), a backward twice a forward."""
+    if layout.pp == 1:
+        return 1.0
+    m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
+    # The table the executor runs: in lockstep with cp > 1 (`table.make_schedule`).
+    sched = make_schedule(PipelineConfig(layout.schedule, v), p, m, lockstep=layout.cp > 1)
+    return sched.span(1.0, 2.0, weight) / (3.0 * m * v)
 
 
 def pair(devices: int) -> tuple[Layout, Layout]:
     """(the flat step, the pipeline) the section times on `devices`: dp n at two micro-batches, and dp n/2 x
     pp 2 at four, so that every product has the same rows and every device the same FLOPs."""
-    from pjax.plan.layouts import Layout
-
     return (Layout(dp=devices, grad_accum=_MICRO_BATCHES),
             Layout(dp=devices // 2, pp=2, grad_accum=2 * _MICRO_BATCHES))
 
@@ -40,11 +62,6 @@ def measure_pipeline(config_name: str, overrides: Sequence[str] = (), steps: int
     ratio of span to busy time and `extra`, its step's time over the flat one's, less one, of the median of
     `rounds` rounds (`step_pairs.timed_pair`); an `error` where this machine has fewer than 2 devices or an odd
     number, or the layouts cannot split the config."""
-    from mesh.errors import ConfigError
-    from pjax.config_io import load_config
-    from pjax.plan.estimate import pipeline_ratio, weight_share
-    from pjax.plan.step_pairs import timed_pair
-
     n = len(jax.devices())
     fixed: dict[str, Any] = {"config": config_name, "overrides": list(overrides), "devices": n}
     if n < 2 or n % 2:

@@ -43,6 +43,11 @@ class Profile:
         return points[-1][1]
 
 
+def host_share(profile: Profile, devices: int) -> int:
+    """How many devices share one host's peak, memory and links: fake CPU devices do, GPUs do not."""
+    return min(devices, profile.devices_per_host) if profile.shares_host else 1
+
+
 _H100_MFU = ((576, 0.280), (960, 0.344), (2048, 0.455))
 
 PROFILES: dict[str, Profile] = {

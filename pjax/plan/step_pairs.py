@@ -116,15 +116,20 @@ def timed_pair(config_name: str, overrides: Sequence[str], first: Layout, second
     return a, b, [round(r[0], 4) for r in ordered]
 
 
-def main() -> None:
-    """`_serve`'s process: one layout's step on `--devices` forced CPU devices, timed once per line of stdin."""
-    ap = argparse.ArgumentParser(description="a layout's median step seconds on forced CPU devices, per line of stdin")
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
+    ap = argparse.ArgumentParser(prog="python -m pjax.plan.step_pairs", description="a layout's median step seconds on forced CPU devices, per line of stdin")
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layout", required=True, help="a planner layout name, e.g. dp2-tp4-sp-m2")
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    """`_serve`'s process: one layout's step on `--devices` forced CPU devices, timed once per line of stdin."""
+    args = parser().parse_args()
     from mesh.distributed import pipeline_cpu_threads
     from mesh.errors import ConfigError
     from pjax.plan.layouts import Layout

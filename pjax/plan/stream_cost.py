@@ -14,13 +14,15 @@ also holds what the two forms' collectives differ by, which the pair cannot sepa
 charges a layout its devices' tokens times their layers at that cost."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 
-if TYPE_CHECKING:
-    from pjax.plan.layouts import Layout
-    from pjax.plan.profiles import Profile
+from mesh.errors import ConfigError
+from pjax.config_io import load_config
+from pjax.plan.layouts import REMAT_RECOMPUTE, Layout
+from pjax.plan.profiles import Profile, host_share
+from pjax.plan.step_pairs import timed_pair
 
 _MICRO_BATCHES = 2
 
@@ -29,8 +31,6 @@ def pair(devices: int, kv_heads: int) -> tuple[Layout, Layout]:
     """(tp without sequence parallelism, the same with it) the section times on `devices` for a model of
     `kv_heads` key/value heads: tp 4 where 4 divides both (the difference is then 3/4 of the stream's work rather
     than 1/2), else tp 2; dp takes the rest of the devices."""
-    from pjax.plan.layouts import Layout
-
     tp = 4 if devices % 4 == 0 and kv_heads % 4 == 0 else 2
     plain = Layout(dp=devices // tp, tp=tp, grad_accum=_MICRO_BATCHES)
     return plain, Layout(dp=devices // tp, tp=tp, grad_accum=_MICRO_BATCHES, sequence_parallel=True)
@@ -42,10 +42,6 @@ def measure_stream(config_name: str, overrides: Sequence[str] = (), steps: int =
     `per_token_layer` needs (each device's tokens per step, layers, hidden size, tp) and `saved`, the plain
     step's time over the sequence-parallel one's, less one; an `error` where this machine has fewer than 2
     devices or an odd number, or the layouts cannot split the config."""
-    from mesh.errors import ConfigError
-    from pjax.config_io import load_config
-    from pjax.plan.step_pairs import timed_pair
-
     n = len(jax.devices())
     fixed: dict[str, Any] = {"config": config_name, "overrides": list(overrides), "devices": n}
     if n < 2 or n % 2:
@@ -74,8 +70,6 @@ def stream_seconds(config: Any, layout: Layout, profile: Profile) -> tuple[float
     """(one device's step of residual-stream work, times the devices sharing its host, why): its tokens per
     step times its stage's layers at the measured cost, over tp under sequence parallelism, again for the
     forward's recompute under `remat=full`. 0 without a calibration's `stream` measurement."""
-    from pjax.plan.estimate import REMAT_RECOMPUTE, host_share
-
     measured = profile.curves.stream if profile.curves is not None else None
     if measured is None:
         why = "no calibration" if profile.curves is None else "not measured: calibrate with --config"
