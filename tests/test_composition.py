@@ -48,6 +48,12 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("1f1b", "ulysses", "sp", "remat_full", "loss_chunk"),
     ("zb_h1", "sp", "int8_reduce", "streaming", "curriculum", "remat_full", "loss_chunk"),
     ("interleaved", "ulysses", "zero3", "moe", "curriculum", "fp8", "remat_full", "loss_chunk"),
+    ("ulysses", "sp", "zero1", "diloco", "fp8", "remat_full", "loss_chunk"),
+    ("zb_v", "all_gather", "streaming", "curriculum", "fp8"),
+    ("zb_h1", "all_gather", "powersgd", "diloco", "remat_full"),
+    ("1f1b", "all_gather", "zero1", "loss_chunk"),
+    ("1f1b", "ring", "zero3", "remat_full"),
+    ("zb_h1", "sp", "fomaml", "fp8"),
 )
 
 

@@ -27,6 +27,22 @@ LAYOUTS = {
     "mixtral-dp2-int8": ("mixtral-tiny", ["mesh.dp=2", "mesh.tp=1", "train.grad_compression=int8"]),
     "dp2-tp2-zero1-powersgd": ("debug", ["mesh.dp=2", "mesh.tp=2", "train.zero=1", "train.grad_compression=powersgd",
                                          "train.powersgd_rank=2"]),
+    # Each (dp, cp) device compresses its partial sum: the other context strategies, and SP's blocks, alike.
+    "dp2-cp2-tp2-ulysses-sp-powersgd": ("debug", ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "context.strategy=ulysses",
+                                                  "train.sequence_parallel=true", "train.grad_compression=powersgd",
+                                                  "train.powersgd_rank=2"]),
+    "dp2-cp2-all_gather-bf16": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=all_gather",
+                                          "train.grad_compression=bf16"]),
+    "dp2-cp2-all_gather-int8": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=all_gather",
+                                          "train.grad_compression=int8"]),
+    "dp2-cp2-all_gather-powersgd": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=all_gather",
+                                              "train.grad_compression=powersgd", "train.powersgd_rank=2"]),
+    "dp2-cp2-ulysses-bf16": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=ulysses",
+                                       "train.grad_compression=bf16"]),
+    "dp2-cp2-ulysses-int8": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=ulysses",
+                                       "train.grad_compression=int8"]),
+    "dp2-cp2-ring-powersgd": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=ring",
+                                        "train.grad_compression=powersgd", "train.powersgd_rank=2"]),
 }
 # ||compressed - exact|| / ||exact|| on the first step (measured 0.0023 bf16, 0.012-0.017 int8): bf16 rounds each
 # value twice (2^-9 relative each); int8 to 1/254 of its block's largest value, coarse for a block's small values.
@@ -62,7 +78,9 @@ def _norm(tree) -> float:
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
 
 
-@pytest.mark.proves("ring+int8_reduce", "zero1+int8_reduce", "zero1+powersgd", "moe+int8_reduce")
+@pytest.mark.proves("ring+int8_reduce", "zero1+int8_reduce", "zero1+powersgd", "moe+int8_reduce", "ulysses+powersgd",
+                    "sp+powersgd", "all_gather+bf16_reduce", "all_gather+int8_reduce", "all_gather+powersgd",
+                    "ulysses+bf16_reduce", "ulysses+int8_reduce", "ring+powersgd")
 def test_the_reduced_gradient_is_the_exact_one_within_the_payloads_rounding(layout):
     assert float(layout["loss"]) == pytest.approx(float(layout["exact_loss"]), rel=1e-6)  # the loss is not compressed
     diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), layout["grads"], layout["exact"])
@@ -132,12 +150,18 @@ def test_compression_is_refused_where_it_has_no_reduction_to_compress():
         _trainer("debug", ["mesh.dp=2", "mesh.pp=2", "train.zero=3", "train.grad_compression=bf16"])
 
 
-@pytest.mark.proves("1f1b+powersgd")
-def test_a_pipelined_step_compresses_its_once_per_step_reduction():
-    """dp2 x pp2 (1F1B) with PowerSGD, whose state (residuals and Q) has the most pipelined specs: the reduced
-    gradient is a projection of the exact one, and nothing is lost."""
-    mode = "powersgd"
-    cfg, trainer = _trainer("debug", ["mesh.dp=2", "mesh.pp=2", f"train.grad_compression={mode}"])
+@pytest.mark.proves("1f1b+powersgd", "interleaved+int8_reduce", "interleaved+powersgd", "zb_v+bf16_reduce",
+                    "zb_v+int8_reduce", "zb_v+powersgd", "interleaved+bf16_reduce")
+@pytest.mark.parametrize("schedule,mode", [("1f1b", "powersgd"), ("interleaved", "int8"), ("interleaved", "powersgd"),
+                                           ("interleaved", "bf16"), ("zb_v", "bf16"), ("zb_v", "int8"),
+                                           ("zb_v", "powersgd")])
+def test_a_pipelined_step_compresses_its_once_per_step_reduction(schedule, mode):
+    """dp2 x pp2 with each schedule and payload (PowerSGD's state, residuals and Q, has the most pipelined specs;
+    interleaved and ZB-V hold two chunks per device): the reduced gradient is the exact one within the payload's
+    rounding (PowerSGD's: a projection of it), and nothing is lost."""
+    virtual = 2 if schedule in ("interleaved", "zb_v") else 1
+    cfg, trainer = _trainer("debug", ["mesh.dp=2", "mesh.pp=2", "model.num_hidden_layers=4", f"train.grad_compression={mode}",
+                                      f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={virtual}"])
     state, batch = trainer.init(jax.random.key(0)), random_batch(trainer)
     with jax.set_mesh(trainer.mesh):
         loss, grads, _, residual = jax.jit(trainer.strategy.compressed_loss_and_grads)(state.params, batch,
