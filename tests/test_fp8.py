@@ -1,6 +1,7 @@
 """fp8 matmuls (models/fp8.py): scales that follow the current amax, e4m3 operands and e5m2 cotangents,
 no NaN on a huge activation, and the fp8 step on a sharded layout (pp x cp x tp with sequence
 parallelism) and experts over dp tracking one device's."""
+import contextlib
 import dataclasses
 import functools
 
@@ -166,6 +167,25 @@ def test_fp8_scales_are_per_tensor_on_every_layout(layout):
     loss, norm, text = loss_and_grad_norm(precision=fp8_only, **layout)
     assert "f8E4M3FN" in text and "f8E5M2" in text
     assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6), (loss, norm)
+
+
+def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():
+    """Rows split over dp: one amax over all of them; where the replicas train models of their own (DiLoCo's
+    groups, meta-learning's tasks, `fp8.replica_groups`), over each group of replicas only."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
+    x = jnp.arange(1.0, 9.0).reshape(4, 2)  # replica r holds row r: its amax is 2r + 2
+
+    def amax(group):
+        def body(block):
+            with contextlib.nullcontext() if group is None else fp8.replica_groups(group):
+                return fp8.whole_amax(block)[None]
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(x))
+
+    assert amax(None).tolist() == [8.0] * 4
+    assert amax(2).tolist() == [4.0, 4.0, 8.0, 8.0]
+    assert amax(1).tolist() == [2.0, 4.0, 6.0, 8.0]
 
 
 def test_weights_that_share_an_input_take_one_scale():

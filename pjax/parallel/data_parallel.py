@@ -13,7 +13,7 @@ from jax import lax
 from mesh import rules
 from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import logical_to_spec, param_rules, vary  # noqa: F401 (vary: this module's API)
-from models import llama
+from models import fp8, llama
 from models.config import LlamaConfig
 from pjax.parallel import feedback, groups
 
@@ -157,7 +157,8 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
 
     def body(params, batch):
         one = jax.tree.map(lambda x: x[0], params)
-        loss, count, grads, _ = accumulate(vary(one, in_group), batch)
+        with fp8.replica_groups(group_size):
+            loss, count, grads, _ = accumulate(vary(one, in_group), batch)
         grads, (loss, count) = _psum([grads, (loss, count)], in_group)
         total, tokens = lax.psum((loss, count), DP)
         if scatter:

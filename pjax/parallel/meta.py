@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, current
+from models import fp8
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import data_parallel, outer
@@ -102,7 +103,8 @@ class Meta:
             return self.per_task(params, batch)
 
         def body(params, batch):
-            return lax.pmean(self.per_task(data_parallel.vary(params, axes), batch), DP)
+            with fp8.replica_groups(1):  # each replica adapts to its own task
+                return lax.pmean(self.per_task(data_parallel.vary(params, axes), batch), DP)
         return jax.shard_map(body, in_specs=(P(), data_parallel.batch_spec(axes)), out_specs=(P(), P(), P()),
                              axis_names=set(axes))(params, batch)
 

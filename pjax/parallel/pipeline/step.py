@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
+from models import fp8
 from models.config import LlamaConfig
 from pjax.parallel import data_parallel, feedback, groups
 from pjax.parallel.pipeline import schedules as ps
@@ -60,7 +61,8 @@ def _run_per_replica(sched: ps.Schedule, stage: Stage, stacked_params: Any, batc
                           lambda g: groups.group_sum(lax.psum(g, in_group) if in_group else g, group_size))
 
     def body(params, batch, table):
-        loss, grads, _ = run(jax.tree.map(lambda x: x[0], params), batch, table)
+        with fp8.replica_groups(group_size):
+            loss, grads, _ = run(jax.tree.map(lambda x: x[0], params), batch, table)
         return loss, jax.tree.map(lambda g: g[None], grads)
 
     specs = data_parallel.stacked_specs(data_parallel.data_specs(cfg, data, pipelined=True))
