@@ -30,7 +30,8 @@ REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming",
 # Loss tolerance (relative) of a run against its reference: float32 sums in another order (1e-5); with a bf16
 # reduction its rounding of other blocks of the same values (measured 1.2e-4 after two steps); with fp8 GEMMs, once
 # the parameters have moved, such a sum's last bit now and then moves an e5m2 rounding (2 mantissa bits) of a
-# gradient (measured up to 1.7e-4 at the third step). The first step's loss, from the same parameters, must equal
+# gradient (measured up to 1.7e-4 at the third step); with MoE such a difference can flip a router's choice, so
+# MoE and fp8 share no run. The first step's loss, from the same parameters, must equal
 # the reference's to FIRST_RTOL: the forward's fp8 scales are per tensor on every layout (tests/test_fp8.py checks
 # the gradients' to 1e-6).
 RTOL = {"bf16_reduce": 1e-3, "fp8": 3e-4}
@@ -47,7 +48,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("zb_h1", "zero1", "fp8", "remat_full", "loss_chunk"),
     ("1f1b", "ulysses", "sp", "remat_full", "loss_chunk"),
     ("zb_h1", "sp", "int8_reduce", "streaming", "curriculum", "remat_full", "loss_chunk"),
-    ("interleaved", "ulysses", "zero3", "moe", "curriculum", "fp8", "remat_full", "loss_chunk"),
+    ("interleaved", "ulysses", "zero3", "moe", "curriculum", "remat_full", "loss_chunk"),
     ("ulysses", "sp", "zero1", "diloco", "fp8", "remat_full", "loss_chunk"),
     ("all_gather", "streaming", "curriculum"),
     ("ulysses", "streaming", "remat_full"),

@@ -54,8 +54,10 @@ def runs() -> dict[tuple[int, int | None], dict]:
 
 
 def _close(a, b) -> None:
+    # atol: a few of 2M entries, whose gradient nearly cancels, move by up to 3.3e-6 when the sums' order moves
+    # (XLA:CPU's kernels at the tests' -O0, tests/conftest.py); every other entry agrees within 2e-6 relative.
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-7)
+        np.testing.assert_allclose(x, y, rtol=2e-6, atol=5e-6)
 
 
 def _same_steps(plain: dict, sharded: dict) -> None:
