@@ -214,7 +214,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
         strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
-    diloco = streaming.diloco_for(strategy, inner, optimizer, tc) if tc.local_steps else None
+    diloco = streaming.diloco_for(strategy, inner, optimizer, tc, mc.pp) if tc.local_steps else None
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step

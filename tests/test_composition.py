@@ -52,6 +52,8 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("ulysses", "sp", "zero1", "diloco", "fp8", "remat_full", "loss_chunk"),
     ("all_gather", "streaming", "curriculum"),
     ("ulysses", "streaming", "remat_full"),
+    ("zb_v", "streaming", "loss_chunk"),
+    ("1f1b", "streaming"),
     ("zb_h1", "all_gather", "powersgd", "diloco", "remat_full"),
     ("1f1b", "all_gather", "zero1", "loss_chunk"),
     ("1f1b", "ring", "zero3", "remat_full"),

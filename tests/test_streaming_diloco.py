@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -131,3 +132,21 @@ def test_an_outer_step_sends_one_fragment_of_dilocos_bytes():
     assert 0 < scalars < 64
     assert halves == model // 2 + scalars
     assert overlap == model // 2 + 2 * scalars
+
+
+def test_a_fragment_is_the_model_s_every_p_th_layer_in_any_stored_order():
+    """ZB-V stores layers [0, 3 | 1, 2] (pp 2, 2 chunks of one): fragment 0 is layers 0 and 2 wherever they are;
+    round-robin [0, 2 | 1, 3] puts two of one fragment in a device's run of rows: refused (tests/test_errors.py)."""
+    from pjax.parallel.pipeline.layout import layer_order
+
+    assert streaming.layer_columns(8, 2) is None and streaming.layer_columns(8, 2, 2, 2) is None  # chunks of 2
+    columns = streaming.layer_columns(4, 2, 2, 2, vshape=True)
+    order = layer_order(4, 2, 2, vshape=True)
+    stack = jnp.asarray(order, jnp.float32)  # stored row r holds model layer order[r]
+    for f in range(2):
+        got = streaming.fragment(stack, jnp.int32(f), 2, 0, columns)
+        assert sorted(np.asarray(got).tolist()) == [f, f + 2]
+        back = streaming.with_fragment(stack, got + 10, jnp.int32(f), 2, 0, columns)
+        assert np.asarray(back).tolist() == [o + 10 if o % 2 == f else o for o in order]
+    with pytest.raises(ValueError):
+        streaming.layer_columns(4, 2, 2, 2)

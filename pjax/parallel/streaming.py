@@ -2,9 +2,10 @@
 in turn, each fragment's average landing `train.diloco_overlap` (tau) inner steps after it was sent.
 
 A fragment is every P-th slice (P = `train.diloco_fragments`) along each parameter's leading axis: of the layer
-stack [layers, ...], layers f, f + P, f + 2P, ... in the stored order (the paper's strided fragments); of the
+stack [layers, ...], the model's layers f, f + P, f + 2P, ... (the paper's strided fragments; where a pipeline
+stores its layers in another order, each run of P stored rows holds one of each fragment, `layer_columns`); of the
 embedding, rows f, f + P, ...; so each fragment holds 1/P of every parameter, and an outer step moves 1/P of
-DiLoCo's bytes. With H = `train.local_steps` and K = H / P, fragment f is sent after step n when n % K = 0 and
+DiLoCo's bytes, on every layout the same layers. With H = `train.local_steps` and K = H / P, fragment f is sent after step n when n % K = 0 and
 f = (n / K - 1) mod P, so each fragment is sent once every H steps, the last one at DiLoCo's steps.
 
 A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of
@@ -23,11 +24,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from mesh.errors import ConfigError
 from pjax.parallel import outer
+from pjax.parallel.pipeline.layout import layer_order
+
+
+def layer_columns(num_layers: int, parts: int, pp: int = 1, v: int = 1, vshape: bool = False) -> np.ndarray | None:
+    """[parts, layers / parts]: in each run of `parts` stored rows of the layer stack, the column holding the
+    model's layer of fragment f (layers f, f + parts, ...); None where that is column f (the model's order, and
+    every one-chunk pipeline). Raises ValueError where a run of rows holds two layers of one fragment."""
+    residues = layer_order(num_layers, pp, v, vshape).reshape(-1, parts) % parts
+    if (residues == np.arange(parts)).all():
+        return None
+    if (np.sort(residues, axis=1) != np.arange(parts)).any():
+        raise ValueError("a run of stored rows holds two layers of one fragment")
+    return np.argsort(residues, axis=1).T
 
 
 def check_run(run: Any) -> None:
@@ -51,6 +66,13 @@ def check_run(run: Any) -> None:
             raise ConfigError(f"{head} takes every {parts}-th slice of each parameter's leading axis, and {what} "
                               f"({size}) does not divide by {by} (fragments x the mesh axis that splits it); "
                               f"change train.diloco_fragments.")
+    try:
+        layer_columns(cfg.num_hidden_layers, parts, mesh.pp, run.pipeline.virtual_stages, run.pipeline.vshape)
+    except ValueError:
+        raise ConfigError(f"{head}: a fragment is every {parts}-th layer of the model, and with "
+                          f"pipeline.schedule={run.pipeline.schedule} a device's {parts} consecutive stored layers "
+                          f"hold two of one fragment; use fragments that divide each stage's "
+                          f"{cfg.num_hidden_layers // (mesh.pp * run.pipeline.virtual_stages)} layers.") from None
     if tc.grad_compression == "powersgd" and parts > 1:
         raise ConfigError(f"{head} with train.grad_compression=powersgd: PowerSGD's warm-start Q belongs to whole "
                           f"matrices, not to fragments; use bf16 or int8, or train.diloco_fragments=1.")
@@ -59,16 +81,33 @@ def check_run(run: Any) -> None:
                           f"the checkpoint and export would hold initial parameters; set more train.steps.")
 
 
-def fragment(x: jax.Array, f: jax.Array, parts: int, axis: int = 0) -> jax.Array:
-    """Slices f, f + parts, ... of `x` along `axis`."""
+def _picked(x: jax.Array, f: jax.Array, parts: int, axis: int, columns: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """x viewed as [..., rows, parts, ...] along `axis`, and the mask of fragment f's column in each row (local to
+    each device's rows: no gather along a split axis)."""
+    shape = x.shape
+    view = x.reshape(*shape[:axis], shape[axis] // parts, parts, *shape[axis + 1:])
+    column = jnp.asarray(columns, jnp.int32)[f]  # [rows]
+    hit = column[:, None] == jnp.arange(parts, dtype=jnp.int32)[None, :]
+    return view, hit.reshape(*(1,) * axis, *hit.shape, *(1,) * (x.ndim - axis - 1))
+
+
+def fragment(x: jax.Array, f: jax.Array, parts: int, axis: int = 0, columns: np.ndarray | None = None) -> jax.Array:
+    """Slices f, f + parts, ... of `x` along `axis`; with `columns` (`layer_columns`), row r's column columns[f, r]."""
+    if columns is not None:
+        view, hit = _picked(x, f, parts, axis, columns)
+        return jnp.sum(jnp.where(hit, view, jnp.zeros((), x.dtype)), axis=axis + 1)  # one term per row: exact
     shape = x.shape
     view = x.reshape(*shape[:axis], shape[axis] // parts, parts, *shape[axis + 1:])
     return lax.dynamic_index_in_dim(view, f, axis + 1, keepdims=False)
 
 
-def with_fragment(x: jax.Array, part: jax.Array, f: jax.Array, parts: int, axis: int = 0) -> jax.Array:
+def with_fragment(x: jax.Array, part: jax.Array, f: jax.Array, parts: int, axis: int = 0,
+                  columns: np.ndarray | None = None) -> jax.Array:
     """`x` with its fragment f (`fragment`) replaced by `part`."""
     shape = x.shape
+    if columns is not None:
+        view, hit = _picked(x, f, parts, axis, columns)
+        return jnp.where(hit, jnp.expand_dims(part.astype(x.dtype), axis + 1), view).reshape(shape)
     view = x.reshape(*shape[:axis], shape[axis] // parts, parts, *shape[axis + 1:])
     return lax.dynamic_update_index_in_dim(view, part.astype(x.dtype), f, axis + 1).reshape(shape)
 
@@ -77,9 +116,21 @@ def with_fragment(x: jax.Array, part: jax.Array, f: jax.Array, parts: int, axis:
 class StreamingDiLoCo(outer.DiLoCo):
     """DiLoCo's step with fragments (`train.diloco_fragments`), overlap and mixing."""
 
+    columns: tuple | None = None  # `layer_columns` of the stored layer stack, as nested tuples
+
     @property
     def parts(self) -> int:
         return self.tc.diloco_fragments
+
+    def _cut(self, tree: Any) -> Any:
+        """A tree shaped like `tree` (the parameters, or their [groups, ...] stack): 1 at the layer stack's
+        leaves (cut by `columns`), 0 elsewhere (strided)."""
+        def one(path, _):
+            return 1 if getattr(path[0], "key", None) == "layers" else 0
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def _columns(self, kind: int) -> np.ndarray | None:
+        return np.asarray(self.columns) if kind == 1 and self.columns is not None else None
 
     @property
     def period(self) -> int:
@@ -131,7 +182,7 @@ class StreamingDiLoCo(outer.DiLoCo):
 
     def slices(self, stacked: Any, f: jax.Array) -> Any:
         """Fragment f of every group's copy ([groups, ...] leaves)."""
-        return jax.tree.map(lambda x: fragment(x, f, self.parts, 1), stacked)
+        return jax.tree.map(lambda x, k: fragment(x, f, self.parts, 1, self._columns(k)), stacked, self._cut(stacked))
 
     def arrive(self, params: Any, opt_state: Any, local: Any, residual: Any, f: jax.Array, sent: Any
                ) -> tuple[Any, ...]:
@@ -144,39 +195,49 @@ class StreamingDiLoCo(outer.DiLoCo):
                        ) -> tuple[Any, ...]:
         """The outer step of fragment f of the global parameters from the groups' copies `sent`: (params,
         opt_state, residual, the new global fragment)."""
-        part = lambda x: fragment(x, f, self.parts)  # noqa: E731
-        mine = jax.tree.map(part, params)
-        state = optax.tree_map_params(self.outer, part, opt_state)
+        kinds, parts = self._cut(params), self.parts
+        part = lambda x, k: fragment(x, f, parts, 0, self._columns(k))  # noqa: E731
+        mine = jax.tree.map(part, params, kinds)
+        state = optax.tree_map_params(self.outer, part, opt_state, kinds)
         if residual is None:
             average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), sent)
             mine, state = outer.outer_step(self.outer, mine, state, average)
         else:
-            r = {**residual, "error": jax.tree.map(lambda x: fragment(x, f, self.parts, 1), residual["error"])}
+            cut = lambda x, k: fragment(x, f, parts, 1, self._columns(k))  # noqa: E731
+            r = {**residual, "error": jax.tree.map(cut, residual["error"], kinds)}
             delta, r = self.compressed_delta(mine, sent, r)
             mine, state = outer.outer_update(self.outer, mine, state, delta)
-            errors = jax.tree.map(lambda x, e: with_fragment(x, e, f, self.parts, 1), residual["error"], r["error"])
+            errors = jax.tree.map(lambda x, e, k: with_fragment(x, e, f, parts, 1, self._columns(k)),
+                                  residual["error"], r["error"], kinds)
             residual = {**r, "error": errors}
-        put = lambda x, y: with_fragment(x, y, f, self.parts)  # noqa: E731
-        params = jax.tree.map(put, params, mine)
-        is_param = optax.tree_map_params(self.outer, lambda _: True, opt_state, transform_non_params=lambda _: False)
-        opt_state = jax.tree.map(lambda x, y, p: put(x, y) if p else y, opt_state, state, is_param)
+        put = lambda x, y, k: with_fragment(x, y, f, parts, 0, self._columns(k))  # noqa: E731
+        params = jax.tree.map(put, params, mine, kinds)
+        # Each leaf of the outer state: its parameter's kind, or -1 where it is none (a step count).
+        state_kinds = optax.tree_map_params(self.outer, lambda _, k: k, opt_state, kinds,
+                                            transform_non_params=lambda _: -1)
+        opt_state = jax.tree.map(lambda x, y, k: put(x, y, k) if k >= 0 else y, opt_state, state, state_kinds)
         return params, opt_state, residual, mine
 
     def merge(self, local: Any, landed: Any, f: jax.Array) -> Any:
         """Every group's fragment f <- alpha * its own + (1 - alpha) * the landed global fragment."""
         alpha = self.tc.diloco_mix
 
-        def one(stacked: jax.Array, new: jax.Array) -> jax.Array:
-            own = fragment(stacked, f, self.parts, 1)
+        def one(stacked: jax.Array, new: jax.Array, kind: int) -> jax.Array:
+            own = fragment(stacked, f, self.parts, 1, self._columns(kind))
             mixed = jnp.broadcast_to(new, own.shape) if not alpha else alpha * own + (1 - alpha) * new[None]
-            return with_fragment(stacked, mixed, f, self.parts, 1)
+            return with_fragment(stacked, mixed, f, self.parts, 1, self._columns(kind))
 
-        return {**local, "params": jax.tree.map(one, local["params"], landed)}
+        return {**local, "params": jax.tree.map(one, local["params"], landed, self._cut(landed))}
 
 
 def diloco_for(strategy: Any, inner: optax.GradientTransformation, outer_opt: optax.GradientTransformation,
-               tc: Any) -> outer.DiLoCo:
+               tc: Any, pp: int = 1) -> outer.DiLoCo:
     """DiLoCo, or its streaming form where `train.diloco_fragments` > 1, `train.diloco_overlap` > 0 or
-    `train.diloco_mix` > 0."""
-    kind = outer.DiLoCo if (tc.diloco_fragments, tc.diloco_overlap, tc.diloco_mix) == (1, 0, 0) else StreamingDiLoCo
-    return kind(strategy, inner, outer_opt, tc)
+    `train.diloco_mix` > 0 (its fragments cut from the layer stack a pipeline of `pp` stages stores)."""
+    if (tc.diloco_fragments, tc.diloco_overlap, tc.diloco_mix) == (1, 0, 0):
+        return outer.DiLoCo(strategy, inner, outer_opt, tc)
+    pipeline = getattr(strategy, "pipeline", None)
+    v, vshape = (pipeline.virtual_stages, pipeline.vshape) if pipeline is not None and pp > 1 else (1, False)
+    columns = layer_columns(strategy.spec.cfg.num_hidden_layers, tc.diloco_fragments, pp, v, vshape)
+    return StreamingDiLoCo(strategy, inner, outer_opt, tc,
+                           None if columns is None else tuple(map(tuple, columns.tolist())))
