@@ -268,7 +268,7 @@ CASES: list[Case] = [
     ("streaming fragments a pipeline stores two of in a row", "train",
      lambda f, c, t: ["mesh.dp=2", "mesh.pp=2", "model.num_hidden_layers=4", "pipeline.schedule=interleaved",
                       "pipeline.virtual_stages=2", "train.local_steps=4", "train.diloco_fragments=2"],
-     "a device's 2 consecutive stored layers hold two of one fragment; use fragments that divide each stage's 1"),
+     "a device's 2 consecutive stored layers hold two of one fragment; use fragments that divide the 1 layer(s)"),
     ("streaming fragments with PowerSGD", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=4", "train.diloco_fragments=2",
                       "train.grad_compression=powersgd"],

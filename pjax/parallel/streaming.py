@@ -69,10 +69,11 @@ def check_run(run: Any) -> None:
     try:
         layer_columns(cfg.num_hidden_layers, parts, mesh.pp, run.pipeline.virtual_stages, run.pipeline.vshape)
     except ValueError:
-        raise ConfigError(f"{head}: a fragment is every {parts}-th layer of the model, and with "
+        chunk = cfg.num_hidden_layers // (mesh.pp * run.pipeline.virtual_stages)
+        raise ConfigError(f"{head}: a fragment takes one of every {parts} layers of the model, and with "
                           f"pipeline.schedule={run.pipeline.schedule} a device's {parts} consecutive stored layers "
-                          f"hold two of one fragment; use fragments that divide each stage's "
-                          f"{cfg.num_hidden_layers // (mesh.pp * run.pipeline.virtual_stages)} layers.") from None
+                          f"hold two of one fragment; use fragments that divide the {chunk} layer(s) of a stage "
+                          f"chunk, or more layers.") from None
     if tc.grad_compression == "powersgd" and parts > 1:
         raise ConfigError(f"{head} with train.grad_compression=powersgd: PowerSGD's warm-start Q belongs to whole "
                           f"matrices, not to fragments; use bf16 or int8, or train.diloco_fragments=1.")
