@@ -40,6 +40,15 @@ def check_run(run: Any) -> None:
         raise ConfigError(f"{head} differentiates through the inner steps, and a pipeline's ticks run in a "
                           f"lax.while_loop, which reverse-mode differentiation cannot enter: use mesh.pp=1, or "
                           f"meta.algorithm=fomaml or reptile.")
+    if meta.algorithm == "maml" and tc.sequence_parallel and mesh.tp > 1:
+        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative "
+                          f"of sequence parallelism's shard_maps does not lower (jax 0.10.2: a manual axis after a "
+                          f"free one in a residual's sharding): use train.sequence_parallel=false, or "
+                          f"meta.algorithm=fomaml or reptile.")
+    if meta.algorithm == "maml" and mesh.cp > 1 and run.context.strategy == "ulysses":
+        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative "
+                          f"of Ulysses' all-to-alls in the groups' shard_map does not lower (jax 0.10.2); use "
+                          f"context.strategy=ring or all_gather, or meta.algorithm=fomaml or reptile.")
     if mesh.pp > 1 and run.pipeline.schedule == "interleaved":
         raise ConfigError(f"{head} with mesh.pp={mesh.pp} runs the pipeline on one micro-batch per inner step, and "
                           f"pipeline.schedule=interleaved needs them in groups of pp: use pipeline.schedule=1f1b "
