@@ -5,8 +5,9 @@ A fragment is every P-th slice (P = `train.diloco_fragments`) along each paramet
 stack [layers, ...], the model's layers f, f + P, f + 2P, ... (the paper's strided fragments; where a pipeline
 stores its layers in another order, each run of P stored rows holds one of each fragment, `layer_columns`); of the
 embedding, rows f, f + P, ...; so each fragment holds 1/P of every parameter, and an outer step moves 1/P of
-DiLoCo's bytes, on every layout the same layers. With H = `train.local_steps` and K = H / P, fragment f is sent after step n when n % K = 0 and
-f = (n / K - 1) mod P, so each fragment is sent once every H steps, the last one at DiLoCo's steps.
+DiLoCo's bytes, the same layers on every layout. With H = `train.local_steps` and K = H / P, fragment f is sent
+after step n when n % K = 0 and f = (n / K - 1) mod P, so each fragment is sent once every H steps, the last one
+at DiLoCo's steps.
 
 A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of
 the model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
@@ -126,11 +127,10 @@ class StreamingDiLoCo(outer.DiLoCo):
     def _cut(self, tree: Any) -> Any:
         """A tree shaped like `tree` (the parameters, or their [groups, ...] stack): 1 at the layer stack's
         leaves (cut by `columns`), 0 elsewhere (strided)."""
-        def one(path, _):
-            return 1 if getattr(path[0], "key", None) == "layers" else 0
-        return jax.tree_util.tree_map_with_path(one, tree)
+        return jax.tree_util.tree_map_with_path(lambda path, _: int(getattr(path[0], "key", None) == "layers"), tree)
 
     def _columns(self, kind: int) -> np.ndarray | None:
+        """The column table a leaf of `kind` (`_cut`) is cut by: the layer stack's, or None (strided)."""
         return np.asarray(self.columns) if kind == 1 and self.columns is not None else None
 
     @property
