@@ -28,14 +28,15 @@ MATH = ("moe", "bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming", 
         "curriculum", "fp8")
 REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming", "reptile", "fomaml", "maml")
 # Loss tolerance (relative) of a run against its reference: float32 sums in another order (1e-5); with a bf16
-# reduction its rounding of other blocks of the same values (measured 1.2e-4 after two steps); with fp8 GEMMs, once
-# the parameters have moved, such a sum's last bit now and then moves an e5m2 rounding (2 mantissa bits) of a
-# gradient (measured up to 1.7e-4 at the third step); with MoE such a difference can flip a router's choice, so
-# MoE and fp8 share no run. The first step's loss, from the same parameters, must equal
-# the reference's to FIRST_RTOL: the forward's fp8 scales are per tensor on every layout (tests/test_fp8.py checks
-# the gradients' to 1e-6).
-RTOL = {"bf16_reduce": 1e-3, "fp8": 3e-4}
-FIRST_RTOL = 1e-6
+# reduction its rounding of other blocks of the same values (measured 1.2e-4 after two steps); with fp8 GEMMs such
+# a sum's last bit now and then moves an e4m3 or e5m2 rounding (3 or 2 mantissa bits), and later roundings amplify
+# it as the parameters move (measured up to 4.1e-4 at the third step; how often depends on the CPU's vector code);
+# with MoE such a difference can flip a router's choice, so MoE and fp8 share no run. The first step's loss, from
+# the same parameters, must equal the reference's to FIRST_RTOL (fp8: FIRST_RTOL_FP8, measured 7e-7): the forward's
+# fp8 scales are per tensor on every layout, and a scale per device block moves it by 4e-5 to 1e-4
+# (tests/test_fp8.py checks the loss to 1e-6 on layouts without that noise).
+RTOL = {"bf16_reduce": 1e-3, "fp8": 1e-3}
+FIRST_RTOL, FIRST_RTOL_FP8 = 1e-6, 1e-5
 RUN = ["train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", "log.every=1", "log.eval_every=0"]
 
 # Feature sets, each a run (tests/composition.py: the pairs each proves), as many features at once as the rules
@@ -59,10 +60,16 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("zb_v", "diloco", "curriculum", "fp8"),
     ("interleaved", "diloco", "loss_chunk"),
     ("all_gather", "moe", "remat_full"),
-    ("zb_h1", "all_gather", "powersgd", "diloco", "remat_full"),
+    ("zb_h1", "all_gather", "powersgd", "diloco", "remat_full", "loss_chunk"),
     ("1f1b", "all_gather", "zero1", "loss_chunk"),
     ("1f1b", "ring", "zero3", "remat_full"),
     ("zb_h1", "sp", "fomaml", "fp8"),
+    ("zb_v", "ulysses", "reptile"),
+    ("ring", "sp", "reptile"),
+    ("ring", "fomaml", "remat_full", "loss_chunk"),
+    ("all_gather", "maml", "remat_full", "loss_chunk"),
+    ("all_gather", "fomaml"),
+    ("1f1b", "int8_reduce"),
 )
 
 
@@ -109,7 +116,8 @@ def test_features_together_equal_their_reference(features, cache, tmp_path):
     got = losses(features, str(tmp_path / "run"), cache)
     rtol = max([1e-5, *(RTOL.get(f, 0) for f in features)])
     np.testing.assert_allclose(got, _references[kept], rtol=rtol, err_msg=f"{features} against {kept}")
-    np.testing.assert_allclose(got[0], _references[kept][0], rtol=FIRST_RTOL, err_msg=f"{features}: first step")
+    first = FIRST_RTOL_FP8 if "fp8" in features else FIRST_RTOL
+    np.testing.assert_allclose(got[0], _references[kept][0], rtol=first, err_msg=f"{features}: first step")
 
 
 def test_every_pair_is_proven_refused_or_alternatives_and_every_proof_names_a_test():

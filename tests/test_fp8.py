@@ -26,6 +26,7 @@ CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidd
                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05)
 TC = TrainConfig(seq_len=16, batch_size=8, grad_accum=2, steps=10, warmup_steps=2)
 FP8 = PrecisionConfig(preset="fp8")
+GRAD_NORM_RTOL = 1e-4  # test_fp8_scales_are_per_tensor_on_every_layout says why
 
 
 def test_the_scale_is_the_current_amax_over_the_format_maximum():
@@ -119,10 +120,11 @@ def make_batch(seed: int = 0):
 
 
 @functools.cache
-def initial_params():
+def initial_params(experts: int = 0):
     """One device's initial parameters, on the host: every layout starts from them."""
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-    return jax.tree.map(np.asarray, build_trainer(mesh, CFG, TC, precision=FP8).init(jax.random.key(0)).params)
+    cfg = dataclasses.replace(CFG, num_local_experts=experts) if experts else CFG
+    return jax.tree.map(np.asarray, build_trainer(mesh, cfg, TC, precision=FP8).init(jax.random.key(0)).params)
 
 
 @functools.cache
@@ -133,7 +135,7 @@ def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero:
     tc = TrainConfig(**{**TC.__dict__, "zero": zero, "sequence_parallel": sp})
     cfg = dataclasses.replace(CFG, num_local_experts=experts) if experts else CFG
     trainer = build_trainer(mesh, cfg, tc, PipelineConfig() if pp > 1 else None, precision=precision)
-    params = initial_params()
+    params = initial_params(experts)
     if trainer.pipeline is not None:
         params = to_pipeline_layout(params, pp, trainer.pipeline.virtual_stages, trainer.pipeline.vshape)
     params = jax.device_put(params, trainer.state_sharding.params)
@@ -156,17 +158,23 @@ def test_fp8_step_on_a_sharded_layout_tracks_one_device():
     assert abs(loss - ref_loss) <= 1e-2 * ref_loss and abs(norm - ref_norm) <= 5e-2 * ref_norm, (loss, norm)
 
 
-@pytest.mark.proves("zero1+fp8", "zero3+fp8")
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, sp=True, zero=1), dict(dp=2, pp=2, zero=3)], ids=str)
+@pytest.mark.proves("zero1+fp8", "zero3+fp8", "moe+fp8")
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, sp=True, zero=1), dict(dp=2, pp=2, zero=3),
+                                    dict(dp=2, tp=2, experts=4)], ids=str)
 def test_fp8_scales_are_per_tensor_on_every_layout(layout):
     """fp8 GEMMs on float32 (no bf16 rounding elsewhere): one scale per tensor and one merged GEMM for weights that
-    share an input, on every layout, so loss and gradients equal one device's (a scale per device block, or per
-    unmerged q/k/v weight, is 1e-5 to 1e-4 off). XLA:CPU keeps every fp8 rounding (`xla_options.FP8_CPU_OPTIONS`)."""
+    share an input, on every layout and with experts over dp, so the loss equals one device's; XLA:CPU keeps every
+    fp8 rounding (`xla_options.FP8_CPU_OPTIONS`). A scale per device block moves the loss by 5.5e-5 (experts: 2e-4)
+    and the gradient norm by 1.5e-3 to 4.5e-3. The gradient norm gets GRAD_NORM_RTOL: a layout sums in another
+    order (tp's heads, dp's rows), and a last-bit difference in a cotangent now and then moves its e5m2 rounding
+    (2 mantissa bits), which later roundings amplify (measured 4.7e-6 dense, 4.5e-5 with experts on dp2 x tp2,
+    0 on another CPU: it depends on the CPU's vector code)."""
     fp8_only = PrecisionConfig(fp8=True)
-    ref_loss, ref_norm, _ = loss_and_grad_norm(precision=fp8_only)
+    ref_loss, ref_norm, _ = loss_and_grad_norm(precision=fp8_only, experts=layout.get("experts", 0))
     loss, norm, text = loss_and_grad_norm(precision=fp8_only, **layout)
     assert "f8E4M3FN" in text and "f8E5M2" in text
-    assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6), (loss, norm)
+    assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=GRAD_NORM_RTOL), \
+        (loss, norm)
 
 
 def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():

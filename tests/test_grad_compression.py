@@ -43,6 +43,14 @@ LAYOUTS = {
                                        "train.grad_compression=int8"]),
     "dp2-cp2-ring-powersgd": ("debug", ["mesh.dp=2", "mesh.cp=2", "context.strategy=ring",
                                         "train.grad_compression=powersgd", "train.powersgd_rank=2"]),
+    # The experts' gradients in the other payloads; each payload over fp8 GEMMs' gradients.
+    "mixtral-dp2-bf16": ("mixtral-tiny", ["mesh.dp=2", "mesh.tp=1", "train.grad_compression=bf16"]),
+    "mixtral-dp2-powersgd": ("mixtral-tiny", ["mesh.dp=2", "mesh.tp=1", "train.grad_compression=powersgd",
+                                              "train.powersgd_rank=2"]),
+    "dp2-fp8-bf16": ("debug", ["mesh.dp=2", "mesh.tp=1", "precision.fp8=true", "train.grad_compression=bf16"]),
+    "dp2-fp8-int8": ("debug", ["mesh.dp=2", "mesh.tp=1", "precision.fp8=true", "train.grad_compression=int8"]),
+    "dp2-fp8-powersgd": ("debug", ["mesh.dp=2", "mesh.tp=1", "precision.fp8=true", "train.grad_compression=powersgd",
+                                   "train.powersgd_rank=2"]),
 }
 # ||compressed - exact|| / ||exact|| on the first step (measured 0.0023 bf16, 0.012-0.017 int8): bf16 rounds each
 # value twice (2^-9 relative each); int8 to 1/254 of its block's largest value, coarse for a block's small values.
@@ -80,7 +88,8 @@ def _norm(tree) -> float:
 
 @pytest.mark.proves("ring+int8_reduce", "zero1+int8_reduce", "zero1+powersgd", "moe+int8_reduce", "ulysses+powersgd",
                     "sp+powersgd", "all_gather+bf16_reduce", "all_gather+int8_reduce", "all_gather+powersgd",
-                    "ulysses+bf16_reduce", "ulysses+int8_reduce", "ring+powersgd")
+                    "ulysses+bf16_reduce", "ulysses+int8_reduce", "ring+powersgd", "moe+bf16_reduce", "moe+powersgd",
+                    "bf16_reduce+fp8", "int8_reduce+fp8", "powersgd+fp8")
 def test_the_reduced_gradient_is_the_exact_one_within_the_payloads_rounding(layout):
     assert float(layout["loss"]) == pytest.approx(float(layout["exact_loss"]), rel=1e-6)  # the loss is not compressed
     diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), layout["grads"], layout["exact"])

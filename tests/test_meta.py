@@ -90,16 +90,23 @@ def test_maml_meta_gradient_is_the_derivative_of_the_adapted_loss():
         assert abs(g_first @ v - numeric) > 0.5 * abs(numeric)
 
 
+# Each group's layout within dp2; fp8: dp2 with fp8 GEMMs, whose scales a group's replicas share with no other group.
+GROUP_LAYOUTS = {"tp": ["mesh.tp=2"], "pp": ["mesh.pp=2", "mesh.tp=1"], "cp": ["mesh.cp=2", "mesh.tp=1"],
+                 "fp8": ["mesh.tp=1", "precision.fp8=true"]}
+
+
 @pytest.mark.parametrize("algorithm, layout", [("reptile", "tp"), ("fomaml", "tp"), ("maml", "tp"), ("reptile", "pp"),
-                                               ("fomaml", "pp"), ("maml", "cp")])
-@pytest.mark.proves("1f1b+reptile", "1f1b+fomaml", "ring+maml")
+                                               ("fomaml", "pp"), ("maml", "cp"), ("reptile", "fp8"),
+                                               ("fomaml", "fp8"), ("maml", "fp8")])
+@pytest.mark.proves("1f1b+reptile", "1f1b+fomaml", "ring+maml", "reptile+fp8", "fomaml+fp8", "maml+fp8")
 def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorithm, layout):
     """dp2 x tp2; dp2 x pp2 (each group a 1F1B pipeline, one micro-batch per inner step); dp2 x cp2 (each inner
-    step's gradient summed over cp; maml differentiates through that): the mean over the groups of what each
-    returns equals one device's `per_task` on each group's rows, averaged."""
+    step's gradient summed over cp; maml differentiates through that); dp2 with fp8 GEMMs: the mean over the groups
+    of what each returns equals one device's `per_task` on each group's rows, averaged."""
     meta = _meta(algorithm)
-    _, parallel = _trainer(["mesh.dp=2", f"mesh.{layout}=2", *(["mesh.tp=1"] if layout != "tp" else []), *meta])
-    _, single = _trainer(["mesh.dp=1", "mesh.tp=1", *meta])
+    fp8 = [o for o in GROUP_LAYOUTS[layout] if o.startswith("precision.")]
+    _, parallel = _trainer(["mesh.dp=2", *GROUP_LAYOUTS[layout], *meta])
+    _, single = _trainer(["mesh.dp=1", "mesh.tp=1", *fp8, *meta])
     params, batch = parallel.init(jax.random.key(0)).params, random_batch(parallel)
     got = _on(parallel, parallel.learner.over_tasks, params, batch)
     order = np.argsort(np.asarray(batch["positions"])[0, 0])  # cp's zigzag columns back in token order

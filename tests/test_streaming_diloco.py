@@ -100,6 +100,29 @@ def test_fragments_land_in_turn_tau_steps_after_their_send_and_move_only_their_s
     assert not np.allclose(_part(s[5].params, 1)["embed"]["embedding"], _part(s[3].params, 1)["embed"]["embedding"])
 
 
+@pytest.mark.parametrize("payload, bound", [("int8", 0.02), ("bf16", 0.005)])
+@pytest.mark.proves("int8_reduce+streaming", "bf16_reduce+streaming")
+def test_a_compressed_fragment_lands_within_its_payload_and_its_residuals_keep_the_rest(payload, bound):
+    """dp2, H=2 in 2 fragments (one sent and landed each step, no overlap), outer SGD at lr 1 without momentum:
+    step 1 moves fragment 0 of the global parameters by the carried mean of (global - copy), the exact mean within
+    the payload's rounding (`bound`, relative); fragment 1 waits; the replicas' residuals hold what fragment 0's
+    payload did not carry, exactly, and nothing of fragment 1."""
+    _, trainer = _trainer(["mesh.dp=2", "train.local_steps=2", "train.diloco_fragments=2", "train.outer_lr=1.0",
+                           "train.outer_momentum=0", f"train.grad_compression={payload}"])
+    s0, s1 = _steps(trainer, trainer.step, trainer.init(jax.random.key(0)), 1)
+    with jax.set_mesh(trainer.mesh):
+        inner_only = jax.tree.map(np.asarray, jax.jit(trainer.diloco.inner_round)(s0, random_batch(trainer, 0))[0])
+    exact = jax.tree.map(lambda p, c: p - c.mean(axis=0), _part(s0.params, 0), _part(inner_only["params"], 0, 1))
+    carried = jax.tree.map(lambda a, b: a - b, _part(s0.params, 0), _part(s1.params, 0))
+    _equal(_part(s1.params, 1), _part(s0.params, 1))
+    errors = s1.residual["error"]
+    _equal(jax.tree.map(lambda d, e: 2 * d + e.sum(axis=0), carried, _part(errors, 0, 1)),
+           jax.tree.map(lambda x: 2 * x, exact), rtol=1e-5, atol=1e-8)
+    _equal(_part(errors, 1, 1), jax.tree.map(np.zeros_like, _part(errors, 1, 1)))
+    norm = lambda tree: np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(tree)))  # noqa: E731
+    assert 0 < norm(jax.tree.map(lambda a, b: a - b, carried, exact)) < bound * norm(exact)
+
+
 def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capfd):
     """Saved at step 2, between fragment 0's send and its landing at step 3."""
     def run(name: str) -> list[float]:
