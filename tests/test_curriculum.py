@@ -209,3 +209,65 @@ def test_dp2_x_cp2_trains_the_curriculum_as_one_device_does(straight, cache, tmp
     records = train(curriculum_cfg(tmp_path, cache, "train.steps=4", "mesh.dp=2", "mesh.cp=2"), progress=False,
                     devices=jax.devices()[:4])
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight[0]], rtol=2e-5)
+
+
+# -- with the other features: the same program as their plain runs --------------------------------
+
+def _lowered(trainer, seq_len: int | None = None) -> str:
+    """The text of the step `Trainer.compile_step` compiles for `abstract_batch(seq_len)`, lowered only."""
+    with jax.set_mesh(trainer.mesh):
+        return trainer.step.jitted.lower(trainer.abstract_state(), trainer.abstract_batch(seq_len)).as_text()
+
+
+def _is_on(feature: str, trainer, text: str) -> bool:
+    """Whether the step really runs `feature`: its state's entries, or its types in the program."""
+    from pjax.parallel import outer, streaming
+
+    state = trainer.abstract_state()
+    residual = sorted(state.residual or {})
+    return {"bf16_reduce": residual == ["error"] and "xbf16>" in text,  # the run itself is float32
+            "int8_reduce": residual == ["error"] and "xi8>" in text,
+            "powersgd": residual == ["error", "q"],
+            "diloco": state.local is not None and type(trainer.diloco) is outer.DiLoCo,
+            "streaming": isinstance(trainer.diloco, streaming.StreamingDiLoCo) and trainer.diloco.parts == 2,
+            "fp8": "xf8E4M3FN>" in text}[feature]
+
+
+@pytest.mark.parametrize("feature", [
+    pytest.param("bf16_reduce", marks=pytest.mark.proves("bf16_reduce+curriculum")),
+    pytest.param("int8_reduce", marks=pytest.mark.proves("int8_reduce+curriculum")),
+    pytest.param("powersgd", marks=pytest.mark.proves("powersgd+curriculum")),
+    pytest.param("diloco", marks=pytest.mark.proves("diloco+curriculum")),
+    pytest.param("streaming", marks=pytest.mark.proves("streaming+curriculum")),
+    pytest.param("fp8", marks=pytest.mark.proves("curriculum+fp8")),
+])
+def test_each_length_s_step_is_the_plain_run_s_program_at_that_length(feature):
+    """A curriculum composes with `feature` (the pair's run of `pjax.compose`) because it changes nothing but the
+    batch's shape: `pjax.train` compiles the run's one `trainer.step`, from its one state, at `abstract_batch(L)`
+    for each length L, so the state (residuals, DiLoCo's groups, fp8's scales) passes through the same step at
+    every length, and each length's step is the program of `feature`'s plain run with `train.seq_len=L` and
+    `batch_size` times seq_len/L (the same tokens). The lowered texts are compared whole, nothing normalised:
+    equal texts (and equal compile options, the one input of the compile not in them) are one executable. With
+    the short steps' data proven above (the plain step's tokens) and each plain run by `feature`'s own tests, the
+    pair is proven: its step depends on `train.seq_len` only through the batch's shape. `feature` is checked to
+    be on, so that the pair cannot pass with it off."""
+    from pjax import compose
+    from pjax.step import trainer_for
+
+    overrides = compose.run_overrides([compose.BY_NAME[feature], compose.BY_NAME["curriculum"]])
+    cfg = load_config("debug", overrides)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.size])
+    trainer = trainer_for(mesh, cfg, cfg.train)
+    curriculum = Curriculum.for_run(cfg.data.curriculum, Run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline,
+                                                             cfg.context, cfg.precision))
+    plain = [o for o in overrides if not o.startswith("data.curriculum=")]
+    texts = {}
+    for length in curriculum.lengths:
+        rows = cfg.train.batch_size * cfg.train.seq_len // length
+        twin_cfg = load_config("debug", [*plain, f"train.seq_len={length}", f"train.batch_size={rows}"])
+        twin = trainer_for(mesh, twin_cfg, twin_cfg.train)
+        texts[length] = _lowered(trainer, length)
+        assert texts[length] == _lowered(twin), f"{feature}: the step at length {length} is not its plain run's"
+        assert trainer.xla_options == twin.xla_options
+        assert _is_on(feature, trainer, texts[length])
+    assert len(curriculum.lengths) >= 2 and len(set(texts.values())) == len(texts)  # the lengths' programs differ
