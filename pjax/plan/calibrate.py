@@ -35,6 +35,7 @@ from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collectiv
 from pjax.plan.pipeline_cost import measure_pipeline
 from pjax.plan.profiles import of_kind
 from pjax.plan.stream_cost import measure_stream
+from pjax.platforms import start_platforms
 
 # (rows, contraction, columns) per platform: a CPU's peak is ~1000x below an H100's, so its grid is smaller.
 _GRIDS = {
@@ -197,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    start_platforms()  # the CPU where JAX's CUDA plugin finds no GPU: no plugin traceback before the figures
     args = parser().parse_args()
     only = tuple(args.only.split(",")) if args.only else SECTIONS
     if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", *STEPS} & set(only)):

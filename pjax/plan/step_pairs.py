@@ -129,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     """`_serve`'s process: one layout's step on `--devices` forced CPU devices, timed once per line of stdin."""
+    from pjax.platforms import start_platforms
+
+    start_platforms()  # run by hand too: no CUDA plugin traceback where it finds no GPU
     args = parser().parse_args()
     from mesh.distributed import pipeline_cpu_threads
     from mesh.errors import ConfigError
