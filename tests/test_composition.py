@@ -45,9 +45,6 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("1f1b", "ring", "zero1", "moe", "bf16_reduce", "curriculum", "remat_full", "loss_chunk"),
     ("interleaved", "all_gather", "zero3", "fp8", "loss_chunk"),
     ("zb_h1", "sp", "zero1", "bf16_reduce", "curriculum", "remat_full"),
-    ("zb_v", "sp", "zero1", "remat_full", "loss_chunk"),
-    ("zb_h1", "zero1", "fp8", "remat_full", "loss_chunk"),
-    ("1f1b", "ulysses", "sp", "remat_full", "loss_chunk"),
     ("zb_h1", "sp", "int8_reduce", "streaming", "curriculum", "remat_full", "loss_chunk"),
     ("interleaved", "ulysses", "zero3", "moe", "curriculum", "remat_full", "loss_chunk"),
     ("ulysses", "sp", "zero1", "diloco", "fp8", "remat_full", "loss_chunk"),
@@ -69,7 +66,6 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("ring", "fomaml", "remat_full", "loss_chunk"),
     ("all_gather", "maml", "remat_full", "loss_chunk"),
     ("all_gather", "fomaml"),
-    ("1f1b", "int8_reduce"),
 )
 
 

@@ -30,7 +30,6 @@ def test_a_jax_platforms_the_user_sets_is_kept(monkeypatch, chosen):
     assert platforms.start_platforms(environ) is None and environ == {"JAX_PLATFORMS": chosen}
 
 
-
 def test_calibrate_starts_without_a_plugin_traceback(tmp_path):
     """As a user runs `python -m pjax.plan.calibrate`: no JAX_PLATFORMS, and JAX's CUDA plugin (the test extra's
     gpu-plan) with no GPU. Its one cheap section, bandwidth, on the CPU, in a few seconds."""
