@@ -1,9 +1,10 @@
 """DiLoCo under ZeRO (pjax/parallel/group_zero.py): dp4 x tp2 in 2 groups of 2 replicas, H=2, three steps (an
 inner step, a synchronisation, an inner step from the new global parameters). ZeRO-1 and ZeRO-3 take the steps
 DiLoCo without ZeRO takes, clipping by the group's whole norm, while each device keeps half its group's inner
-state (and under ZeRO-3 half its parameters); in groups of one replica ZeRO-3 keeps the groups whole and shards
-the global parameters alone; a resume continues bit for bit, and one onto other ZeRO restarts the groups from the
-global parameters."""
+state (and under ZeRO-3 half its parameters); so does streaming DiLoCo (H=4 in 2 fragments, tau=1, alpha=0.5:
+a fragment sent at step 2 lands, mixed, at step 3); in groups of one replica ZeRO-3 keeps the groups whole and
+shards the global parameters alone; a resume with a fragment in flight continues bit for bit, and one onto other
+ZeRO restarts the groups from the global parameters."""
 from __future__ import annotations
 
 import functools
@@ -27,12 +28,14 @@ from run_helpers import preempted_after  # noqa: E402
 RUN = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32", "mesh.dp=4",
        "mesh.tp=2", "train.local_steps=2", "train.warmup_steps=0", "train.grad_clip=0.5",
        "train.weight_decay=0.5", "train.lr=1e-2"]
+STREAM = ["train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1", "train.diloco_mix=0.5"]
 
 
-def _run(zero: int, groups: int | None) -> dict:
+def _run(zero: int, groups: int | None, stream: bool = False) -> dict:
     """Three steps from the same start: losses, grad norms, and per step the global parameters and the groups'
     whole copies (host copies: the step donates its state), and the last state's arrays."""
-    cfg, trainer = trainer_for("debug", [*RUN, f"train.zero={zero}", f"train.diloco_groups={groups or 'null'}"])
+    cfg, trainer = trainer_for("debug", [*RUN, f"train.zero={zero}", f"train.diloco_groups={groups or 'null'}",
+                                         *(STREAM if stream else [])])
     state, out = trainer.init(jax.random.key(0)), {"loss": [], "grad_norm": [], "params": [], "copies": []}
     for seed in range(3):
         state, metrics = trainer.step(state, random_batch(trainer, seed))
@@ -49,8 +52,9 @@ def _run(zero: int, groups: int | None) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[int, int | None], dict]:
-    """Keyed (train.zero, train.diloco_groups): 2 groups of 2 replicas, or (None) 4 groups of one."""
-    return {key: _run(*key) for key in ((0, 2), (1, 2), (3, 2), (0, None), (3, None))}
+    """Keyed (train.zero, train.diloco_groups[, streaming]): 2 groups of 2 replicas, or (None) 4 groups of one."""
+    keys = ((0, 2), (1, 2), (3, 2), (0, None), (3, None), (0, 2, True), (1, 2, True), (3, 2, True))
+    return {key: _run(*key) for key in keys}
 
 
 def _close(a, b) -> None:
@@ -77,21 +81,22 @@ def _per_device(tree) -> int:
     return sum(x.addressable_shards[0].data.size for x in leaves)
 
 
-@pytest.mark.proves("zero1+diloco")
-def test_zero1_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_per_device(runs):
-    _same_steps(runs[0, 2], runs[1, 2])
-    plain, sharded = runs[0, 2]["state"].local, runs[1, 2]["state"].local
+@pytest.mark.parametrize("stream", [pytest.param((), marks=pytest.mark.proves("zero1+diloco"), id="diloco"),
+                                    pytest.param((True,), marks=pytest.mark.proves("zero1+streaming"), id="streaming")])
+def test_zero1_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_per_device(runs, stream):
+    _same_steps(runs[(0, 2, *stream)], runs[(1, 2, *stream)])
+    plain, sharded = runs[(0, 2, *stream)]["state"].local, runs[(1, 2, *stream)]["state"].local
     assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
     assert _per_device(sharded["params"]) == _per_device(plain["params"])  # ZeRO-1 keeps whole copies
 
 
-@pytest.mark.proves("zero3+diloco")
-def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_copy_per_device(runs):
-    _same_steps(runs[0, 2], runs[3, 2])
-    plain, sharded = runs[0, 2]["state"].local, runs[3, 2]["state"].local
+@pytest.mark.parametrize("stream", [pytest.param((), marks=pytest.mark.proves("zero3+diloco"), id="diloco"),
+                                    pytest.param((True,), marks=pytest.mark.proves("zero3+streaming"), id="streaming")])
+def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_copy_per_device(runs, stream):
+    _same_steps(runs[(0, 2, *stream)], runs[(3, 2, *stream)])
+    plain, sharded = runs[(0, 2, *stream)]["state"].local, runs[(3, 2, *stream)]["state"].local
     assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
     assert 2 * _per_device(sharded["params"]) == _per_device(plain["params"])
-
 
 
 @pytest.mark.proves("zero3+diloco")
@@ -108,20 +113,22 @@ def test_zero3_in_groups_of_one_replica_keeps_them_whole_and_shards_the_global_p
                                         4) is None
 
 
-def test_a_resume_under_zero3_continues_bit_for_bit_and_other_zero_restarts_the_groups(tmp_path, capfd):
-    """Saved at step 3 (mid-round: the groups' chunks hold an inner step the global parameters do not); resumed
-    as it was, and under ZeRO-1 (whole copies, not chunks: the groups restart from the global parameters)."""
+def test_a_resume_under_zero3_with_a_fragment_in_flight_continues_bit_for_bit_and_other_zero_restarts_the_groups(
+        tmp_path, capfd):
+    """Streaming DiLoCo saved at step 2, its first fragment in flight and the groups' chunks holding two inner
+    steps the global parameters do not; resumed as it was, and under ZeRO-1 (whole copies, not chunks: the groups
+    restart from the global parameters)."""
     def run(name: str, *extra: str) -> list[float]:
-        overrides = [*RUN, "train.zero=3", "train.diloco_groups=2", "train.steps=4", "log.every=1", "log.eval_every=0",
-                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=3",
-                     *extra]
+        overrides = [*RUN, *STREAM, "train.zero=3", "train.diloco_groups=2", "train.steps=5", "log.every=1",
+                     "log.eval_every=0", f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt",
+                     "checkpoint.every=2", *extra]
         cfg = load_config("debug", overrides)
         return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:8])]
 
     straight = run("a")
-    preempted_after(tmp_path / "a", tmp_path / "b", 3)
-    assert run("b") == straight[3:]
+    preempted_after(tmp_path / "a", tmp_path / "b", 2)
+    assert run("b") == straight[2:]
     assert "starts from the global parameters" not in capfd.readouterr().err
-    preempted_after(tmp_path / "a", tmp_path / "c", 3)
-    assert len(run("c", "train.zero=1")) == 1
+    preempted_after(tmp_path / "a", tmp_path / "c", 2)
+    assert len(run("c", "train.zero=1")) == 3
     assert "every DiLoCo group starts from the global parameters" in capfd.readouterr().err

@@ -251,11 +251,6 @@ CASES: list[Case] = [
      lambda f, c, t: ["mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "train.local_steps=4", "train.zero=1"],
      "train.local_steps=4 (DiLoCo) with train.zero=1 does not run with mesh.pp=2; use mesh.pp=1 (the pipeline's "
      "per-replica step has no sharded inner state yet), or train.zero=0."),
-    ("streaming DiLoCo under ZeRO", "train",
-     lambda f, c, t: ["mesh.dp=4", "train.local_steps=4", "train.diloco_groups=2", "train.diloco_fragments=2",
-                      "train.zero=3"],
-     "train.local_steps=4 (DiLoCo) with train.zero=3 does not run with streaming DiLoCo; use "
-     "train.diloco_fragments=1 and train.diloco_overlap=0"),
     ("streaming fragments that do not divide H", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=3", "train.diloco_fragments=2"],
      "train.diloco_fragments=2 (streaming DiLoCo) sends one fragment every train.local_steps / fragments steps"),

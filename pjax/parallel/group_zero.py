@@ -12,6 +12,8 @@ norm's summation order. The outer step reads whole copies: under ZeRO-3 it gathe
 result; the global parameters `TrainState.params` and the outer optimizer's state are placed as ZeRO places a
 plain step's (over all of dp, by 'embed'). With groups of one replica (`train.diloco_groups` null or dp) there is
 nothing to shard within a group: the groups step as without ZeRO, and ZeRO shards that global state alone.
+Streaming DiLoCo cuts its fragments from whole copies too (`DiLoCo.whole`): under ZeRO-3 each send and each
+landing (once every H / fragments steps) gathers the group's chunks, beside the gather every inner step makes.
 """
 from __future__ import annotations
 

@@ -67,14 +67,9 @@ def _check_zero(tc: Any, mesh: Any, head: str) -> None:
     """One line where ZeRO cannot shard the groups' inner state (`group_zero`)."""
     if not tc.zero:
         return
-    refused = [(mesh.pp > 1, f"mesh.pp={mesh.pp}", "mesh.pp=1 (the pipeline's per-replica step has no sharded "
-                                                    "inner state yet)"),
-               ((tc.diloco_fragments, tc.diloco_overlap) != (1, 0), "streaming DiLoCo",
-                "train.diloco_fragments=1 and train.diloco_overlap=0 (fragments and in-flight copies are "
-                "not sharded within a group)")]
-    for bad, what, fix in refused:
-        if bad:
-            raise ConfigError(f"{head} with train.zero={tc.zero} does not run with {what}; use {fix}, or train.zero=0.")
+    if mesh.pp > 1:
+        raise ConfigError(f"{head} with train.zero={tc.zero} does not run with mesh.pp={mesh.pp}; use mesh.pp=1 (the "
+                          f"pipeline's per-replica step has no sharded inner state yet), or train.zero=0.")
 
 
 def _outer_keys_unused(tc: Any, algorithm: str | None) -> None:
@@ -197,12 +192,23 @@ class DiLoCo:
         along (global - average), and start every group from the result; with `train.grad_compression` the
         average of (global - copy) in its payload, with error feedback in `residual`. Under ZeRO-3 the groups'
         chunks are gathered into whole copies for it, and its result cut into chunks again."""
-        if self.tc.zero >= 3 and group_zero.sharded(self.tc, current().shape[DP]):
-            cfg, size = self.strategy.spec.cfg, self.group_size()
-            whole = {**local, "params": group_zero.gather(local["params"], cfg, size)}
+        if self.chunked():
+            whole = {**local, "params": self.whole(local["params"])}
             params, opt_state, local, residual = self._synchronise(params, opt_state, whole, residual)
-            return params, opt_state, {**local, "params": group_zero.shard(local["params"], cfg, size)}, residual
+            return params, opt_state, {**local, "params": self.chunks(local["params"])}, residual
         return self._synchronise(params, opt_state, local, residual)
+
+    def chunked(self) -> bool:
+        """Whether the groups' copies are ZeRO-3 chunks (`group_zero`), not whole copies."""
+        return self.tc.zero >= 3 and group_zero.sharded(self.tc, current().shape[DP])
+
+    def whole(self, stacked: Any) -> Any:
+        """The groups' whole copies from `TrainState.local['params']` (under ZeRO-3 gathered on each group's ring)."""
+        return group_zero.gather(stacked, self.strategy.spec.cfg, self.group_size()) if self.chunked() else stacked
+
+    def chunks(self, stacked: Any) -> Any:
+        """`whole`'s inverse: each replica's chunk of its group's whole copy under ZeRO-3, else the copies."""
+        return group_zero.shard(stacked, self.strategy.spec.cfg, self.group_size()) if self.chunked() else stacked
 
     def _synchronise(self, params: Any, opt_state: Any, local: Any, residual: Any) -> tuple[Any, ...]:
         """`synchronise` on whole copies."""

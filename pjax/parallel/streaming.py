@@ -145,13 +145,13 @@ class StreamingDiLoCo(outer.DiLoCo):
     def fresh(self, params: Any, groups: int, step: int = 0) -> Any:
         """Every group at `params`, a fresh inner state, and (with an overlap) the fragment last sent by `step`
         cut from them: a landing before the next send then moves the global fragment by its momentum alone."""
-        local = outer.fresh_local(params, self.inner, groups)
+        local = super().fresh(params, groups)
         return self.with_inflight(local, step) if self.tc.diloco_overlap else local
 
     def with_inflight(self, local: Any, step: int) -> Any:
         """`local` with the fragment last sent by `step` cut afresh from the groups' copies."""
         last = jnp.asarray(step) // self.period * self.period
-        return {**local, "inflight": self.slices(local["params"], self.sent(last))}
+        return {**local, "inflight": self.slices(self.whole(local["params"]), self.sent(last))}
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One inner step in every group; a fragment sent after every K-th, landing tau steps later."""
@@ -165,7 +165,7 @@ class StreamingDiLoCo(outer.DiLoCo):
             lands = (n % self.period == self.tc.diloco_overlap) & (n > self.period)
             params, opt_state, local, residual, metrics = lax.cond(lands, self._landing_step, self._plain_step,
                                                                    state, batch)
-            sending = lambda lc: {**lc, "inflight": self.slices(lc["params"], self.sent(n))}  # noqa: E731
+            sending = lambda lc: {**lc, "inflight": self.slices(self.whole(lc["params"]), self.sent(n))}  # noqa: E731
             local = lax.cond(n % self.period == 0, sending, lambda lc: lc, local)
         return state._replace(step=n, params=params, opt_state=opt_state, local=local, residual=residual), metrics
 
@@ -188,7 +188,7 @@ class StreamingDiLoCo(outer.DiLoCo):
     def arrive(self, params: Any, opt_state: Any, local: Any, residual: Any, f: jax.Array, sent: Any
                ) -> tuple[Any, ...]:
         """Fragment f's outer step from `sent` (None: the groups' copies now) and every group's copy merged."""
-        sent = self.slices(local["params"], f) if sent is None else sent
+        sent = self.slices(self.whole(local["params"]), f) if sent is None else sent
         params, opt_state, residual, landed = self.outer_fragment(params, opt_state, residual, sent, f)
         return params, opt_state, self.merge(local, landed, f), residual
 
@@ -228,7 +228,8 @@ class StreamingDiLoCo(outer.DiLoCo):
             mixed = jnp.broadcast_to(new, own.shape) if not alpha else alpha * own + (1 - alpha) * new[None]
             return with_fragment(stacked, mixed, f, self.parts, 1, self._columns(kind))
 
-        return {**local, "params": jax.tree.map(one, local["params"], landed, self._cut(landed))}
+        whole = jax.tree.map(one, self.whole(local["params"]), landed, self._cut(landed))
+        return {**local, "params": self.chunks(whole)}
 
 
 def diloco_for(strategy: Any, inner: optax.GradientTransformation, outer_opt: optax.GradientTransformation,
