@@ -1,10 +1,11 @@
-"""DiLoCo under ZeRO (pjax/parallel/group_zero.py): dp4 x tp2 in 2 groups of 2 replicas, H=2, three steps (an
-inner step, a synchronisation, an inner step from the new global parameters). ZeRO-1 and ZeRO-3 take the steps
-DiLoCo without ZeRO takes, clipping by the group's whole norm, while each device keeps half its group's inner
-state (and under ZeRO-3 half its parameters); so does streaming DiLoCo (H=4 in 2 fragments, tau=1, alpha=0.5:
-a fragment sent at step 2 lands, mixed, at step 3); in groups of one replica ZeRO-3 keeps the groups whole and
-shards the global parameters alone; a resume with a fragment in flight continues bit for bit, and one onto other
-ZeRO restarts the groups from the global parameters."""
+"""DiLoCo under ZeRO (pjax/parallel/group_zero.py): dp4 x tp2 in 2 groups of 2 replicas, H=2, three steps (an inner
+step, a synchronisation, an inner step from the new global parameters). ZeRO-1 and ZeRO-3 take the steps DiLoCo
+without ZeRO takes, clipping by the group's whole norm, while each device keeps half its group's inner state (and
+under ZeRO-3 half its parameters); so does streaming DiLoCo (H=4 in 2 fragments, tau=1, alpha=0.5: a fragment sent
+at step 2 lands, mixed, at step 3), and ZeRO-3 with a 1F1B pipeline in each group (dp4 x pp2: the executor reduce-
+scatters each replica's gradient in its group, the hook ZeRO-1 shares); in groups of one replica ZeRO-3 keeps the
+groups whole and shards the global parameters alone; a resume with a fragment in flight continues bit for bit, and
+one onto other ZeRO restarts the groups from the global parameters."""
 from __future__ import annotations
 
 import functools
@@ -29,13 +30,14 @@ RUN = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dt
        "mesh.tp=2", "train.local_steps=2", "train.warmup_steps=0", "train.grad_clip=0.5",
        "train.weight_decay=0.5", "train.lr=1e-2"]
 STREAM = ["train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1", "train.diloco_mix=0.5"]
+VARIANTS = {"streaming": STREAM, "pp": ["mesh.tp=1", "mesh.pp=2"]}  # pp: a 1F1B pipeline in each group
 
 
-def _run(zero: int, groups: int | None, stream: bool = False) -> dict:
+def _run(zero: int, groups: int | None, variant: str | None = None) -> dict:
     """Three steps from the same start: losses, grad norms, and per step the global parameters and the groups'
     whole copies (host copies: the step donates its state), and the last state's arrays."""
     cfg, trainer = trainer_for("debug", [*RUN, f"train.zero={zero}", f"train.diloco_groups={groups or 'null'}",
-                                         *(STREAM if stream else [])])
+                                         *VARIANTS.get(variant, [])])
     state, out = trainer.init(jax.random.key(0)), {"loss": [], "grad_norm": [], "params": [], "copies": []}
     for seed in range(3):
         state, metrics = trainer.step(state, random_batch(trainer, seed))
@@ -52,8 +54,10 @@ def _run(zero: int, groups: int | None, stream: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[int, int | None], dict]:
-    """Keyed (train.zero, train.diloco_groups[, streaming]): 2 groups of 2 replicas, or (None) 4 groups of one."""
-    keys = ((0, 2), (1, 2), (3, 2), (0, None), (3, None), (0, 2, True), (1, 2, True), (3, 2, True))
+    """Keyed (train.zero, train.diloco_groups[, a VARIANTS key]): 2 groups of 2 replicas, or (None) 4 groups of
+    one."""
+    keys = ((0, 2), (1, 2), (3, 2), (0, None), (3, None), (0, 2, "streaming"), (1, 2, "streaming"),
+            (3, 2, "streaming"), (0, 2, "pp"), (3, 2, "pp"))
     return {key: _run(*key) for key in keys}
 
 
@@ -81,20 +85,23 @@ def _per_device(tree) -> int:
     return sum(x.addressable_shards[0].data.size for x in leaves)
 
 
-@pytest.mark.parametrize("stream", [pytest.param((), marks=pytest.mark.proves("zero1+diloco"), id="diloco"),
-                                    pytest.param((True,), marks=pytest.mark.proves("zero1+streaming"), id="streaming")])
-def test_zero1_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_per_device(runs, stream):
-    _same_steps(runs[(0, 2, *stream)], runs[(1, 2, *stream)])
-    plain, sharded = runs[(0, 2, *stream)]["state"].local, runs[(1, 2, *stream)]["state"].local
+@pytest.mark.parametrize("variant", [pytest.param((), marks=pytest.mark.proves("zero1+diloco"), id="diloco"),
+                                    pytest.param(("streaming",), marks=pytest.mark.proves("zero1+streaming"),
+                                                 id="streaming")])
+def test_zero1_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_per_device(runs, variant):
+    _same_steps(runs[(0, 2, *variant)], runs[(1, 2, *variant)])
+    plain, sharded = runs[(0, 2, *variant)]["state"].local, runs[(1, 2, *variant)]["state"].local
     assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
     assert _per_device(sharded["params"]) == _per_device(plain["params"])  # ZeRO-1 keeps whole copies
 
 
-@pytest.mark.parametrize("stream", [pytest.param((), marks=pytest.mark.proves("zero3+diloco"), id="diloco"),
-                                    pytest.param((True,), marks=pytest.mark.proves("zero3+streaming"), id="streaming")])
-def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_copy_per_device(runs, stream):
-    _same_steps(runs[(0, 2, *stream)], runs[(3, 2, *stream)])
-    plain, sharded = runs[(0, 2, *stream)]["state"].local, runs[(3, 2, *stream)]["state"].local
+@pytest.mark.parametrize("variant", [pytest.param((), marks=pytest.mark.proves("zero3+diloco"), id="diloco"),
+                                    pytest.param(("streaming",), marks=pytest.mark.proves("zero3+streaming"),
+                                                 id="streaming"),
+                                    pytest.param(("pp",), id="pp")])
+def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_copy_per_device(runs, variant):
+    _same_steps(runs[(0, 2, *variant)], runs[(3, 2, *variant)])
+    plain, sharded = runs[(0, 2, *variant)]["state"].local, runs[(3, 2, *variant)]["state"].local
     assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
     assert 2 * _per_device(sharded["params"]) == _per_device(plain["params"])
 

@@ -247,10 +247,6 @@ CASES: list[Case] = [
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=400", "train.steps=10"],
      "train.local_steps=400 (DiLoCo) first synchronises at step 400, after train.steps=10: the checkpoint and "
      "export would hold the initial parameters"),
-    ("DiLoCo under ZeRO with a pipeline", "train",
-     lambda f, c, t: ["mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "train.local_steps=4", "train.zero=1"],
-     "train.local_steps=4 (DiLoCo) with train.zero=1 does not run with mesh.pp=2; use mesh.pp=1 (the pipeline's "
-     "per-replica step has no sharded inner state yet), or train.zero=0."),
     ("streaming fragments that do not divide H", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=3", "train.diloco_fragments=2"],
      "train.diloco_fragments=2 (streaming DiLoCo) sends one fragment every train.local_steps / fragments steps"),

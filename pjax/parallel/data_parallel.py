@@ -162,9 +162,7 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
         grads, (loss, count) = _psum([grads, (loss, count)], in_group)
         total, tokens = lax.psum((loss, count), DP)
         if scatter:
-            grads = jax.tree.map(lambda g, names: groups.group_scatter(g, group_size, names.index("embed")),
-                                 grads, llama.param_logical_axes(cfg), is_leaf=_is_names)
-            count = groups.group_sum(count, group_size)
+            grads, count = scatter_in_group(grads, cfg, group_size), groups.group_sum(count, group_size)
         else:
             grads, count = groups.group_sum((grads, count), group_size)
         return total / tokens, jax.tree.map(lambda g: g[None] / count, grads)
@@ -172,6 +170,12 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
     specs = stacked_specs(data_specs(cfg, axes))
     return jax.shard_map(body, in_specs=(specs, batch_spec(axes)), out_specs=(P(), specs),
                          axis_names=set(axes))(stacked_params, batch)
+
+
+def scatter_in_group(grads: Any, cfg: LlamaConfig, group_size: int) -> Any:
+    """Each replica's chunk, by 'embed', of its group's sum of `grads` (`groups.group_scatter`; DiLoCo under ZeRO)."""
+    return jax.tree.map(lambda g, names: groups.group_scatter(g, group_size, names.index("embed")),
+                        grads, llama.param_logical_axes(cfg), is_leaf=_is_names)
 
 
 def replica_axes(mesh: Any) -> tuple[str, ...]:

@@ -1,19 +1,19 @@
 """DiLoCo under ZeRO (`train.zero` 1 or 3 with `train.local_steps`): each group's inner state sharded over the
 group's k replicas, as MaxText shards its DiLoCo replicas' state within each replica.
 
-Replica r of a group keeps chunk r % k of every parameter's 'embed' axis (the axis ZeRO splits over dp in a
-plain step) of the group's Adam moments, so a device holds 1/k of its group's inner optimizer state; under
-ZeRO-3 it also keeps only that chunk of the group's parameters between steps. A step: (ZeRO-3) the group's
-parameters gathered on the group's ring (`groups.group_gather`), each replica's gradient reduce-scattered on it
-(`groups.group_scatter`, the first half of `group_sum`), clipped by the group's whole norm (the chunks' squared
-norms summed over the group), the AdamW update of the chunk (elementwise, weight-decay mask by path as ever),
-and (ZeRO-1) the updated chunks gathered back. Adam is elementwise, so this is DiLoCo without ZeRO up to the
-norm's summation order. The outer step reads whole copies: under ZeRO-3 it gathers them and re-shards its
-result; the global parameters `TrainState.params` and the outer optimizer's state are placed as ZeRO places a
-plain step's (over all of dp, by 'embed'). With groups of one replica (`train.diloco_groups` null or dp) there is
-nothing to shard within a group: the groups step as without ZeRO, and ZeRO shards that global state alone.
-Streaming DiLoCo cuts its fragments from whole copies too (`DiLoCo.whole`): under ZeRO-3 each send and each
-landing (once every H / fragments steps) gathers the group's chunks, beside the gather every inner step makes.
+Replica r of a group keeps chunk r % k of every parameter's 'embed' axis (the axis ZeRO splits over dp in a plain
+step) of the group's Adam moments, so a device holds 1/k of its group's inner optimizer state; under ZeRO-3 it also
+keeps only that chunk of the group's parameters between steps. A step: (ZeRO-3) the group's parameters gathered on
+the group's ring (`groups.group_gather`), each replica's gradient reduce-scattered on it (`groups.group_scatter`,
+the first half of `group_sum`; with pp > 1 in the pipeline's own reduction), clipped by the group's whole norm (the
+chunks' squared norms summed over the group), the AdamW update of the chunk (elementwise, weight-decay mask by path
+as ever), and (ZeRO-1) the updated chunks gathered back. Adam is elementwise, so this is DiLoCo without ZeRO up to
+the norm's summation order. The outer step reads whole copies: under ZeRO-3 it gathers them and re-shards its
+result; the global parameters `TrainState.params` and the outer optimizer's state are placed as ZeRO places a plain
+step's (over all of dp, by 'embed'). With groups of one replica (`train.diloco_groups` null or dp) there is nothing
+to shard within a group: the groups step as without ZeRO, and ZeRO shards that global state alone. Streaming DiLoCo
+cuts its fragments from whole copies too (`DiLoCo.whole`): under ZeRO-3 each send and each landing (once every H /
+fragments steps) gathers the group's chunks, beside the gather every inner step makes.
 """
 from __future__ import annotations
 

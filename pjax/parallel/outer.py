@@ -54,22 +54,12 @@ def check_run(run: Any) -> None:
     if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
         raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
                           f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
-    _check_zero(tc, mesh, head)
     refused = [(tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
                 "train.powersgd_start=0 (the outer average is compressed from the first synchronisation)"),
                (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.local_steps=0.")
-
-
-def _check_zero(tc: Any, mesh: Any, head: str) -> None:
-    """One line where ZeRO cannot shard the groups' inner state (`group_zero`)."""
-    if not tc.zero:
-        return
-    if mesh.pp > 1:
-        raise ConfigError(f"{head} with train.zero={tc.zero} does not run with mesh.pp={mesh.pp}; use mesh.pp=1 (the "
-                          f"pipeline's per-replica step has no sharded inner state yet), or train.zero=0.")
 
 
 def _outer_keys_unused(tc: Any, algorithm: str | None) -> None:

@@ -51,14 +51,19 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
 
 def _run_per_replica(sched: ps.Schedule, stage: Stage, stacked_params: Any, batch: Batch, lockstep: bool,
-                     cfg: LlamaConfig, group_size: int) -> tuple[jax.Array, Any]:
+                     cfg: LlamaConfig, group_size: int, scatter: bool = False) -> tuple[jax.Array, Any]:
     """The executor once per dp replica on [replicas, ...] parameters: each replica's gradients summed over cp
-    and its group of `group_size` replicas (`groups.group_sum`), stacked again (DiLoCo's groups,
-    `pjax.parallel.outer`), and the loss summed over everything."""
+    and its group of `group_size` replicas (`groups.group_sum`; with `scatter`, each replica's chunk of that sum,
+    `data_parallel.scatter_in_group`), stacked again (DiLoCo's groups, `pjax.parallel.outer`), and the loss summed
+    over everything."""
     data = data_parallel.replica_axes(current())
     in_group = data[1:]
-    run, table = executor(sched, stage, lockstep,
-                          lambda g: groups.group_sum(lax.psum(g, in_group) if in_group else g, group_size))
+
+    def reduce(g: Any) -> Any:
+        g = lax.psum(g, in_group) if in_group else g
+        return data_parallel.scatter_in_group(g, cfg, group_size) if scatter else groups.group_sum(g, group_size)
+
+    run, table = executor(sched, stage, lockstep, reduce)
 
     def body(params, batch, table):
         with fp8.replica_groups(group_size):
@@ -99,15 +104,17 @@ class Pipelined:
             grads = lax.with_sharding_constraint(grads, self.grad_sharding)
         return loss, grads, router, residual
 
-    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1
-                                   ) -> tuple[jax.Array, Any]:
+    def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1,
+                                   scatter: bool = False) -> tuple[jax.Array, Any]:
         """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
-        [replicas, ...] parameters (`data_parallel.per_replica`'s, through the pipeline)."""
+        [replicas, ...] parameters (`data_parallel.per_replica`'s, through the pipeline; with `scatter`, its
+        chunk of the group's)."""
         lockstep = needs_lockstep()
         count = current().shape[DP] // group_size  # groups, each of group_size replicas
         stage = make_stage(self.spec, count / batch["labels"].size, data_manual=True)
         sched = self._table(batch["inputs"].shape[0], lockstep)
-        loss, grads = _run_per_replica(sched, stage, stacked_params, batch, lockstep, self.spec.cfg, group_size)
+        loss, grads = _run_per_replica(sched, stage, stacked_params, batch, lockstep, self.spec.cfg, group_size,
+                                       scatter)
         return loss / count, grads
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
