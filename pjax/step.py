@@ -218,7 +218,9 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
-    options = xla_options.step_options(tc.xla_options, _local_device(mesh), policy.fp8)
+    # A streaming landing's fragment reductions (one per parameter tensor at most) all in flight beside its step.
+    in_flight = len(jax.tree.leaves(params_shape)) if tc.local_steps and tc.diloco_overlap else 1
+    options = xla_options.step_options(tc.xla_options, _local_device(mesh), policy.fp8, in_flight)
     jit = functools.partial(jax.jit, compiler_options=options or None)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,

@@ -46,15 +46,23 @@ def user_flags(flags: str | None = None) -> set[str]:
 FP8_CPU_OPTIONS: dict[str, bool] = {"xla_allow_excess_precision": False}
 
 
-def step_options(enabled: bool, device: Any = None, fp8: bool = False) -> dict[str, Any]:
-    """The compile options of a step built for the target backend: on GPUs `GPU_OPTIONS` less what XLA_FLAGS
-    sets (and, with a `device` of the target kind, less what this XLA does not know); on CPU with fp8 GEMMs,
-    `FP8_CPU_OPTIONS` (whatever `enabled` says: they keep the fp8 arithmetic, not its speed); elsewhere none."""
+# How many asynchronous collectives the latency-hiding scheduler keeps in flight at once (XLA's default: 1).
+# Streaming DiLoCo's landing step reduces a fragment's tensors, one all-reduce per large one, beside an inner step:
+# one at a time, all but the first wait for the inner step to end; `in_flight` of them overlap it together.
+IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def step_options(enabled: bool, device: Any = None, fp8: bool = False, in_flight: int = 1) -> dict[str, Any]:
+    """The compile options of a step built for the target backend: on GPUs `GPU_OPTIONS` (and `IN_FLIGHT` where
+    `in_flight` > 1) less what XLA_FLAGS sets (and, with a `device` of the target kind, less what this XLA does not
+    know); on CPU with fp8 GEMMs, `FP8_CPU_OPTIONS` (whatever `enabled` says: they keep the fp8 arithmetic, not its
+    speed); elsewhere none."""
     if fp8 and target_backend() == "cpu":
         return {k: v for k, v in FP8_CPU_OPTIONS.items() if k not in user_flags()}
     if not enabled or target_backend() != "gpu":
         return {}
-    mine = {k: v for k, v in GPU_OPTIONS.items() if k not in user_flags()}
+    wanted = {**GPU_OPTIONS, IN_FLIGHT: in_flight} if in_flight > 1 else GPU_OPTIONS
+    mine = {k: v for k, v in wanted.items() if k not in user_flags()}
     return _known(tuple(sorted(mine.items())), device) if device is not None else mine
 
 

@@ -2,10 +2,10 @@
 step, a synchronisation, an inner step from the new global parameters). ZeRO-1 and ZeRO-3 take the steps DiLoCo
 without ZeRO takes, clipping by the group's whole norm, while each device keeps half its group's inner state (and
 under ZeRO-3 half its parameters); so does streaming DiLoCo (H=4 in 2 fragments, tau=1, alpha=0.5: a fragment sent
-at step 2 lands, mixed, at step 3), and ZeRO-3 with a 1F1B pipeline in each group (dp4 x pp2: the executor reduce-
-scatters each replica's gradient in its group, the hook ZeRO-1 shares); in groups of one replica ZeRO-3 keeps the
-groups whole and shards the global parameters alone; a resume with a fragment in flight continues bit for bit, and
-one onto other ZeRO restarts the groups from the global parameters."""
+at step 2 lands, mixed, at step 3), and ZeRO-3 with a 1F1B pipeline in each group (dp4 x pp2: the executor
+reduce-scatters each replica's gradient in its group, the hook ZeRO-1 shares); in groups of one replica ZeRO-3
+keeps the groups whole and shards the global parameters alone; a resume with a fragment in flight continues bit for
+bit, and one onto other ZeRO restarts the groups from the global parameters."""
 from __future__ import annotations
 
 import functools

@@ -5,6 +5,7 @@ where JAX's CUDA plugin cannot compile here (`pip install -e '.[gpu-plan]'`, par
 import dataclasses
 import functools
 import json
+import math
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import make_mesh
 from pjax import cudnn_fallback, xla_options
 from pjax.config_io import load_config
-from pjax.observe.hlo import async_overlap
+from pjax.observe.hlo import async_overlap, async_spans
 from pjax.observe.hlo_flops import fused_attention, gemm_sites
 from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
@@ -180,6 +181,28 @@ def test_pjax_s_options_overlap_the_collectives_with_compute():
         for kind in ("reduce-scatter", "all-gather"):
             row = overlap[kind]
             assert row["overlapped"] >= 0.8 * row["sites"] and row["sites"] >= 3, (layout, overlap)
+
+
+def test_a_streaming_landing_reduces_its_fragment_while_its_inner_step_runs():
+    """dp8, H=4 in 2 fragments landing tau=1 step after their send: in the landing step every all-reduce of the
+    fragment (each over 1M elements, the step's scalars apart) starts before the inner step's backward loop ends
+    and is done after it (`pjax/parallel/overlap.py`, `xla_options.IN_FLIGHT`)."""
+    overrides = [*WIDE, "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1",
+                 "train.steps=8", "train.batch_size=8", "train.seq_len=64"]
+    _, trainer, step = gpu_compile("debug", overrides, "dp8")
+    assert trainer.xla_options[xla_options.IN_FLIGHT] > 1
+    spans = async_spans(step.as_text())
+    big = [(comp, between) for comp, result, between in spans if math.prod(_dims(result)) > 2 ** 20]
+    landing = {comp for comp, _ in big}
+    assert len(landing) == 1 and len(big) >= 4, spans  # the landing branch: the embedding, lm_head, the MLPs'
+    assert all("while" in between for _, between in big), big
+    scalars = [between for comp, result, between in spans if comp in landing and math.prod(_dims(result)) < 16]
+    assert scalars and not any("while" in between for between in scalars)  # the loss, norm and lr: at the end
+
+
+def _dims(result: str) -> list[int]:
+    """The dimensions of an HLO result type's (first) array: f32[1,4096,11008]{2,1,0} -> [1, 4096, 11008]."""
+    return [int(d) for d in re.search(r"\[([\d,]*)\]", result).group(1).split(",") if d]
 
 
 def test_a_flag_the_user_sets_wins_and_the_key_turns_them_off(monkeypatch):

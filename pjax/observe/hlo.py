@@ -199,11 +199,10 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
 _WORK = ("fusion", "custom-call", "convolution", "dot")
 
 
-def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Per kind, {'sites', 'overlapped'}: the collectives of a scheduled module (XLA:GPU's) and those run
-    asynchronously with compute scheduled between start and done (`all-reduce-start` ... `all-reduce-done`, or
-    an `async-start` calling a computation that holds the collective); places in the program, not executions."""
-    body: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
+def computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
+    """Each computation of an HLO module's text: its instructions in order, as (name, result type, opcode, the
+    rest)."""
+    body: dict[str, list[tuple[str, str, str, str]]] = collections.defaultdict(list)
     current = None
     for line in hlo_text.splitlines():
         header = _COMP_HEADER.match(line)
@@ -212,8 +211,15 @@ def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
             continue
         m = _INSTR.match(line) if current else None
         if m:
-            name, _, opcode, rest = m.groups()
-            body[current].append((name, opcode, rest))
+            body[current].append(m.groups())
+    return dict(body)
+
+
+def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Per kind, {'sites', 'overlapped'}: the collectives of a scheduled module (XLA:GPU's) and those run
+    asynchronously with compute scheduled between start and done (`all-reduce-start` ... `all-reduce-done`, or
+    an `async-start` calling a computation that holds the collective); places in the program, not executions."""
+    body = {comp: [(name, op, rest) for name, _, op, rest in instrs] for comp, instrs in computations(hlo_text).items()}
     holds = {comp: op for comp, instrs in body.items() for _, op, _ in instrs if op in KINDS}
     out = {kind: {"sites": 0, "overlapped": 0} for kind in KINDS}
     wrapped = set()
@@ -234,6 +240,19 @@ def async_overlap(hlo_text: str) -> dict[str, dict[str, int]]:
                 if op in KINDS:
                     out[op]["sites"] += 1
     return {kind: row for kind, row in out.items() if row["sites"]}
+
+
+def async_spans(hlo_text: str, kind: str = "all-reduce") -> list[tuple[str, str, list[str]]]:
+    """Each `kind-start` ... `kind-done` of a scheduled module: (its computation, its result type, the opcodes
+    scheduled between the two)."""
+    spans = []
+    for comp, instrs in computations(hlo_text).items():
+        for i, (name, result, op, _) in enumerate(instrs):
+            if op == f"{kind}-start":
+                done = next((j for j in range(i + 1, len(instrs)) if instrs[j][2] == f"{kind}-done"
+                             and re.match(rf"%{re.escape(name)}(?![\w.\-])", instrs[j][3])), len(instrs))
+                spans.append((comp, result, [ins[2] for ins in instrs[i + 1:done]]))
+    return spans
 
 
 def _async_kind(op: str, rest: str, holds: dict[str, str]) -> tuple[str | None, str]:

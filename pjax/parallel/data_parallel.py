@@ -15,7 +15,7 @@ from mesh.mesh import CP, DP, PP, TP, current
 from mesh.rules import logical_to_spec, param_rules, vary  # noqa: F401 (vary: this module's API)
 from models import fp8, llama
 from models.config import LlamaConfig
-from pjax.parallel import feedback, groups
+from pjax.parallel import feedback, groups, overlap
 
 _is_names = lambda x: isinstance(x, tuple)
 
@@ -160,7 +160,7 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
         with fp8.replica_groups(group_size):
             loss, count, grads, _ = accumulate(vary(one, in_group), batch)
         grads, (loss, count) = _psum([grads, (loss, count)], in_group)
-        total, tokens = lax.psum((loss, count), DP)
+        total, tokens = lax.psum((overlap.waits(loss), overlap.waits(count)), DP)
         if scatter:
             grads, count = scatter_in_group(grads, cfg, group_size), groups.group_sum(count, group_size)
         else:

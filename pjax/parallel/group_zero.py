@@ -27,7 +27,7 @@ from jax import lax
 from mesh.mesh import DP
 from models import llama
 from models.config import LlamaConfig
-from pjax.parallel import data_parallel, groups
+from pjax.parallel import data_parallel, groups, overlap
 
 _is_names = lambda x: isinstance(x, tuple)  # noqa: E731
 
@@ -85,7 +85,7 @@ def gather(chunks: Any, cfg: LlamaConfig, size: int) -> Any:
 
 def group_norms(grads: Any, size: int) -> jax.Array:
     """[replicas]: the global norm of each replica's group gradient, from the chunks' squared norms."""
-    squares = jax.vmap(lambda g: optax.tree.norm(g, squared=True))(grads)
+    squares = overlap.waits(jax.vmap(lambda g: optax.tree.norm(g, squared=True))(grads))
     total = jnp.sum(squares.reshape(-1, size), axis=1)
     return jnp.repeat(jnp.sqrt(total), size)
 

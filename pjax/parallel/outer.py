@@ -33,7 +33,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
-from pjax.parallel import data_parallel, feedback, group_zero
+from pjax.parallel import data_parallel, feedback, group_zero, overlap
 
 
 def check_run(run: Any) -> None:
@@ -157,7 +157,8 @@ class DiLoCo:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.tc.on_nonfinite == "skip":
             new = keep_if_finite(finite, new, own)
-        lr = lr_schedule(self.tc)(schedule_count(own["opt_state"])[0])  # every group's count is the same
+        # Every group's count is the same; the first one's read over dp (`overlap.waits`: a landing's anchor).
+        lr = overlap.waits(lr_schedule(self.tc)(schedule_count(own["opt_state"])))[0]
         return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
 
     def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
@@ -170,7 +171,7 @@ class DiLoCo:
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = jax.vmap(self.inner.update)(grads, local["opt_state"], local["params"])
         params = optax.apply_updates(local["params"], updates)
-        norm = jnp.mean(jax.vmap(optax.tree.norm)(grads))
+        norm = jnp.mean(overlap.waits(jax.vmap(optax.tree.norm)(grads)))
         return {"params": params, "opt_state": opt_state}, loss, norm
 
     def group_size(self) -> int:

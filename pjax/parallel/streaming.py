@@ -9,14 +9,15 @@ DiLoCo's bytes, the same layers on every layout. With H = `train.local_steps` an
 after step n when n % K = 0 and f = (n / K - 1) mod P, so each fragment is sent once every H steps, the last one
 at DiLoCo's steps.
 
-A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of
-the model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
+A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of the
+model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
 all-reduce over dp, in the fragment's payload with `train.grad_compression`), the outer Nesterov step moves the
-global fragment along (global - mean), and every group takes the result, keeping `train.diloco_mix` (alpha) of
-its own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner
-step and the reduction of the snapshot, which depends on nothing the inner step computes, so XLA may run the two
-at once. With tau = 0 the fragment is averaged right after the step that sends it, as DiLoCo does; with P = 1,
-tau = 0 and alpha = 0 this is DiLoCo, bit for bit (tests/test_streaming_diloco.py).
+global fragment along (global - mean), and every group takes the result, keeping `train.diloco_mix` (alpha) of its
+own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner step
+and the reduction of the snapshot, which depends on nothing the inner step computes; kept apart from the inner
+step's own sums (`overlap`), it runs during the inner step on XLA:GPU (tests/test_gpu_target.py). With tau = 0 the
+fragment is averaged right after the step that sends it, as DiLoCo does; with P = 1, tau = 0 and alpha = 0 this is
+DiLoCo, bit for bit (tests/test_streaming_diloco.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import optax
 from jax import lax
 
 from mesh.errors import ConfigError
-from pjax.parallel import outer
+from pjax.parallel import outer, overlap
 from pjax.parallel.pipeline.layout import layer_order
 
 
@@ -178,7 +179,8 @@ class StreamingDiLoCo(outer.DiLoCo):
         f = self.sent(state.step + 1 - self.tc.diloco_overlap)
         params, opt_state, residual, landed = self.outer_fragment(state.params, state.opt_state, state.residual,
                                                                   state.local["inflight"], f)
-        local, metrics = self.inner_round(state, batch)
+        with overlap.after(overlap.anchor_of(landed)):  # its reductions apart from the inner step's
+            local, metrics = self.inner_round(state, batch)
         return params, opt_state, self.merge(local, landed, f), residual, metrics
 
     def slices(self, stacked: Any, f: jax.Array) -> Any:
