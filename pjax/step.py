@@ -191,7 +191,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     params_shape = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     o_sharding = data_parallel.opt_state_shardings(mesh, cfg, tc.zero, optimizer, params_shape)
     compressed = tc.grad_compression != "none"
-    r_sharding = feedback.shardings(mesh, feedback_axes(mesh, tc), cfg, p_sharding,
+    outer_loop = bool(tc.local_steps or meta_cfg.algorithm)
+    r_sharding = feedback.shardings(mesh, feedback_axes(mesh, outer_loop), cfg, p_sharding,
                                     tc.grad_compression) if compressed else None
     l_sharding = outer.local_shardings(mesh, inner, cfg, params_shape, tc) if tc.local_steps else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
@@ -201,7 +202,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        residual = feedback.zeros(params, mesh, feedback_axes(mesh, tc), cfg, tc.grad_compression,
+        residual = feedback.zeros(params, mesh, feedback_axes(mesh, outer_loop), cfg, tc.grad_compression,
                                   tc.compression_rank) if compressed else None
         local = diloco.fresh(params, mc.dp) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
@@ -284,15 +285,17 @@ def fresh_residual(trainer: Trainer) -> Any:
         return None
     shapes = trainer.abstract_state().params
     tc = trainer.tc
-    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, feedback_axes(trainer.mesh, tc), trainer.cfg,
+    axes = feedback_axes(trainer.mesh, trainer.diloco is not None or trainer.learner is not None)
+    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, axes, trainer.cfg,
                                           tc.grad_compression, tc.compression_rank),
                    out_shardings=trainer.state_sharding.residual)()
 
 
-def feedback_axes(mesh: Mesh, tc: TrainConfig) -> tuple[str, ...]:
-    """The axes a compressed reduction sums over, whose devices each keep a residual: the data axes, or under
-    DiLoCo dp alone (the outer average; a group's copies are alike over cp)."""
-    return (DP,) if tc.local_steps else data_parallel.data_axes(mesh)
+def feedback_axes(mesh: Mesh, outer_loop: bool) -> tuple[str, ...]:
+    """The axes a compressed reduction sums over, whose devices each keep a residual: the data axes, or with an
+    outer loop (DiLoCo, meta-learning) dp alone (its one mean over the groups; a group's copies are alike over
+    cp)."""
+    return (DP,) if outer_loop else data_parallel.data_axes(mesh)
 
 
 def _local_device(mesh: Mesh) -> Any:

@@ -5,6 +5,7 @@ on dp2 x tp2; each group's rows hold its task; a resume continues bit for bit.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from pjax.config_io import load_config
 from pjax.data.batches import read_windows
 from pjax.data.tasks import TaskIterator, build_tasks
 from pjax.data.text import load_tokenizer, load_tokens
+from pjax.parallel import outer
 from pjax.train import train
 from pjax.validate import validate_run
 
@@ -118,6 +120,76 @@ def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorit
     want = jax.tree.map(lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, *each)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-6)
+
+
+# Each algorithm's layout for the compressed mean: Reptile over dp2 x pp2 (a 1F1B pipeline per group; the mean of
+# global - adapted, the outer SGD at lr 1 without momentum), the MAMLs over dp2 x tp2 (the meta-gradients' mean).
+COMPRESSED = {"reptile": ["mesh.tp=1", "mesh.pp=2", "train.outer_lr=1.0", "train.outer_momentum=0"],
+              "fomaml": ["mesh.tp=2"], "maml": ["mesh.tp=2"]}
+# (payload, its overrides, ||carried - exact|| / ||exact|| must be below), as DiLoCo's outer average's bounds.
+META_PAYLOADS = {"int8": ([], 0.02), "bf16": ([], 0.005), "powersgd": (["train.powersgd_rank=2"], 1.0)}
+
+
+@pytest.fixture(scope="module")
+def stacked_targets():
+    """algorithm -> (its trainer, state, batch under int8, and each group's row of the target the groups meet
+    with: the adapted parameters (Reptile) or the meta-gradient), computed once."""
+    cache = {}
+
+    def get(algorithm: str):
+        if algorithm not in cache:
+            _, trainer = _trainer(["mesh.dp=2", *COMPRESSED[algorithm], *_meta(algorithm),
+                                   "train.grad_compression=int8"])
+            state, batch = trainer.init(jax.random.key(0)), random_batch(trainer)
+            stacked = _on(trainer, functools.partial(trainer.learner.over_tasks, stacked=True), state.params,
+                          batch)[0]
+            cache[algorithm] = trainer, state, batch, stacked
+        return cache[algorithm]
+    return get
+
+
+@pytest.mark.parametrize("payload", list(META_PAYLOADS))
+@pytest.mark.parametrize("algorithm", list(COMPRESSED))
+@pytest.mark.proves("reptile+bf16_reduce", "reptile+int8_reduce", "reptile+powersgd", "fomaml+bf16_reduce",
+                    "fomaml+int8_reduce", "fomaml+powersgd", "maml+bf16_reduce", "maml+int8_reduce", "maml+powersgd")
+def test_a_compressed_meta_mean_is_the_exact_one_within_its_payload_and_keeps_what_it_lost(stacked_targets,
+                                                                                          algorithm, payload):
+    """The groups' one mean in `train.grad_compression`'s payload (`outer.compressed_mean`): within the payload's
+    rounding of the exact mean, the replicas' residuals holding the rest exactly; (int8) the meta step moves the
+    parameters by it: Reptile's outer SGD by the carried mean of global - adapted, the MAMLs' AdamW on the carried
+    meta-gradient."""
+    trainer, state, batch, stacked = stacked_targets(algorithm)
+    extra, bound = META_PAYLOADS[payload]
+    if payload != "int8":
+        _, other = _trainer(["mesh.dp=2", *COMPRESSED[algorithm], *_meta(algorithm),
+                             f"train.grad_compression={payload}", *extra])
+        residual = other.init(jax.random.key(0)).residual
+    else:
+        residual = state.residual
+    reference = state.params if algorithm == "reptile" else None
+    mean_of = functools.partial(outer.compressed_mean, trainer.cfg, payload)
+    mean, after = _on(trainer, mean_of, stacked, residual, reference)
+    host = functools.partial(jax.tree.map, lambda x: np.asarray(x, np.float64))
+    rows, carried, errors = host(stacked), host(mean), host(after["error"])
+    exact = jax.tree.map(lambda r: r.mean(axis=0), rows)
+    if reference is not None:
+        exact = jax.tree.map(lambda p, x: p - x, host(reference), exact)
+    for c, e, x in zip(jax.tree.leaves(carried), jax.tree.leaves(errors), jax.tree.leaves(exact)):
+        # PowerSGD's projections round in fp32: within 1e-5 of each leaf's largest mean value.
+        np.testing.assert_allclose(2 * c + e.sum(axis=0), 2 * x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+    gap = np.sqrt(sum(np.sum((c - x) ** 2) for c, x in zip(jax.tree.leaves(carried), jax.tree.leaves(exact))))
+    size = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(exact)))
+    assert 0 < gap < bound * size
+    if payload != "int8":  # the step's use of `compressed_mean` is one code path for every payload
+        return
+    if algorithm == "reptile":
+        want = jax.tree.map(lambda p, d: p - d, host(state.params), carried)
+    else:
+        updates = _on(trainer, trainer.optimizer.update, mean, state.opt_state, state.params)[0]
+        want = jax.tree.map(lambda p, u: p + u, host(state.params), host(updates))
+    new = host(trainer.step(jax.tree.map(jnp.copy, state), batch)[0].params)  # the step donates its input
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
 @pytest.fixture(scope="module")

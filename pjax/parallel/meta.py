@@ -9,6 +9,8 @@ adapts a copy through the strategy: `over_copies`); the groups then meet once, i
 - fomaml: the gradient of the task's loss on one more micro-batch (the query), at the adapted parameters;
 - maml: the same loss differentiated through the inner steps (`jax.grad` of the whole adaptation).
 fomaml's and maml's mean meta-gradient goes to the run's AdamW (train.lr, its schedule and clipping).
+With `train.grad_compression` that one mean travels in its payload with error feedback (`outer.compressed_mean`,
+DiLoCo's outer average's code).
 The task data comes from `pjax.data.tasks.TaskIterator`: group g's rows hold one task per step.
 """
 from __future__ import annotations
@@ -53,9 +55,8 @@ def check_run(run: Any) -> None:
         raise ConfigError(f"{head} with mesh.pp={mesh.pp} runs the pipeline on one micro-batch per inner step, and "
                           f"pipeline.schedule=interleaved needs them in groups of pp: use pipeline.schedule=1f1b "
                           f"(or afab, zb_h1, zb_v).")
+    _check_compression(run, head)
     refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
-               (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
-                "train.grad_compression=none"),
                (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0"),
                (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
     for bad, what, fix in refused:
@@ -69,6 +70,23 @@ def check_run(run: Any) -> None:
         query = " and 1 to take the meta-gradient on" if meta.query else ""
         raise ConfigError(f"{head} with meta.inner_steps={meta.inner_steps} reads {reads} micro-batches per step "
                           f"({meta.inner_steps} to adapt{query}): set train.grad_accum={reads}.")
+
+
+def _check_compression(run: Any, head: str) -> None:
+    """One line where `train.grad_compression` cannot carry the meta step's one mean over the groups."""
+    tc, mesh = run.train, run.mesh
+    if tc.grad_compression == "none":
+        return
+    with_it = f"{head} with train.grad_compression={tc.grad_compression}"
+    if mesh.dp < 2:
+        raise ConfigError(f"{with_it} compresses the one mean over the groups, which are the dp replicas, and this "
+                          f"mesh has dp={mesh.dp}: set mesh.dp >= 2, or train.grad_compression=none.")
+    if tc.powersgd_start > 0:
+        raise ConfigError(f"{with_it} compresses from the first meta step: set train.powersgd_start=0.")
+    if run.meta.algorithm == "maml" and mesh.cp > 1:
+        raise ConfigError(f"{with_it} and mesh.cp={mesh.cp}: the groups' copies are differentiated together, so "
+                          f"the meta-gradient is summed inside the derivative, where no payload carries it; use "
+                          f"mesh.cp=1, or meta.algorithm=fomaml or reptile, or train.grad_compression=none.")
 
 
 def meta_optimizer(meta: Any, tc: Any, adamw: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -87,9 +105,18 @@ class Meta:
     strategy: Any = None  # with pp or cp > 1 the groups adapt through its per_replica_loss_and_grads (`over_copies`)
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        """One meta-step: {loss (before adapting), adapted_loss, grad_norm, lr, finite}."""
-        target, loss, adapted = self.over_tasks(state.params, batch)
-        if self.meta.algorithm == "reptile":
+        """One meta-step: {loss (before adapting), adapted_loss, grad_norm, lr, finite}. With
+        `train.grad_compression` the mean over the groups (Reptile's of global - adapted) travels in its payload,
+        with error feedback in `state.residual` (`outer.compressed_mean`)."""
+        residual, reptile = state.residual, self.meta.algorithm == "reptile"
+        target, loss, adapted = self.over_tasks(state.params, batch, stacked=residual is not None)
+        if residual is not None:
+            target, residual = outer.compressed_mean(self.spec.cfg, self.tc.grad_compression, target, residual,
+                                                     state.params if reptile else None)
+        if reptile and residual is not None:  # target: the mean of global - adapted
+            params, opt_state = outer.outer_update(self.optimizer, state.params, state.opt_state, target)
+            grad_norm, lr = optax.tree.norm(target), jnp.asarray(self.tc.outer_lr, jnp.float32)
+        elif reptile:
             params, opt_state = outer.outer_step(self.optimizer, state.params, state.opt_state, target)
             grad_norm = optax.tree.norm(jax.tree.map(jnp.subtract, state.params, target))
             lr = jnp.asarray(self.tc.outer_lr, jnp.float32)
@@ -99,25 +126,30 @@ class Meta:
             lr = lr_schedule(self.tc)(schedule_count(state.opt_state))
         finite = jnp.isfinite(loss) & jnp.isfinite(adapted) & jnp.isfinite(grad_norm)
         if self.tc.on_nonfinite == "skip":
-            params, opt_state = keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
+            params, opt_state, residual = keep_if_finite(finite, (params, opt_state, residual),
+                                                         (state.params, state.opt_state, state.residual))
         metrics = {"loss": loss, "adapted_loss": adapted, "grad_norm": grad_norm, "lr": lr, "finite": finite}
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state, residual=residual), metrics
 
-    def over_tasks(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
-        """`per_task` in every group at once (a shard_map manual over dp), then the mean over the groups."""
+    def over_tasks(self, params: Any, batch: Any, stacked: bool = False) -> tuple[Any, jax.Array, jax.Array]:
+        """`per_task` in every group at once (a shard_map manual over dp), then the mean over the groups (with
+        `stacked`, each group's row of a [groups, ...] stack instead; the losses are means either way)."""
         axes = data_parallel.data_axes(current())
         if current().shape[PP] > 1 or CP in axes:
-            return self.over_copies(params, batch)
+            return self.over_copies(params, batch, stacked)
         if not axes:
             return self.per_task(params, batch)
 
         def body(params, batch):
             with fp8.replica_groups(1):  # each replica adapts to its own task
-                return lax.pmean(self.per_task(data_parallel.vary(params, axes), batch), DP)
-        return jax.shard_map(body, in_specs=(P(), data_parallel.batch_spec(axes)), out_specs=(P(), P(), P()),
-                             axis_names=set(axes))(params, batch)
+                out = self.per_task(data_parallel.vary(params, axes), batch)
+            if not stacked:
+                return lax.pmean(out, DP)
+            return (jax.tree.map(lambda t: t[None], out[0]), *lax.pmean(out[1:], DP))
+        return jax.shard_map(body, in_specs=(P(), data_parallel.batch_spec(axes)),
+                             out_specs=(P(DP) if stacked else P(), P(), P()), axis_names=set(axes))(params, batch)
 
-    def over_copies(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
+    def over_copies(self, params: Any, batch: Any, stacked: bool = False) -> tuple[Any, jax.Array, jax.Array]:
         """`over_tasks` with pp or cp > 1: every group's parameters stacked [groups, ...] and adapted by the
         strategy's step without dp (a pipeline per group, a sum over cp), one micro-batch per inner step."""
         n, lr = self.meta.inner_steps, self.meta.inner_lr
@@ -138,11 +170,12 @@ class Meta:
                 return grads_of(adapted, query)[0], losses[0]
             (after, before), grads = jax.value_and_grad(through_adaptation, has_aux=True)(params)
             return grads, before, after
+        mean = (lambda tree: tree) if stacked else (lambda tree: jax.tree.map(lambda x: jnp.mean(x, axis=0), tree))
         adapted, losses = adapt(params)
         if self.meta.algorithm == "reptile":
-            return jax.tree.map(lambda a: jnp.mean(a, axis=0), adapted), losses[0], losses[-1]
+            return mean(adapted), losses[0], losses[-1]
         after, grads = grads_of(adapted, query)
-        return jax.tree.map(lambda g: jnp.mean(g, axis=0), grads), losses[0], after
+        return mean(grads), losses[0], after
 
     def per_task(self, params: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
         """One task's (adapted parameters or meta-gradient, loss before adapting, loss after)."""

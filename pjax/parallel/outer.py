@@ -213,19 +213,29 @@ class DiLoCo:
         return params, opt_state, {**local, "params": copies(params, replicas)}, residual
 
     def compressed_delta(self, params: Any, stacked_params: Any, residual: Any) -> tuple[Any, Any]:
-        """The mean over the replicas of (global - copy), summed in `train.grad_compression`'s payload by the
-        gradient reduction's code (`data_parallel.reduce_gradients` over dp alone), and the new residuals."""
-        cfg, pipelined = self.strategy.spec.cfg, current().shape[PP] > 1
-        specs = data_parallel.data_specs(cfg, (DP,), pipelined=pipelined)
-        r_specs = (feedback.pipelined_specs(cfg, (DP,), residual) if pipelined
-                   else jax.tree.map(lambda _: P(DP), residual))
+        """The mean over the replicas of (global - copy) in `train.grad_compression`'s payload
+        (`compressed_mean`), and the new residuals."""
+        return compressed_mean(self.strategy.spec.cfg, self.tc.grad_compression, stacked_params, residual, params)
 
-        def body(params, stacked, residual):
-            delta = jax.tree.map(lambda p, c: p.astype(jnp.float32) - c[0].astype(jnp.float32), params, stacked)
-            total, residual = data_parallel.reduce_gradients(delta, cfg, False, self.tc.grad_compression, residual,
-                                                             axes=(DP,))
-            return jax.tree.map(lambda t: t / lax.axis_size(DP), total), residual
 
-        return jax.shard_map(body, in_specs=(specs, data_parallel.stacked_specs(specs), r_specs),
-                             out_specs=(specs, r_specs), axis_names={DP, PP} if pipelined else {DP}
-                             )(params, stacked_params, residual)
+def compressed_mean(cfg: Any, mode: str, stacked: Any, residual: Any, reference: Any = None) -> tuple[Any, Any]:
+    """The mean over the dp replicas of each one's row of the [replicas, ...] `stacked` (or of `reference` - row),
+    summed in `mode`'s payload by the gradient reduction's code (`data_parallel.reduce_gradients` over dp alone)
+    with error feedback in `residual`: (the mean, the new residuals). DiLoCo's outer average and the meta step's
+    mean over the groups."""
+    pipelined = current().shape[PP] > 1
+    specs = data_parallel.data_specs(cfg, (DP,), pipelined=pipelined)
+    r_specs = (feedback.pipelined_specs(cfg, (DP,), residual) if pipelined
+               else jax.tree.map(lambda _: P(DP), residual))
+
+    def body(stacked, residual, *reference):
+        rows = jax.tree.map(lambda c: c[0].astype(jnp.float32), stacked)
+        if reference:
+            rows = jax.tree.map(lambda p, c: p.astype(jnp.float32) - c, reference[0], rows)
+        total, residual = data_parallel.reduce_gradients(rows, cfg, False, mode, residual, axes=(DP,))
+        return jax.tree.map(lambda t: t / lax.axis_size(DP), total), residual
+
+    extra = () if reference is None else (reference,)
+    return jax.shard_map(body, in_specs=(data_parallel.stacked_specs(specs), r_specs, *(specs,) * len(extra)),
+                         out_specs=(specs, r_specs), axis_names={DP, PP} if pipelined else {DP}
+                         )(stacked, residual, *extra)
