@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
 
 import jax
+
+from mesh.scoped import scoped
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("pjax_target_backend", default=None)
 
@@ -20,11 +21,6 @@ def target_backend() -> str:
     return _TARGET.get() or jax.default_backend()
 
 
-@contextlib.contextmanager
-def building_for(backend: str) -> Iterator[None]:
+def building_for(backend: str) -> contextlib.AbstractContextManager[None]:
     """Trace the step inside this block as it is traced on `backend`."""
-    token = _TARGET.set(backend)
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
+    return scoped(_TARGET, backend)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax import lax
 
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP
+from mesh.scoped import scoped
 from models.projection import PLAIN, Gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -34,14 +34,9 @@ def _largest(fp8: jnp.dtype) -> float:
 _GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("fp8_replica_group", default=None)
 
 
-@contextlib.contextmanager
-def replica_groups(size: int) -> Iterator[None]:
+def replica_groups(size: int) -> contextlib.AbstractContextManager[None]:
     """Inside, a tensor split over dp is split over its group of `size` replicas only (traced in the block)."""
-    token = _GROUP.set(size)
-    try:
-        yield
-    finally:
-        _GROUP.reset(token)
+    return scoped(_GROUP, size)
 
 
 def whole_amax(x: jax.Array) -> jax.Array:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from mesh.scoped import scoped
 
 _ANCHOR: contextvars.ContextVar = contextvars.ContextVar("anchor", default=None)
 
@@ -25,14 +27,9 @@ def anchor_of(tree: Any) -> jax.Array:
     return sum(leaf.ravel()[0].astype(jnp.float32) for leaf in jax.tree.leaves(tree))
 
 
-@contextlib.contextmanager
-def after(anchor: jax.Array) -> Iterator[None]:
+def after(anchor: jax.Array) -> contextlib.AbstractContextManager[None]:
     """Inside (traced in the block), `waits` makes its operand depend on `anchor`."""
-    token = _ANCHOR.set(anchor)
-    try:
-        yield
-    finally:
-        _ANCHOR.reset(token)
+    return scoped(_ANCHOR, anchor)
 
 
 def waits(x: jax.Array) -> jax.Array:
