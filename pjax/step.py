@@ -219,9 +219,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
     step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
     step = diloco.step if diloco else learner.step if learner else step
-    # A streaming landing's fragment reductions (one per parameter tensor at most) all in flight beside its step.
-    in_flight = len(jax.tree.leaves(params_shape)) if tc.local_steps and tc.diloco_overlap else 1
-    options = xla_options.step_options(tc.xla_options, _local_device(mesh), policy.fp8, in_flight)
+    options = _compile_options(mesh, tc, policy.fp8, params_shape)
     jit = functools.partial(jax.jit, compiler_options=options or None)
     return Trainer(
         mesh, cfg, tc, optimizer, state_sharding, batch_sharding,
@@ -296,6 +294,13 @@ def feedback_axes(mesh: Mesh, outer_loop: bool) -> tuple[str, ...]:
     outer loop (DiLoCo, meta-learning) dp alone (its one mean over the groups; a group's copies are alike over
     cp)."""
     return (DP,) if outer_loop else data_parallel.data_axes(mesh)
+
+
+def _compile_options(mesh: Mesh, tc: TrainConfig, fp8: bool, params_shape: Any) -> dict[str, Any]:
+    """The step's XLA options (`xla_options.step_options`); with streaming DiLoCo's overlap, a landing's fragment
+    reductions (one per parameter tensor at most) all in flight beside its inner step."""
+    in_flight = len(jax.tree.leaves(params_shape)) if tc.local_steps and tc.diloco_overlap else 1
+    return xla_options.step_options(tc.xla_options, _local_device(mesh), fp8, in_flight)
 
 
 def _local_device(mesh: Mesh) -> Any:
