@@ -203,7 +203,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         residual = feedback.zeros(params, mesh, feedback_axes(mesh, outer_loop), cfg, tc.grad_compression,
-                                  tc.compression_rank) if compressed else None
+                                  tc.compression_rank, tc.diloco_fragments) if compressed else None
         local = diloco.fresh(params, mc.dp) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
@@ -284,8 +284,8 @@ def fresh_residual(trainer: Trainer) -> Any:
     shapes = trainer.abstract_state().params
     tc = trainer.tc
     axes = feedback_axes(trainer.mesh, trainer.diloco is not None or trainer.learner is not None)
-    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, axes, trainer.cfg,
-                                          tc.grad_compression, tc.compression_rank),
+    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, axes, trainer.cfg, tc.grad_compression,
+                                          tc.compression_rank, tc.diloco_fragments),
                    out_shardings=trainer.state_sharding.residual)()
 
 

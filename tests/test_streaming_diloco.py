@@ -15,7 +15,8 @@ import pytest
 
 from pjax.config_io import load_config
 from pjax.observe import hlo
-from pjax.parallel import streaming
+from models import llama
+from pjax.parallel import feedback, powersgd, streaming
 from pjax.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -123,19 +124,71 @@ def test_a_compressed_fragment_lands_within_its_payload_and_its_residuals_keep_t
     assert 0 < norm(jax.tree.map(lambda a, b: a - b, carried, exact)) < bound * norm(exact)
 
 
+def _powersgd_mean(matrices: np.ndarray, q: np.ndarray, names: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """PowerSGD's rank-r mean over the replicas of `matrices` ([replicas, *shape]) from the warm-start `q`, and
+    its next Q, in float64: one power iteration (pjax/parallel/powersgd.py's docstring)."""
+    batch, first = powersgd.split(names)
+    shape = matrices.shape[1:]
+    m = matrices.reshape(len(matrices), *shape[:batch], int(np.prod(shape[batch:first])), -1)
+    p = np.linalg.qr((m @ q).sum(axis=0))[0]
+    q_next = (np.swapaxes(m, -1, -2) @ p).sum(axis=0)
+    return (p @ np.swapaxes(q_next, -1, -2)).reshape(shape) / len(matrices), q_next
+
+
+@pytest.mark.proves("powersgd+streaming")
+def test_a_powersgd_fragment_is_the_rank_r_mean_from_its_own_warm_start_q():
+    """dp2, H=2 in 2 fragments (one landed each step), rank 2, outer SGD at lr 1 without momentum. Steps 1, 2
+    and 3 land fragments 0, 1 and 0 again: each moves its slices of the global parameters by PowerSGD's rank-2
+    mean of (global - copy + residual), computed here in float64 from that fragment's own Q (a layer's, or the
+    embedding's and head's per-fragment one; step 3's warm-started by step 1), and leaves the other fragment's
+    parameters, residuals and Qs as they were."""
+    cfg, trainer = _trainer(["mesh.dp=2", "train.local_steps=2", "train.diloco_fragments=2", "train.outer_lr=1.0",
+                             "train.outer_momentum=0", "train.grad_compression=powersgd", "train.powersgd_rank=2"])
+    names = llama.param_logical_axes(cfg.model)
+    states = _steps(trainer, trainer.step, trainer.init(jax.random.key(0)), 3)
+    inner_round = jax.jit(trainer.diloco.inner_round)
+    for n, f in ((1, 0), (2, 1), (3, 0)):
+        before, after = states[n - 1], states[n]
+        with jax.set_mesh(trainer.mesh):
+            copies = host(inner_round(before, random_batch(trainer, n - 1))[0]["params"])
+        outer_grad = jax.tree.map(lambda p, c, e: p[None] - c + e, _part(before.params, f), _part(copies, f, 1),
+                                  _part(before.residual["error"], f, 1))
+        q_of = lambda q, path: (np.asarray(q, np.float64)[0, 0, f] if path[0].key != "layers"  # noqa: E731
+                                else _part(q, f, 2)[0, 0])
+        for path, grad in jax.tree_util.tree_leaves_with_path(outer_grad):
+            leaf = lambda tree: functools.reduce(lambda t, k: t[k.key], path, tree)  # noqa: E731
+            carried = _part(leaf(before.params), f) - _part(leaf(after.params), f)
+            if not feedback.has_q(leaf(names)):  # a vector: the exact mean
+                want = grad.mean(axis=0)
+                np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
+                continue
+            # Within fp32's rounding of the parameters (carried is a difference of two of them) and of the products.
+            want, q_next = _powersgd_mean(grad, q_of(leaf(before.residual["q"]), path), leaf(names))
+            np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
+            got_q = q_of(leaf(after.residual["q"]), path)
+            np.testing.assert_allclose(np.abs(got_q), np.abs(q_next), atol=1e-4 * np.abs(q_next).max())
+            other = lambda s: (np.asarray(leaf(s.residual["q"]))[0, 0, 1 - f] if path[0].key != "layers"  # noqa
+                               else _part(leaf(s.residual["q"]), 1 - f, 2)[0, 0])
+            np.testing.assert_array_equal(other(after), other(before))
+        _equal(_part(after.params, 1 - f), _part(before.params, 1 - f))
+        _equal(_part(after.residual["error"], 1 - f, 1), _part(before.residual["error"], 1 - f, 1))
+
+
 def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capfd):
-    """Saved at step 2, between fragment 0's send and its landing at step 3."""
+    """Saved at step 2, between fragment 0's send and its landing at step 3; the outer average in PowerSGD, whose
+    per-fragment Qs and residuals travel with the checkpoint."""
     def run(name: str) -> list[float]:
         overrides = [*SMALL, "mesh.dp=2", "train.steps=6", "log.every=1", "log.eval_every=0",
                      "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1",
-                     f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
+                     "train.grad_compression=powersgd", f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
         cfg = load_config("debug", overrides)
         return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
 
     straight = run("a")
     preempted_after(tmp_path / "a", tmp_path / "b", 2)
     assert run("b") == straight[2:]
-    assert "starts from the global parameters" not in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "starts from the global parameters" not in err and "starts at zero" not in err
 
 
 def test_an_outer_step_sends_one_fragment_of_dilocos_bytes():

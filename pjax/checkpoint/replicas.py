@@ -39,14 +39,15 @@ def restore(manager: Any, step: int, trainer: Any, saved: Config, cfg: Config, m
     residual = local = None
     fresh = False
     if target.residual is not None:
-        same = (saved.train.grad_compression, saved.train.compression_rank, saved.train.zero,
-                meta.get("residual_replicas")) == (cfg.train.grad_compression, cfg.train.compression_rank,
-                                                   cfg.train.zero, _replicas(target.residual["error"]))
+        # PowerSGD's Qs of the embedding and the head are per streaming DiLoCo fragment (`feedback`).
+        layout = lambda c: (c.train.grad_compression, c.train.compression_rank, c.train.zero,  # noqa: E731
+                            c.train.diloco_fragments if c.train.grad_compression == "powersgd" else 1)
+        same = (layout(saved), meta.get("residual_replicas")) == (layout(cfg), _replicas(target.residual["error"]))
         if same:
             residual = _read(manager, step, "residual", target.residual)
         else:
             warn(f"train.grad_compression={cfg.train.grad_compression}: the error-feedback residual starts at zero "
-                 f"(step {step} was saved without one, or with other data replicas).")
+                 f"(step {step} was saved without one, or with other data replicas or fragments).")
             residual = fresh_residual(trainer)
     if target.local is not None:
         replicas = _replicas(target.local["params"])

@@ -1,7 +1,9 @@
 """Error-feedback state for `train.grad_compression` and the compressed sum of one gradient leaf.
 
 The state is {'error': one fp32 residual per parameter and data replica, [dp*cp, *shape], and, for PowerSGD,
-'q': each matrix's warm-start Q per data replica and tp block, [dp*cp, tp, *layers, cols, rank]}. Expert weights
+'q': each matrix's warm-start Q per data replica and tp block, [dp*cp, tp, *layers, cols, rank]; with streaming
+DiLoCo's P fragments, the embedding's and the head's once per fragment, [dp*cp, tp, P, cols, rank], since each
+fragment is every P-th row of them, while a layer's fragment holds whole layers and keeps their Q}. Expert weights
 (their gradients never cross dp) and PowerSGD's vectors (summed exactly) keep [dp*cp, 1] placeholders (Orbax
 saves no empty array). The leading axis is split over the data axes: in the data shard_map, a device's own row."""
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _is_expert(names: tuple) -> bool:
     return "experts" in names
 
 
-def _has_q(names: tuple) -> bool:
+def has_q(names: tuple) -> bool:
+    """Whether PowerSGD keeps a warm-start Q for this parameter (a dense matrix)."""
     return not _is_expert(names) and powersgd.split(names) is not None
 
 
@@ -43,14 +46,15 @@ def shardings(mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, param_shardin
     if mode != "powersgd":
         return {"error": error}
     q = jax.tree.map(lambda n, s: NamedSharding(mesh, P(axes, TP, *s.spec[:1]) if n[0] == "layers" else P(axes, TP))
-                     if _has_q(n) else NamedSharding(mesh, P(axes)), names, param_shardings, is_leaf=_is_names)
+                     if has_q(n) else NamedSharding(mesh, P(axes)), names, param_shardings, is_leaf=_is_names)
     return {"error": error, "q": q}
 
 
-def zeros(params: Any, mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, mode: str, rank: int
-          ) -> dict[str, Any]:
+def zeros(params: Any, mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, mode: str, rank: int,
+          fragments: int = 1) -> dict[str, Any]:
     """The state at step 0 (traced under a jit whose out_shardings are `shardings`): zero residuals, Q drawn
-    from a fixed key per parameter, the same on every replica."""
+    from a fixed key per parameter, the same on every replica (and, with streaming DiLoCo's `fragments`, the same
+    for each fragment)."""
     n = math.prod(mesh.shape[a] for a in axes)
     tp = mesh.shape[TP]
     names = llama.param_logical_axes(cfg)
@@ -62,12 +66,15 @@ def zeros(params: Any, mesh: Mesh, axes: tuple[str, ...], cfg: LlamaConfig, mode
     flat_names = jax.tree.leaves(names, is_leaf=_is_names)
     qs = []
     for i, (nm, p) in enumerate(zip(flat_names, flat)):
-        if not _has_q(nm):
+        if not has_q(nm):
             qs.append(jnp.zeros((n, 1), jnp.float32))
             continue
         local = tuple(d // tp if e == TP else d for d, e in zip(p.shape, logical_to_spec(nm)))
+        per_fragment = fragments > 1 and nm[0] != "layers"  # a fragment: every P-th of its rows
+        if per_fragment:
+            local = (local[0] // fragments, *local[1:])
         q = powersgd.initial_q(jax.random.fold_in(jax.random.key(0x5EED), i), powersgd.q_shape(local, nm, rank))
-        qs.append(jnp.broadcast_to(q, (n, tp, *q.shape)))
+        qs.append(jnp.broadcast_to(q, (n, tp, *(fragments,) * per_fragment, *q.shape)))
     return {"error": error, "q": jax.tree.unflatten(treedef, qs)}
 
 
@@ -78,14 +85,14 @@ def pipelined_specs(cfg: LlamaConfig, data: tuple[str, ...], state: dict[str, An
     out = {"error": jax.tree.map(lambda n: P(data) if _is_expert(n) else P(data, *layers(n)), names,
                                  is_leaf=_is_names)}
     if "q" in state:
-        out["q"] = jax.tree.map(lambda n: P(data, None, *layers(n)) if _has_q(n) else P(data), names,
+        out["q"] = jax.tree.map(lambda n: P(data, None, *layers(n)) if has_q(n) else P(data), names,
                                 is_leaf=_is_names)
     return out
 
 
 def compresses(names: tuple[str | None, ...], mode: str) -> bool:
     """Whether `mode` compresses this dense weight's gradient (PowerSGD sums vectors exactly)."""
-    return mode != "powersgd" or _has_q(names)
+    return mode != "powersgd" or has_q(names)
 
 
 def reduce_leaf(g: jax.Array, error: jax.Array, q: jax.Array | None, names: tuple[str | None, ...],

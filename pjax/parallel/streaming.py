@@ -11,9 +11,9 @@ at DiLoCo's steps.
 
 A send snapshots the groups' copies of the fragment (`TrainState.local['inflight']`, [groups, ...] of 1/P of the
 model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
-all-reduce over dp, in the fragment's payload with `train.grad_compression`), the outer Nesterov step moves the
-global fragment along (global - mean), and every group takes the result, keeping `train.diloco_mix` (alpha) of its
-own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner step
+all-reduce over dp, in the fragment's payload with `train.grad_compression`; PowerSGD keeps a warm-start Q per
+fragment, `feedback`), the outer Nesterov step moves the global fragment along (global - mean), and every group
+takes the result, keeping `train.diloco_mix` (alpha) of its own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner step
 and the reduction of the snapshot, which depends on nothing the inner step computes; kept apart from the inner
 step's own sums (`overlap`), it runs during the inner step on XLA:GPU (tests/test_gpu_target.py). With tau = 0 the
 fragment is averaged right after the step that sends it, as DiLoCo does; with P = 1, tau = 0 and alpha = 0 this is
@@ -76,9 +76,6 @@ def check_run(run: Any) -> None:
                           f"pipeline.schedule={run.pipeline.schedule} a device's {parts} consecutive stored layers "
                           f"hold two of one fragment; use fragments that divide the {chunk} layer(s) of a stage "
                           f"chunk, or more layers.") from None
-    if tc.grad_compression == "powersgd" and parts > 1:
-        raise ConfigError(f"{head} with train.grad_compression=powersgd: PowerSGD's warm-start Q belongs to whole "
-                          f"matrices, not to fragments; use bf16 or int8, or train.diloco_fragments=1.")
     if tc.steps < h + tau:
         raise ConfigError(f"{head}: its last fragment first lands at step {h + tau}, after train.steps={tc.steps}; "
                           f"the checkpoint and export would hold initial parameters; set more train.steps.")
@@ -206,13 +203,9 @@ class StreamingDiLoCo(outer.DiLoCo):
             average = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), sent)
             mine, state = outer.outer_step(self.outer, mine, state, average)
         else:
-            cut = lambda x, k: fragment(x, f, parts, 1, self._columns(k))  # noqa: E731
-            r = {**residual, "error": jax.tree.map(cut, residual["error"], kinds)}
-            delta, r = self.compressed_delta(mine, sent, r)
+            delta, r = self.compressed_delta(mine, sent, self._feedback(residual, f, kinds))
             mine, state = outer.outer_update(self.outer, mine, state, delta)
-            errors = jax.tree.map(lambda x, e, k: with_fragment(x, e, f, parts, 1, self._columns(k)),
-                                  residual["error"], r["error"], kinds)
-            residual = {**r, "error": errors}
+            residual = self._feedback(residual, f, kinds, r)
         put = lambda x, y, k: with_fragment(x, y, f, parts, 0, self._columns(k))  # noqa: E731
         params = jax.tree.map(put, params, mine, kinds)
         # Each leaf of the outer state: its parameter's kind, or -1 where it is none (a step count).
@@ -220,6 +213,29 @@ class StreamingDiLoCo(outer.DiLoCo):
                                             transform_non_params=lambda _: -1)
         opt_state = jax.tree.map(lambda x, y, k: put(x, y, k) if k >= 0 else y, opt_state, state, state_kinds)
         return params, opt_state, residual, mine
+
+    def _feedback(self, residual: Any, f: jax.Array, kinds: Any, new: Any = None) -> Any:
+        """Fragment f's error feedback (`feedback`): its slices of every replica's residual and, with PowerSGD,
+        its warm-start Qs; with `new`, `residual` with fragment f's replaced by it."""
+        def error(x: jax.Array, kind: int, y: jax.Array | None = None, axis: int = 1) -> jax.Array:
+            if y is None:
+                return fragment(x, f, self.parts, axis, self._columns(kind))
+            return with_fragment(x, y, f, self.parts, axis, self._columns(kind))
+
+        def q(x: jax.Array, kind: int, y: jax.Array | None = None) -> jax.Array:
+            if x.ndim == 2 or (kind == 0 and self.parts == 1):  # a vector's placeholder; one fragment's whole Q
+                return x if y is None else y
+            if kind == 1:  # [replicas, tp, layers, ...]: a layer's Q goes with its layer
+                return error(x, kind, y, axis=2)
+            # The embedding's and the head's [replicas, tp, P, ...]: every fragment keeps its own.
+            if y is None:
+                return lax.dynamic_index_in_dim(x, f, 2, keepdims=False)
+            return lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), f, 2)
+
+        parts = {"error": error, "q": q}
+        if new is None:
+            return {k: jax.tree.map(parts[k], v, kinds) for k, v in residual.items()}
+        return {k: jax.tree.map(parts[k], v, kinds, new[k]) for k, v in residual.items()}
 
     def merge(self, local: Any, landed: Any, f: jax.Array) -> Any:
         """Every group's fragment f <- alpha * its own + (1 - alpha) * the landed global fragment."""
