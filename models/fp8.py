@@ -69,6 +69,13 @@ def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     return lax.clamp(bound(-top), x / scale.astype(x.dtype), bound(top)).astype(fp8), scale
 
 
+def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`quantize(w, E4M3)` for a weight: where the replicas of a group (`replica_groups`) hold one model, their
+    blocks of a weight are copies of one another, so its amax is each replica's own, with no exchange over dp."""
+    with replica_groups(1) if _GROUP.get() is not None else contextlib.nullcontext():
+        return quantize(w, E4M3)
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The fp8 values back in `dtype`, times their scale."""
     return q.astype(dtype) * scale.astype(dtype)
@@ -108,7 +115,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _matmul_fwd(x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
     return _scaled(_XW, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
 
 
@@ -124,7 +131,7 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def prepare(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The operands of Y = X W (x [N, D], w [D, F]) in e4m3, and their scales' product."""
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
     return xq, wq, sx * sw
 
 
@@ -135,7 +142,7 @@ def multiply(xq: jax.Array, wq: jax.Array, scale: jax.Array, out: jnp.dtype) -> 
 
 def input_grad(g: jax.Array, w: jax.Array, out=None) -> jax.Array:
     """dX = dY W^T (g [N, F], w [D, F]) as an e5m2 x e4m3 GEMM, for a hand-written backward."""
-    (gq, sg), (wq, sw) = quantize(g, E5M2), quantize(w, E4M3)
+    (gq, sg), (wq, sw) = quantize(g, E5M2), quantize_weight(w)
     return _scaled(_GWT, gq, wq, sg * sw, out or g.dtype)
 
 
@@ -160,7 +167,7 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _einsum_fwd(subscripts, x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
     product = lambda a, b, out: jnp.einsum(subscripts, a, b, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
 
@@ -189,7 +196,7 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _ragged_fwd(x, w, group_sizes):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
     product = lambda a, b, out: lax.ragged_dot(a, b, group_sizes, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 

@@ -207,19 +207,27 @@ def test_groups_of_two_replicas_step_as_one_replica_with_their_rows():
                            _embedding(jax.tree.map(lambda x: x[2], after[0])))
 
 
-@pytest.mark.parametrize("outer_loop", [["train.local_steps=2"], ["train.local_steps=4", "train.diloco_fragments=2"]],
-                         ids=["diloco", "streaming"])
+@pytest.mark.parametrize("outer_loop", [["mesh.dp=2", "train.local_steps=2"],
+                                        ["mesh.dp=2", "train.local_steps=4", "train.diloco_fragments=2"],
+                                        ["mesh.dp=4", "train.local_steps=2", "train.diloco_groups=2"]],
+                         ids=["diloco", "streaming", "groups_of_2"])
 @pytest.mark.proves("diloco+fp8", "streaming+fp8")
 def test_with_fp8_each_group_steps_as_one_device_does_on_its_rows(outer_loop):
-    """dp2, fp8 GEMMs, one inner SGD step (no synchronisation yet; streaming: no fragment sent): each group's copy
-    is what one device's fp8 step makes on the group's rows. A group's fp8 scales are its own: one shared over
-    dp would be the amax of both groups' tensors."""
-    _, grouped = _trainer(["mesh.dp=2", "mesh.tp=1", "precision.fp8=true", *outer_loop])
-    _, single = _trainer(["mesh.dp=1", "mesh.tp=1", "precision.fp8=true", "train.batch_size=4"])
+    """dp2 (or dp4 in groups of 2), fp8 GEMMs, one inner SGD step (no synchronisation yet; streaming: no fragment
+    sent): each group's copy is what one device's (a group of 2: dp2's) fp8 step makes on the group's rows. A
+    group's fp8 scales are its own: one shared over dp would be the amax of both groups' tensors; within a group
+    an activation's amax spans its replicas' rows, and a weight's is any replica's own (their copies are one
+    model, bit for bit). Against one device a group of 2 differs past rounding: its GEMMs see one row each, whose
+    last-bit differences move some fp8 roundings."""
+    _, grouped = _trainer(["mesh.tp=1", "precision.fp8=true", *outer_loop])
+    per_group = grouped.mesh.shape["dp"] // 2
+    _, single = _trainer([f"mesh.dp={per_group}", "mesh.tp=1", "precision.fp8=true", "train.batch_size=4"])
     sgd = optax.sgd(optax.constant_schedule(0.5))
     params = grouped.init(jax.random.key(0)).params
     batch = jax.tree.map(np.asarray, random_batch(grouped))
-    state = TrainState(np.int32(0), params, grouped.optimizer.init(params), None, outer.fresh_local(params, sgd, 2))
+    replicas = grouped.mesh.shape["dp"]
+    state = TrainState(np.int32(0), params, grouped.optimizer.init(params), None,
+                       outer.fresh_local(params, sgd, replicas))
     jit = functools.partial(jax.jit, compiler_options=grouped.xla_options)  # XLA:CPU keeps every fp8 rounding
     with jax.set_mesh(grouped.mesh):
         on_mesh = jax.device_put(batch, grouped.batch_sharding)
@@ -227,6 +235,10 @@ def test_with_fp8_each_group_steps_as_one_device_does_on_its_rows(outer_loop):
         new = lowered.compile()(state, on_mesh)[0]
     assert "f8E5M2" in lowered.as_text()
     copies = jax.tree.map(np.asarray, new.local["params"])
+    for replica in range(replicas):  # the copies of one group are one model
+        _close(jax.tree.map(lambda x: x[replica], copies),
+               jax.tree.map(lambda x: x[replica - replica % per_group], copies), rtol=0, atol=0)
+    copies = jax.tree.map(lambda x: x[::per_group], copies)
     host = jax.tree.map(np.asarray, params)
     step = jit(functools.partial(train_step, strategy=single.strategy, optimizer=sgd, tc=single.tc))
     rows = batch["inputs"].shape[1] // 2

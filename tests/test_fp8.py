@@ -196,6 +196,28 @@ def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():
     assert amax(1).tolist() == [2.0, 4.0, 6.0, 8.0]
 
 
+def test_a_groups_weight_is_scaled_by_its_own_copy_with_no_exchange_over_dp():
+    """A group's replicas hold copies of one weight, so `quantize_weight` reads each one's own amax and sends
+    nothing; outside groups a weight split over dp (an expert's) still takes the amax over every replica."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
+    w = jnp.arange(1.0, 9.0).reshape(4, 2)
+
+    def scales(group):
+        def body(block):
+            with contextlib.nullcontext() if group is None else fp8.replica_groups(group):
+                return fp8.quantize_weight(block)[1][None]
+        jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
+        collectives = [op for op in ("all_gather", "all_reduce") if op in jitted.lower(w).as_text()]
+        return np.asarray(jitted(w)) * float(jnp.finfo(fp8.E4M3).max), collectives
+
+    for group, amaxes, collectives in ((2, [2.0, 4.0, 6.0, 8.0], []), (None, [8.0] * 4, ["all_reduce"])):
+        got, sent = scales(group)
+        np.testing.assert_allclose(got, amaxes, rtol=1e-6)
+        assert sent == collectives
+
+
 def test_weights_that_share_an_input_take_one_scale():
     """q, k and v (gate and up) as one fp8 tensor: their products equal one GEMM of the merged weights'."""
     ks = jax.random.split(jax.random.key(2), 3)
