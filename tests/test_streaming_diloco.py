@@ -1,7 +1,8 @@
 """Streaming DiLoCo (`train.diloco_fragments`, `train.diloco_overlap`, `train.diloco_mix`;
 pjax/parallel/streaming.py): with one fragment and no overlap it is DiLoCo bit for bit; fragments land in turn,
-each moving only its own slices, tau steps after they were sent, mixed into the groups' copies; a resume with a
-fragment in flight continues bit for bit; an outer step sends 1/P of DiLoCo's bytes (the compiled HLO)."""
+each moving only its own slices, tau steps after they were sent, mixed into the groups' copies; in PowerSGD each
+fragment is the rank-r mean from its own warm-start Q; a resume with a fragment in flight continues bit for bit;
+an outer step sends 1/P of DiLoCo's bytes (the compiled HLO)."""
 from __future__ import annotations
 
 import functools
@@ -180,7 +181,8 @@ def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capf
     def run(name: str) -> list[float]:
         overrides = [*SMALL, "mesh.dp=2", "train.steps=6", "log.every=1", "log.eval_every=0",
                      "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1",
-                     "train.grad_compression=powersgd", f"log.dir={tmp_path}/{name}", f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
+                     "train.grad_compression=powersgd", f"log.dir={tmp_path}/{name}",
+                     f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
         cfg = load_config("debug", overrides)
         return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
 

@@ -13,11 +13,11 @@ A send snapshots the groups' copies of the fragment (`TrainState.local['inflight
 model) and goes on training. tau steps later the snapshot arrives: its mean over the groups is averaged (the
 all-reduce over dp, in the fragment's payload with `train.grad_compression`; PowerSGD keeps a warm-start Q per
 fragment, `feedback`), the outer Nesterov step moves the global fragment along (global - mean), and every group
-takes the result, keeping `train.diloco_mix` (alpha) of its own: fragment <- alpha * own + (1 - alpha) * global. The arrival step's branch holds both that step's inner step
-and the reduction of the snapshot, which depends on nothing the inner step computes; kept apart from the inner
-step's own sums (`overlap`), it runs during the inner step on XLA:GPU (tests/test_gpu_target.py). With tau = 0 the
-fragment is averaged right after the step that sends it, as DiLoCo does; with P = 1, tau = 0 and alpha = 0 this is
-DiLoCo, bit for bit (tests/test_streaming_diloco.py).
+takes the result, keeping `train.diloco_mix` (alpha) of its own: fragment <- alpha * own + (1 - alpha) * global.
+The arrival step's branch holds both that step's inner step and the reduction of the snapshot, which depends on
+nothing the inner step computes; kept apart from the inner step's own sums (`overlap`), it runs during the inner
+step on XLA:GPU (tests/test_gpu_target.py). With tau = 0 the fragment is averaged right after the step that sends
+it, as DiLoCo does; with P = 1, tau = 0 and alpha = 0 this is DiLoCo, bit for bit (tests/test_streaming_diloco.py).
 """
 from __future__ import annotations
 
