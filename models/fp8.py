@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from mesh.errors import ConfigError
-from mesh.mesh import DP, PP
+from mesh.mesh import CP, DP, PP
 from mesh.scoped import scoped
 from models.projection import PLAIN, Gemm
 
@@ -39,12 +39,13 @@ def replica_groups(size: int) -> contextlib.AbstractContextManager[None]:
     return scoped(_GROUP, size)
 
 
-def whole_amax(x: jax.Array) -> jax.Array:
+def whole_amax(x: jax.Array, copies: tuple[str, ...] = ()) -> jax.Array:
     """x's largest magnitude over the whole tensor: over the devices whose blocks of it a manual region holds
     (the axes x varies over; an automatic axis's split XLA reduces itself). Not over pp: its devices hold other
-    layers, and a layer's tensors are one device's; over dp only within a group of `replica_groups`."""
+    layers, and a layer's tensors are one device's; over dp only within a group of `replica_groups`; not over
+    `copies`, manual axes along which x's blocks are known to be alike."""
     amax = jnp.max(jnp.abs(x)).astype(_F32)
-    split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax != PP))
+    split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax != PP and ax not in copies))
     group = _GROUP.get()
     if group is None or DP not in split:
         return lax.pmax(amax, split) if split else amax
@@ -56,24 +57,26 @@ def whole_amax(x: jax.Array) -> jax.Array:
     return jnp.max(lax.dynamic_slice_in_dim(every, lax.axis_index(DP) // group * group, group))
 
 
-def scale_of(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
-    """The per-tensor scale that maps x's largest magnitude onto fp8's largest finite value (1 for zeros)."""
-    amax = whole_amax(x)
+def scale_of(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> jax.Array:
+    """The per-tensor scale that maps x's largest magnitude (`amax`, by default `whole_amax(x)`) onto fp8's
+    largest finite value (1 for zeros)."""
+    amax = whole_amax(x) if amax is None else amax
     return amax / _largest(fp8) + (amax <= 0).astype(_F32)
 
 
-def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """(x / scale in `fp8`, scale): clipped first, since e4m3fn has no infinity and overflows to NaN."""
-    scale, top = scale_of(x, fp8), _largest(fp8)
+def quantize(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x / scale in `fp8`, scale), the scale from `amax` as `scale_of`'s: clipped first, since e4m3fn has no
+    infinity and overflows to NaN."""
+    scale, top = scale_of(x, fp8, amax), _largest(fp8)
     bound = lambda v: np.asarray(v, x.dtype)  # noqa: E731
     return lax.clamp(bound(-top), x / scale.astype(x.dtype), bound(top)).astype(fp8), scale
 
 
 def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`quantize(w, E4M3)` for a weight: where the replicas of a group (`replica_groups`) hold one model, their
-    blocks of a weight are copies of one another, so its amax is each replica's own, with no exchange over dp."""
-    with replica_groups(1) if _GROUP.get() is not None else contextlib.nullcontext():
-        return quantize(w, E4M3)
+    """`quantize(w, E4M3)` for a dense weight. A GEMM reads a dense weight whole but for tp's blocks, so where a
+    manual region types it varying over dp or cp (cast for its gradient's sake, `mesh.rules.vary`, or DiLoCo's
+    copies in a group) its blocks there are copies: its amax is exchanged over tp's blocks only."""
+    return quantize(w, E4M3, whole_amax(w, copies=(DP, CP)))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -167,7 +170,7 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _einsum_fwd(subscripts, x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts: split over dp
     product = lambda a, b, out: jnp.einsum(subscripts, a, b, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
 
@@ -196,7 +199,7 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _ragged_fwd(x, w, group_sizes):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts: split over dp
     product = lambda a, b, out: lax.ragged_dot(a, b, group_sizes, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 

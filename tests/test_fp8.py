@@ -4,6 +4,7 @@ parallelism) and experts over dp tracking one device's."""
 import contextlib
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,26 +197,25 @@ def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():
     assert amax(1).tolist() == [2.0, 4.0, 6.0, 8.0]
 
 
-def test_a_groups_weight_is_scaled_by_its_own_copy_with_no_exchange_over_dp():
-    """A group's replicas hold copies of one weight, so `quantize_weight` reads each one's own amax and sends
-    nothing; outside groups a weight split over dp (an expert's) still takes the amax over every replica."""
+def test_a_dense_weights_amax_is_exchanged_over_its_tp_blocks_only():
+    """A GEMM reads a dense weight whole but for tp's blocks, so `quantize_weight` takes its amax over tp and
+    sends nothing over dp, where its blocks are copies (cast to varying there, as the data shard_map and DiLoCo's
+    groups do); an expert's weight, split over dp, takes it over dp (the amax test above)."""
     from jax.sharding import PartitionSpec as P
 
-    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
-    w = jnp.arange(1.0, 9.0).reshape(4, 2)
+    mesh = make_mesh(MeshConfig(dp=2, tp=2), jax.devices()[:4])
+    w = jnp.arange(1.0, 9.0).reshape(2, 4)  # tp's blocks: columns [0, 2) (amax 6) and [2, 4) (amax 8)
 
-    def scales(group):
-        def body(block):
-            with contextlib.nullcontext() if group is None else fp8.replica_groups(group):
-                return fp8.quantize_weight(block)[1][None]
-        jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
-        collectives = [op for op in ("all_gather", "all_reduce") if op in jitted.lower(w).as_text()]
-        return np.asarray(jitted(w)) * float(jnp.finfo(fp8.E4M3).max), collectives
+    def body(block):
+        copy = jax.lax.pcast(block, ("dp",), to="varying")
+        with fp8.replica_groups(1):  # as in DiLoCo's groups of one replica: nothing else sent over dp either
+            return fp8.quantize_weight(copy)[1].reshape(1, 1)
 
-    for group, amaxes, collectives in ((2, [2.0, 4.0, 6.0, 8.0], []), (None, [8.0] * 4, ["all_reduce"])):
-        got, sent = scales(group)
-        np.testing.assert_allclose(got, amaxes, rtol=1e-6)
-        assert sent == collectives
+    jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("dp", "tp")))
+    np.testing.assert_allclose(np.asarray(jitted(w)) * float(jnp.finfo(fp8.E4M3).max), [[8.0, 8.0]] * 2, rtol=1e-6)
+    text = jitted.lower(w).as_text()
+    groups = re.findall(r"all_reduce.*?replica_groups = dense<(\[\[.*?\]\])>", text, re.S)
+    assert groups == ["[[0, 1], [2, 3]]"], groups  # the tp pairs of a dp2 x tp2 mesh, once
 
 
 def test_weights_that_share_an_input_take_one_scale():
