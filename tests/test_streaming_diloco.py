@@ -125,15 +125,17 @@ def test_a_compressed_fragment_lands_within_its_payload_and_its_residuals_keep_t
     assert 0 < norm(jax.tree.map(lambda a, b: a - b, carried, exact)) < bound * norm(exact)
 
 
-def _powersgd_mean(matrices: np.ndarray, q: np.ndarray, names: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """PowerSGD's rank-r mean over the replicas of `matrices` ([replicas, *shape]) from the warm-start `q`, and
-    its next Q, in float64: one power iteration (pjax/parallel/powersgd.py's docstring)."""
+def _powersgd_mean(matrices: np.ndarray, q: np.ndarray, names: tuple) -> tuple[np.ndarray, ...]:
+    """PowerSGD's rank-r mean over the replicas of `matrices` ([replicas, *shape]) from the warm-start `q`, its
+    next Q and each replica's new residual, in float64: one power iteration (pjax/parallel/powersgd.py)."""
     batch, first = powersgd.split(names)
     shape = matrices.shape[1:]
     m = matrices.reshape(len(matrices), *shape[:batch], int(np.prod(shape[batch:first])), -1)
     p = np.linalg.qr((m @ q).sum(axis=0))[0]
-    q_next = (np.swapaxes(m, -1, -2) @ p).sum(axis=0)
-    return (p @ np.swapaxes(q_next, -1, -2)).reshape(shape) / len(matrices), q_next
+    mine = np.swapaxes(m, -1, -2) @ p  # each replica's M_i^T P
+    q_next = mine.sum(axis=0)
+    errors = m - p @ np.swapaxes(mine, -1, -2)
+    return (p @ np.swapaxes(q_next, -1, -2)).reshape(shape) / len(matrices), q_next, errors.reshape(matrices.shape)
 
 
 @pytest.mark.proves("powersgd+streaming")
@@ -141,8 +143,8 @@ def test_a_powersgd_fragment_is_the_rank_r_mean_from_its_own_warm_start_q():
     """dp2, H=2 in 2 fragments (one landed each step), rank 2, outer SGD at lr 1 without momentum. Steps 1, 2
     and 3 land fragments 0, 1 and 0 again: each moves its slices of the global parameters by PowerSGD's rank-2
     mean of (global - copy + residual), computed here in float64 from that fragment's own Q (a layer's, or the
-    embedding's and head's per-fragment one; step 3's warm-started by step 1), and leaves the other fragment's
-    parameters, residuals and Qs as they were."""
+    embedding's and head's per-fragment one; step 3's warm-started by step 1), keeps the rest in the replicas'
+    residuals, and leaves the other fragment's parameters, residuals and Qs as they were."""
     cfg, trainer = _trainer(["mesh.dp=2", "train.local_steps=2", "train.diloco_fragments=2", "train.outer_lr=1.0",
                              "train.outer_momentum=0", "train.grad_compression=powersgd", "train.powersgd_rank=2"])
     names = llama.param_logical_axes(cfg.model)
@@ -164,8 +166,10 @@ def test_a_powersgd_fragment_is_the_rank_r_mean_from_its_own_warm_start_q():
                 np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
                 continue
             # Within fp32's rounding of the parameters (carried is a difference of two of them) and of the products.
-            want, q_next = _powersgd_mean(grad, q_of(leaf(before.residual["q"]), path), leaf(names))
+            want, q_next, errors = _powersgd_mean(grad, q_of(leaf(before.residual["q"]), path), leaf(names))
             np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
+            np.testing.assert_allclose(_part(leaf(after.residual["error"]), f, 1), errors,
+                                       atol=1e-4 * np.abs(errors).max())
             got_q = q_of(leaf(after.residual["q"]), path)
             np.testing.assert_allclose(np.abs(got_q), np.abs(q_next), atol=1e-4 * np.abs(q_next).max())
             other = lambda s: (np.asarray(leaf(s.residual["q"]))[0, 0, 1 - f] if path[0].key != "layers"  # noqa
