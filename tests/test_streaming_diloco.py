@@ -181,12 +181,13 @@ def test_a_powersgd_fragment_is_the_rank_r_mean_from_its_own_warm_start_q():
 
 def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capfd):
     """Saved at step 2, between fragment 0's send and its landing at step 3; the outer average in PowerSGD, whose
-    per-fragment Qs and residuals travel with the checkpoint."""
-    def run(name: str) -> list[float]:
+    per-fragment Qs and residuals travel with the checkpoint. Resumed as DiLoCo (one fragment, whose Qs are
+    shaped otherwise), the groups and the feedback state restart, with a warning each."""
+    def run(name: str, *extra: str) -> list[float]:
         overrides = [*SMALL, "mesh.dp=2", "train.steps=6", "log.every=1", "log.eval_every=0",
                      "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1",
                      "train.grad_compression=powersgd", f"log.dir={tmp_path}/{name}",
-                     f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2"]
+                     f"checkpoint.dir={tmp_path}/{name}/ckpt", "checkpoint.every=2", *extra]
         cfg = load_config("debug", overrides)
         return [r["loss"] for r in train(cfg, progress=False, devices=jax.devices()[:2])]
 
@@ -195,6 +196,10 @@ def test_a_resume_with_a_fragment_in_flight_continues_bit_for_bit(tmp_path, capf
     assert run("b") == straight[2:]
     err = capfd.readouterr().err
     assert "starts from the global parameters" not in err and "starts at zero" not in err
+    preempted_after(tmp_path / "a", tmp_path / "c", 2)
+    assert len(run("c", "train.diloco_fragments=1", "train.diloco_overlap=0")) == 4
+    err = capfd.readouterr().err
+    assert "residual starts at zero" in err and "every DiLoCo group starts from the global parameters" in err
 
 
 def test_an_outer_step_sends_one_fragment_of_dilocos_bytes():
