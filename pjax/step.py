@@ -202,8 +202,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         params = llama.init_params(cfg, rng)
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
-        residual = feedback.zeros(params, mesh, feedback_axes(mesh, outer_loop), cfg, tc.grad_compression,
-                                  tc.compression_rank, tc.diloco_fragments) if compressed else None
+        residual = _zero_feedback(params, mesh, cfg, tc, outer_loop) if compressed else None
         local = diloco.fresh(params, mc.dp) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
@@ -282,11 +281,15 @@ def fresh_residual(trainer: Trainer) -> Any:
     if trainer.state_sharding.residual is None:
         return None
     shapes = trainer.abstract_state().params
-    tc = trainer.tc
-    axes = feedback_axes(trainer.mesh, trainer.diloco is not None or trainer.learner is not None)
-    return jax.jit(lambda: feedback.zeros(shapes, trainer.mesh, axes, trainer.cfg, tc.grad_compression,
-                                          tc.compression_rank, tc.diloco_fragments),
+    outer_loop = trainer.diloco is not None or trainer.learner is not None
+    return jax.jit(lambda: _zero_feedback(shapes, trainer.mesh, trainer.cfg, trainer.tc, outer_loop),
                    out_shardings=trainer.state_sharding.residual)()
+
+
+def _zero_feedback(params: Any, mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, outer_loop: bool) -> dict[str, Any]:
+    """`feedback.zeros` for this run's compression (traced: the residual sharding places it)."""
+    return feedback.zeros(params, mesh, feedback_axes(mesh, outer_loop), cfg, tc.grad_compression,
+                          tc.compression_rank, tc.diloco_fragments)
 
 
 def feedback_axes(mesh: Mesh, outer_loop: bool) -> tuple[str, ...]:
