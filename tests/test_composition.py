@@ -60,7 +60,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("zb_h1", "all_gather", "powersgd", "diloco", "remat_full", "loss_chunk"),
     ("1f1b", "all_gather", "zero1", "loss_chunk"),
     ("1f1b", "ring", "zero3", "remat_full"),
-    ("zb_h1", "sp", "fomaml", "fp8"),
+    ("zb_h1", "sp", "fomaml"),
     ("zb_v", "ulysses", "reptile"),
     ("ring", "sp", "reptile"),
     ("ring", "fomaml", "remat_full", "loss_chunk"),

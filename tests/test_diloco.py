@@ -24,6 +24,7 @@ from pjax.validate import validate_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import random_batch, trainer_for  # noqa: E402
+from closeness import assert_close_but_a_few  # noqa: E402
 from run_helpers import preempted_after  # noqa: E402
 
 SMALL = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dtype=float32"]
@@ -165,8 +166,13 @@ def test_a_compressed_outer_average_is_the_exact_one_within_its_payload_and_keep
     assert 0 < gap < bound * size
     if payload != "int8":  # the step's use of `compressed_delta` is one code path for every payload: compiled once
         return
+    # The step is another program than the inner step's and `compressed_delta`'s (tests/closeness.py): its copies
+    # differ in last bits, so a value on an int8 rounding boundary may land a quantum away in either phase. With
+    # M a replica's largest |global - copy|, the mean moves by at most M / 254 (phase 1) + M / 127 (phase 2); 16
+    # of a leaf's 98,304 entries moved, by 7.9e-6, under XLA:CPU's loop emitters (tests/conftest.py).
     new = host(trainer.step(state, batch)[0].params)
-    _close(new, jax.tree.map(lambda p, d: p - d, params, delta), rtol=1e-6, atol=1e-9)
+    for n, p, d, c in zip(*map(jax.tree.leaves, (new, params, delta, copies)), strict=True):
+        assert_close_but_a_few(n, p - d, rtol=1e-6, atol=1e-9, bound=1.5 * np.abs(p - c).max() / 127, share=1e-3)
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -130,12 +130,14 @@ def initial_params(experts: int = 0):
 
 @functools.cache
 def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero: int = 0, sp: bool = False,
-                       precision: PrecisionConfig = FP8, experts: int = 0) -> tuple[float, float, str]:
-    """Loss and gradient norm of the batch on a layout, and its loss-and-gradients program as lowered."""
+                       precision: PrecisionConfig = FP8, experts: int = 0,
+                       schedule: str = "1f1b") -> tuple[float, float, str]:
+    """Loss and gradient norm of the batch on a layout (a pipeline's `schedule` where pp > 1), and its
+    loss-and-gradients program as lowered."""
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[:dp * pp * cp * tp])
     tc = TrainConfig(**{**TC.__dict__, "zero": zero, "sequence_parallel": sp})
     cfg = dataclasses.replace(CFG, num_local_experts=experts) if experts else CFG
-    trainer = build_trainer(mesh, cfg, tc, PipelineConfig() if pp > 1 else None, precision=precision)
+    trainer = build_trainer(mesh, cfg, tc, PipelineConfig(schedule) if pp > 1 else None, precision=precision)
     params = initial_params(experts)
     if trainer.pipeline is not None:
         params = to_pipeline_layout(params, pp, trainer.pipeline.virtual_stages, trainer.pipeline.vshape)
@@ -159,12 +161,13 @@ def test_fp8_step_on_a_sharded_layout_tracks_one_device():
     assert abs(loss - ref_loss) <= 1e-2 * ref_loss and abs(norm - ref_norm) <= 5e-2 * ref_norm, (loss, norm)
 
 
-@pytest.mark.proves("zero1+fp8", "zero3+fp8", "moe+fp8")
-@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, sp=True, zero=1), dict(dp=2, pp=2, zero=3),
+@pytest.mark.proves("zero1+fp8", "zero3+fp8", "zb_h1+fp8", "moe+fp8")
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, sp=True, zero=1), dict(dp=2, pp=2, zero=3, schedule="zb_h1"),
                                     dict(dp=2, tp=2, experts=4)], ids=str)
 def test_fp8_scales_are_per_tensor_on_every_layout(layout):
     """fp8 GEMMs on float32 (no bf16 rounding elsewhere): one scale per tensor and one merged GEMM for weights that
-    share an input, on every layout and with experts over dp, so the loss equals one device's; XLA:CPU keeps every
+    share an input, on every layout (ZeRO-3 in a zero-bubble pipeline, whose weight gradients run apart from the
+    input gradients) and with experts over dp, so the loss equals one device's; XLA:CPU keeps every
     fp8 rounding (`xla_options.FP8_CPU_OPTIONS`). A scale per device block moves the loss by 5.5e-5 (experts: 2e-4)
     and the gradient norm by 1.5e-3 to 4.5e-3. The gradient norm gets GRAD_NORM_RTOL: a layout sums in another
     order (tp's heads, dp's rows), and a last-bit difference in a cotangent now and then moves its e5m2 rounding
