@@ -193,7 +193,7 @@ def test_a_compressed_meta_mean_is_the_exact_one_within_its_payload_and_keeps_wh
         if algorithm != "reptile":
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
             continue
-        # The step's pipelined adaptation and the fixture's are two programs.
+        # The step's pipelined adaptation and the fixture's are two programs: an int8 value may land a quantum away.
         assert_close_but_a_few(a, b, rtol=1e-6, atol=1e-9, bound=np.abs(c).max() / 127)
 
 
