@@ -15,7 +15,11 @@ Three measurements, each a JSON line:
   drops     the fraction of assignments dropped at each capacity factor, at initialisation on a
             batch of the shipped text (the router is untrained, so its load is uneven).
   time      median step time of each routing over --steps steps on each --time_layouts layout
-            (random tokens).
+            (random tokens); `dense` under expert parallelism is the padded [E, n, D] exchange that
+            dropless ran before it went ragged.
+  gpu       (--gpu) compiled for 8 compile-only H100s at dp 8: ragged all-to-alls per step, and the
+            experts' GEMM FLOPs read from the optimized HLO against the routed rows' FLOPs, for the
+            uncapped receive buffer and for each --receive_factors cap.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ def build(config: str, layout: str, routing: str, factor: float, overrides: list
     cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
     n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
     mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, MoeConfig(routing, factor))
+    return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, MoeConfig(routing, factor, cfg.moe.receive_factor))
 
 
 def analytic_bytes(cfg, dp: int, pp: int = 1) -> int:
@@ -96,6 +100,27 @@ def step_time(config: str, layout: str, routing: str, factor: float, steps: int,
             "median_step_ms": round(1000 * statistics.median(times[2:]), 1), "steps": steps}
 
 
+def gpu_flops(config: str, receive_factor: str, overrides: list[str]) -> dict:
+    from pjax.config_io import load_config
+    from pjax.observe.hlo_flops import scoped_gemm_flops
+    from pjax.plan import gpu_target
+    from pjax.plan.compile import compile_planned
+    from pjax.plan.layouts import Layout
+    from pjax.plan.profiles import PROFILES
+
+    cap = [] if receive_factor == "null" else [f"moe.receive_factor={receive_factor}"]
+    cfg = load_config(config, ["precision.preset=bf16", *cap, *overrides])
+    profile = gpu_target.planned_profile(PROFILES["h100"], "gpu")
+    cfg, _, step = compile_planned(cfg, Layout.parse("dp8"), profile, 8, "gpu")
+    text, mc, tc = step.as_text(), cfg.model, cfg.train
+    routed = 9 * mc.num_hidden_layers * tc.batch_size * tc.seq_len // 8 * mc.num_experts_per_tok \
+        * 2 * mc.hidden_size * mc.intermediate_size  # 3 GEMMs x (forward + 2 backward) per routed row
+    experts = scoped_gemm_flops(text, "experts") - scoped_gemm_flops(text, "router")
+    return {"kind": "gpu", "config": config, "layout": "dp8", "receive_factor": receive_factor,
+            "ragged_all_to_alls": text.count("ragged-all-to-all-start("), "expert_gemm_flops": experts,
+            "routed_flops": routed, "ratio": round(experts / routed, 3)}
+
+
 def plot(results: list[dict], out_dir: str) -> None:
     import matplotlib
 
@@ -122,6 +147,9 @@ def main() -> None:
     ap.add_argument("--factors", default="0.5,1.0,1.25,1.5,2.0")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--plot", default=None, help="a folder for moe_drops.png")
+    ap.add_argument("--gpu", action="store_true", help="only the compile-only H100 measurement")
+    ap.add_argument("--receive_factors", default="null,1.0,1.25")
+    ap.add_argument("--only_time", action="store_true", help="only the step times")
     ap.add_argument("overrides", nargs="*", default=[])
     args = ap.parse_args()
     jobs = [lambda layout=layout, routing=routing: traffic(args.config, layout, routing, 1.25, args.overrides)
@@ -129,7 +157,11 @@ def main() -> None:
     jobs += [lambda f=float(f): drops(args.config, args.time_layout, f, args.overrides) for f in args.factors.split(",")]
     jobs += [lambda layout=layout, routing=routing: step_time(args.config, layout, routing, 1.25, args.steps,
                                                               args.overrides)
-             for layout in args.time_layouts.split(",") for routing in ("dropless", "capacity")]
+             for layout in args.time_layouts.split(",") for routing in ("dropless", "capacity", "dense")]
+    if args.only_time:
+        jobs = jobs[-3 * len(args.time_layouts.split(",")):]
+    if args.gpu:
+        jobs = [lambda f=f: gpu_flops(args.config, f, args.overrides) for f in args.receive_factors.split(",")]
     results = []
     for job in jobs:
         try:

@@ -97,8 +97,7 @@ class DecoderLayer(nn.Module):
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
             gemms = Gemms(fp8.einsum, fp8.ragged_dot) if p.fp8 else Gemms()
             with jax.named_scope("experts"):
-                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, routing=self.moe.routing,
-                                      capacity_factor=self.moe.capacity_factor)
+                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, config=self.moe)
             return x + constrain(down.astype(x.dtype), residual), stats
         gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")

@@ -1,6 +1,7 @@
 """Mixture of Experts: top-k routing (renormalised over the k, Mixtral's rule) and three ways to run the experts, equal
-when nothing is dropped: `dense`, `dropless` and `capacity` (fixed [E, C, D] shapes for the all-to-all; a token
-with every choice dropped passes through the residual). Expert parallelism: ARCHITECTURE.md, "Mixture of Experts"."""
+when nothing is dropped: `dense`, `dropless` (under expert parallelism: exactly the routed rows, by ragged
+all-to-all, models/ragged_dispatch.py) and `capacity` (fixed [E, C, D] shapes for the all-to-all; a token with
+every choice dropped passes through the residual). Expert parallelism: ARCHITECTURE.md, "Mixture of Experts"."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, current
 from mesh.rules import logical_to_spec
+from models.ragged_dispatch import ragged_experts, receive_rows
 
 ROUTINGS = ("dropless", "capacity", "dense")
 ROUTER_METRICS = ("aux_loss", "z_loss", "dropped_fraction", "load_min", "load_max")
@@ -34,12 +36,19 @@ class MoeConfig:
 
     routing: str = "dropless"
     capacity_factor: float = 1.25
+    # Dropless under expert parallelism: the rows a device receives, in even shares (tokens x k); None: the
+    # bound that never drops (every device's every assignment). Past it assignments drop (dropped_fraction).
+    receive_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ConfigError(f"moe.routing={self.routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
-        if not isinstance(self.capacity_factor, (int, float)) or not self.capacity_factor > 0:
-            raise ConfigError(f"moe.capacity_factor={self.capacity_factor!r} is invalid; use a number > 0.")
+        for key in ("capacity_factor", "receive_factor"):
+            value = getattr(self, key)
+            if (value is not None or key == "capacity_factor") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                hint = "a number > 0" + (" or null (never drop)" if key == "receive_factor" else "")
+                raise ConfigError(f"moe.{key}={value!r} is invalid; use {hint}.")
 
 
 class RouterStats(NamedTuple):
@@ -101,16 +110,19 @@ def dense_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[
     return jnp.einsum("end,ne->nd", y, combine.astype(y.dtype))
 
 
+def grouped_swiglu(xs: jax.Array, w: dict[str, jax.Array], sizes: jax.Array, gemms: Gemms = Gemms()) -> jax.Array:
+    """The experts' MLPs as grouped GEMMs: rows xs [M, D] sorted by expert, `sizes` [E] rows each (the rest: 0)."""
+    h = jax.nn.silu(gemms.ragged_dot(xs, w["w_gate"], sizes)) * gemms.ragged_dot(xs, w["w_up"], sizes)
+    return gemms.ragged_dot(h, w["w_down"], sizes)
+
+
 def dropless_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict[str, jax.Array],
                      gemms: Gemms = Gemms()) -> jax.Array:
     """Assignments sorted by expert, grouped matmuls, unsorted and combined: nothing dropped."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w["w_gate"].shape[0])
-    xs = x[order // k]
-    h = jax.nn.silu(gemms.ragged_dot(xs, w["w_gate"], sizes)) * gemms.ragged_dot(xs, w["w_up"], sizes)
-    ys = gemms.ragged_dot(h, w["w_down"], sizes)
+    ys = grouped_swiglu(x[order // k], w, jnp.bincount(flat, length=w["w_gate"].shape[0]), gemms)
     ys = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, choice) order
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
@@ -151,19 +163,23 @@ def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: di
     return y, jnp.sum(~kept).astype(F32)
 
 
-def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, capacity_factor: float,
-               axis: str | None, token_axes: tuple[str, ...] = (), gemms: Gemms = Gemms()
-               ) -> tuple[jax.Array, RouterStats]:
+def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, config: MoeConfig, axis: str | None,
+               token_axes: tuple[str, ...] = (), gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
     """One device's MoE layer (under EP over `axis`, `p` holds this device's experts)."""
     weights, experts, stats = route(x, p["router"], top_k)
     w = {name: p[name].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")}
-    num_experts = p["router"].shape[-1]
+    num_experts, routing = p["router"].shape[-1], config.routing
     if axis is None and routing == "dense":
         y = dense_experts(x, weights, experts, w, gemms)
     elif axis is None and routing == "dropless":
         y = dropless_experts(x, weights, experts, w, gemms)
-    else:
-        cap = x.shape[0] if routing != "capacity" else capacity(x.shape[0], top_k, num_experts, capacity_factor)
+    elif routing == "dropless":
+        rows = receive_rows(x.shape[0], top_k, lax.axis_size(axis), config.receive_factor)
+        grouped = lambda xs, w, sizes: grouped_swiglu(xs, w, sizes, gemms)  # noqa: E731
+        y, dropped = ragged_experts(x, weights, experts, w, axis, rows, grouped)
+        stats = stats._replace(dropped=dropped)
+    else:  # capacity, or the dense reference under expert parallelism (the capacity that never drops)
+        cap = x.shape[0] if routing != "capacity" else capacity(x.shape[0], top_k, num_experts, config.capacity_factor)
         y, dropped = capacity_experts(x, weights, experts, w, cap, axis, gemms)
         stats = stats._replace(dropped=dropped)
     if token_axes:  # the statistics of the whole batch, on every device
@@ -171,23 +187,21 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, routing: str, 
     return y, stats
 
 
-def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, routing: str = "dropless",
-            capacity_factor: float = 1.25, gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
+def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeConfig = MoeConfig(),
+            gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
     """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over dp when
     dp > 1. Inside a shard_map manual over dp already, x and p are this device's."""
-    if routing not in ROUTINGS:
-        raise ConfigError(f"moe.routing={routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
     mesh = current()
     dp = 1 if mesh.empty or DP not in mesh.shape else mesh.shape[DP]
     num_experts = p["router"].shape[-1]
     if dp == 1:
-        return _local_moe(x, p, top_k, routing, capacity_factor, None, gemms=gemms)
+        return _local_moe(x, p, top_k, config, None, gemms=gemms)
     if num_experts % dp:
         raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={dp}; expert "
                           f"parallelism gives each dp device the same number of experts.")
     # Manual over cp too (experts are replicated over cp): no token dimension is left to the partitioner.
     token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
-    local = lambda x, p: _local_moe(x, p, top_k, routing, capacity_factor, DP, token_axes, gemms)
+    local = lambda x, p: _local_moe(x, p, top_k, config, DP, token_axes, gemms)  # noqa: E731
     if DP in mesh.manual_axes:
         # A pipeline slot keeps the layer's input, not its dispatch buffers (ARCHITECTURE.md, "MoE in a pipeline").
         return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)

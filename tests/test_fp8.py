@@ -78,7 +78,7 @@ def test_a_huge_activation_stays_finite():
 @pytest.mark.parametrize("routing", ["dropless", "capacity", "dense"])
 def test_each_expert_gemm_reads_fp8(routing):
     """Three GEMMs per expert MLP (gate, up, down): each output's cotangent rounds through e5m2 once."""
-    from models.moe import Gemms, moe_mlp
+    from models.moe import Gemms, MoeConfig, moe_mlp
 
     ks = jax.random.split(jax.random.key(5), 5)
     p = {"router": jax.random.normal(ks[0], (16, 4)), "w_gate": jax.random.normal(ks[1], (4, 16, 24)),
@@ -86,7 +86,7 @@ def test_each_expert_gemm_reads_fp8(routing):
     x = jax.random.normal(ks[4], (32, 16))
 
     def e5m2_casts(gemms):
-        loss = lambda x, p: jnp.sum(moe_mlp(x, p, top_k=2, routing=routing, gemms=gemms)[0] ** 2)
+        loss = lambda x, p: jnp.sum(moe_mlp(x, p, top_k=2, config=MoeConfig(routing), gemms=gemms)[0] ** 2)
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).as_text()
         return text.count("f8E5M2")
 
@@ -97,14 +97,14 @@ def test_each_expert_gemm_reads_fp8(routing):
 def test_fp8_experts_over_dp_equal_one_devices():
     """Experts split over dp (capacity routing, all_to_all) with fp8 GEMMs: one device's layer, up to
     the per-device scales (each device's experts and tokens have their own amax)."""
-    from models.moe import Gemms, moe_mlp
+    from models.moe import Gemms, MoeConfig, moe_mlp
 
     ks = jax.random.split(jax.random.key(6), 5)
     p = {"router": jax.random.normal(ks[0], (16, 4)), "w_gate": jax.random.normal(ks[1], (4, 16, 24)),
          "w_up": jax.random.normal(ks[2], (4, 16, 24)), "w_down": jax.random.normal(ks[3], (4, 24, 16))}
     x = jax.random.normal(ks[4], (32, 16))
     gemms = Gemms(fp8.einsum, fp8.ragged_dot)
-    layer = jax.jit(lambda x, p: moe_mlp(x, p, top_k=2, routing="capacity", capacity_factor=4.0, gemms=gemms)[0])
+    layer = jax.jit(lambda x, p: moe_mlp(x, p, top_k=2, config=MoeConfig("capacity", 4.0), gemms=gemms)[0])
     one = layer(x, p)
     with jax.set_mesh(make_mesh(MeshConfig(dp=2), jax.devices()[:2])):
         split = layer(x, p)

@@ -16,7 +16,7 @@ from mesh.mesh import make_mesh
 from pjax import cudnn_fallback, xla_options
 from pjax.config_io import load_config
 from pjax.observe.hlo import async_overlap, async_spans
-from pjax.observe.hlo_flops import fused_attention, gemm_sites
+from pjax.observe.hlo_flops import fused_attention, gemm_sites, scoped_gemm_flops
 from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
 from pjax.plan.compile import compile_planned
@@ -169,6 +169,27 @@ def test_fp8_runs_the_experts_gemms_in_fp8_and_the_router_not():
         assert all(kind == "fp8" for kind, _ in gemms), gemms
         forward = [name for _, name in gemms if "transpose(" not in name]
         assert len(forward) >= 2 and len(gemms) - len(forward) >= 4, (routing, gemms)
+
+
+@pytest.mark.parametrize("receive_factor", [None, 1.0], ids=["uncapped", "share1"])
+def test_dropless_experts_go_by_ragged_all_to_all_and_compute_their_receive_buffer(receive_factor):
+    """mixtral-tiny at dp 8 (one expert per device): each layer's dispatch and combine, and their transposes, are
+    ragged all-to-alls; no all-to-all carries activations (only the receivers' offsets, integers); the experts'
+    GEMMs compute the receive buffer's rows: 1.0x the routed rows' FLOPs at `moe.receive_factor=1.0`, and 8x
+    (n x N x k rows, the bound that never drops) uncapped, since XLA:GPU lowers `ragged_dot` as a dense GEMM
+    over the buffer."""
+    cap = [] if receive_factor is None else [f"moe.receive_factor={receive_factor}"]
+    config, _, step = gpu_compile("mixtral-tiny", ["precision.preset=bf16", *cap], "dp8")
+    text = step.as_text()
+    layers, tc, mc = config.model.num_hidden_layers, config.train, config.model
+    assert text.count("ragged-all-to-all-start(") == 4 * layers
+    for line in text.splitlines():
+        if re.search(r"= \S+ all-to-all(-start)?\(", line):
+            assert not re.search(r"\b(bf16|f32|f16)\[", line.split("all-to-all")[0]), line
+    tokens = tc.batch_size * tc.seq_len // 8  # per device per step
+    routed = 3 * layers * tokens * mc.num_experts_per_tok * 3 * 2 * mc.hidden_size * mc.intermediate_size
+    expert_flops = scoped_gemm_flops(text, "experts") - scoped_gemm_flops(text, "router")
+    assert expert_flops / routed == pytest.approx(8.0 if receive_factor is None else 1.0, rel=0.1)
 
 
 def test_pjax_s_options_overlap_the_collectives_with_compute():

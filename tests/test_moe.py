@@ -39,7 +39,7 @@ def value_and_grads(num_experts: int, top_k: int, routing: str, capacity_factor:
     x, p = layer(num_experts)
 
     def f(x, p):
-        y, stats = moe.moe_mlp(x, p, top_k=top_k, routing=routing, capacity_factor=capacity_factor)
+        y, stats = moe.moe_mlp(x, p, top_k=top_k, config=moe.MoeConfig(routing, capacity_factor))
         return jnp.sum(y * jnp.sin(y)), (y, stats)
 
     fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
@@ -105,17 +105,21 @@ def test_expert_parallel_over_dp_equals_one_device(routing, dp, tp):
     assert_close(got_grads, grads, rtol=1e-5)
     np.testing.assert_array_equal(got_stats.assigned, stats.assigned)
     assert float(got_stats.tokens) == N
-    # Two all-to-alls forward (dispatch, combine) and their two transposes backward, each moving
-    # the [E, C, D] buffer of a device's tokens: C = N/dp tokens (the capacity that never drops).
     moved = collective_stats(hlo)["all-to-all"]
-    assert moved == {"count": 4, "bytes": 4 * 8 * (N // dp) * D * 4}, moved
+    if routing == "capacity":  # two all-to-alls forward (dispatch, combine) and their two transposes backward,
+        # each moving the [E, C, D] buffer of a device's tokens: C = N/dp tokens (the capacity that never drops)
+        assert moved == {"count": 4, "bytes": 4 * 8 * (N // dp) * D * 4}, moved
+    else:  # the ragged exchanges' CPU stand-in: each slice padded to a device's N/dp*k assignments, and the
+        # receivers' offsets (dp int32s) sent once per exchange forward (models/ragged_dispatch.py)
+        assert moved == {"count": 6, "bytes": 4 * dp * (N // dp * 2) * D * 4 + 2 * dp * 4}, moved
+        assert collective_stats(hlo)["all-gather"]["count"] >= 1  # every device's per-expert counts
 
 
 def test_capacity_under_expert_parallelism_is_each_devices_own_queue():
     """GShard's groups: with experts over dp, each device's tokens queue for C = ceil(factor * n * k / E)
     places of their own, so dp=4 drops what one device drops on each quarter of the tokens."""
     x, p = layer(8)
-    run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=2, routing="capacity", capacity_factor=1.0))
+    run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=2, config=moe.MoeConfig("capacity", 1.0)))
     quarters = [run(x[i * N // 4:(i + 1) * N // 4], p) for i in range(4)]
     with jax.set_mesh(make_mesh(MeshConfig(dp=4), jax.devices()[:4])):
         y, stats = run(x, p)
@@ -129,7 +133,7 @@ def test_experts_that_do_not_split_over_dp_and_unknown_routings_are_config_error
     with jax.set_mesh(mesh), pytest.raises(ConfigError, match=re.escape("num_local_experts=6 is not divisible by mesh.dp=4")):
         moe.moe_mlp(jnp.asarray(x), p, top_k=2)
     with pytest.raises(ConfigError, match="moe.routing='sparse' is invalid"):
-        moe.moe_mlp(jnp.asarray(x), p, top_k=2, routing="sparse")
+        moe.MoeConfig(routing="sparse")
 
 
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (4, 1)], ids=["top2_of_8", "top1_of_4"])
@@ -311,10 +315,12 @@ def test_moe_reduces_dense_gradients_over_dp_once_per_step_and_expert_gradients_
     dense = sum(4 * np.prod(s.shape) // (pp if n[0] == "layers" else 1)  # a stage holds its layers
                 for s, n in zip(shapes, names) if not is_expert(n))
 
-    def reduced(grad_accum):  # bytes all-reduced or reduce-scattered over dp per step (the all-to-alls left out)
+    def reduced(grad_accum):  # bytes all-reduced or reduce-scattered over dp per step (the all-to-alls, and the
+        # all-gathers of the routing's per-expert counts, integers, left out)
         layout = (2, 1, 0, "dropless", 1, pp, False, grad_accum)
+        routing = lambda kind, line: kind == "all-to-all" or (kind == "all-gather" and "= s32[" in line)  # noqa: E731
         rows = collectives_by_axis(compiled_step(*layout).as_text(), dict(moe_trainer(*layout).mesh.shape),
-                                   scale=lambda kind, line: kind != "all-to-all")
+                                   scale=lambda kind, line: not routing(kind, line))
         return rows["dp"]["bytes"]
 
     assert dense <= reduced(2) <= dense + 1024, (reduced(2), dense)

@@ -141,6 +141,15 @@ def gemm_census(hlo_text: str) -> dict[str, dict[str, float]]:
     return census
 
 
+def scoped_gemm_flops(hlo_text: str, scope: str) -> float:
+    """FLOPs per run of the program of the matmuls traced under the named scope `scope` (their op names hold
+    `/scope/`), each counted as often as the loops around it run."""
+    own: dict[str, list[Product]] = collections.defaultdict(list)
+    runs = _gemm_kinds(hlo_text, lambda comp, kind, product, op_name: own[comp].append(product)
+                       if f"/{scope}/" in op_name else None)
+    return sum(2.0 * m * k * n * times for comp, times in runs.items() for m, k, n in own.get(comp, []))
+
+
 def gemm_sites(hlo_text: str) -> list[tuple[str, str]]:
     """Each matmul's place in a compiled program: (operand kind, its op name, which holds the named scopes
     it was traced under: `transpose(...)` for autodiff's backward)."""

@@ -38,6 +38,7 @@ class RunReport:
         self.bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
                                initial=start)
         self.records: list[dict[str, Any]] = []
+        self.drops_said = False
         self.t_last, self.steps_since, self.flops_since, self.length = time.perf_counter(), 0, 0.0, tc.seq_len
 
     def write(self, record: dict[str, Any]) -> None:
@@ -53,7 +54,18 @@ class RunReport:
             self.write(record)
         if warning is not None:
             self.bar.warn(warning)
+        self._warn_on_dropless_drops(step, host)
         return host
+
+    def _warn_on_dropless_drops(self, step: int, host: dict) -> None:
+        """One line per run, the first time a capped dropless receive buffer drops (capacity routing drops by design)."""
+        moe = self.cfg.moe
+        if self.drops_said or moe.routing != "dropless" or not float(host.get("dropped_fraction", 0.0)) > 0:
+            return
+        self.drops_said = True
+        self.bar.warn(f"step {step}: moe.receive_factor={moe.receive_factor} dropped {float(host['dropped_fraction']):.2%} "
+                      f"of the expert assignments (they pass through the residual; dropped_fraction in metrics.jsonl); "
+                      f"raise it, or set moe.receive_factor=null to never drop.")
 
     def took(self, length: int) -> None:
         """Count one step, on windows of `length` tokens, towards the next log record."""
