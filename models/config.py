@@ -1,4 +1,5 @@
-"""LLaMA architecture hyper-parameters, named as in HuggingFace's `LlamaConfig`."""
+"""LLaMA architecture hyper-parameters, named as in HuggingFace's `LlamaConfig`; the Mixtral, Qwen3 and Qwen3-MoE
+variants are a few more keys (experts, the top-k weights' renormalisation, per-head q/k RMSNorm)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,14 +18,20 @@ _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rope_type", "rope_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings", "rms_norm_eps",
-              "num_local_experts", "num_experts_per_tok")
-MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef")
+              "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "qk_norm", "qkv_bias",
+              "shared_expert_intermediate_size")
+MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef", "norm_topk_prob",
+            "shared_expert_intermediate_size")
+# HF model types pjax reads: LLaMA's layer, with experts (Mixtral, Qwen2-MoE, Qwen3-MoE), q/k/v biases (Qwen2) or
+# per-head q/k norms (Qwen3).
+HF_TYPES = ("llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def shape_keys(num_local_experts: int) -> tuple[str, ...]:
     """The SHAPE_KEYS a checkpoint of a model with this many experts must match: a dense model (0)
-    reads no num_experts_per_tok, so a value there must not refuse a resume."""
-    return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k != "num_experts_per_tok")
+    reads no num_experts_per_tok or norm_topk_prob, so a value there must not refuse a resume."""
+    routing = ("num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size")
+    return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k not in routing)
 
 # RoPE scalings (`models.rope.rope_inv_freq`) and their model keys: HF's rope_scaling keys prefixed "rope_".
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -70,6 +77,37 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _refuse_hf_variants(hf: dict[str, Any], model_type: str) -> None:
+    """One line for what a Mixtral or Qwen3 checkpoint may ask that pjax's layer does not do."""
+    if model_type == "mixtral" and hf.get("sliding_window") is not None:
+        raise ConfigError(f"config.json sets sliding_window={hf['sliding_window']!r}; pjax attends to the whole "
+                          f"context, so use a checkpoint with sliding_window null.")
+    if model_type.startswith("qwen") and hf.get("use_sliding_window"):
+        raise ConfigError("config.json sets use_sliding_window=true; pjax attends to the whole context, so use a "
+                          "checkpoint with use_sliding_window false.")
+    if model_type.endswith("_moe") and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        step, dense = hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")
+        raise ConfigError(f"config.json makes some layers dense (decoder_sparse_step={step!r}, mlp_only_layers={dense!r}); "
+                          f"pjax's MoE models have experts in every layer (decoder_sparse_step 1, mlp_only_layers []).")
+
+
+def _hf_experts(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE model keys of a Mixtral or Qwen3-MoE config.json, HF's defaults for absent ones (router_z_loss_coef
+    is pjax's: HF has no z-loss); none for a dense model."""
+    if model_type == "mixtral":
+        keys = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+        return {k: hf.get(k, v) for k, v in keys.items()}
+    if model_type.endswith("_moe"):  # Qwen's: the experts' width is moe_intermediate_size; HF's defaults by version
+        qwen2 = model_type == "qwen2_moe"
+        return {"num_local_experts": hf.get("num_experts", hf.get("num_local_experts", 60 if qwen2 else 128)),
+                "num_experts_per_tok": hf.get("num_experts_per_tok", 4 if qwen2 else 8),
+                "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+                "norm_topk_prob": hf.get("norm_topk_prob", False),
+                "intermediate_size": hf.get("moe_intermediate_size", 1408 if qwen2 else 768),
+                "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 5632) if qwen2 else 0}
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """The model's shape. Field names follow HF so a `config.json` maps onto it directly."""
@@ -94,11 +132,16 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     # Megatron's key, not HF's (ARCHITECTURE.md, "A padded vocabulary with masked logits").
     make_vocab_size_divisible_by: int = 128
-    # Mixture of Experts in HF Mixtral's names (models/moe.py); 0 experts: dense MLPs.
+    # Mixture of Experts in HF Mixtral's names (models/moe.py); 0 experts: dense MLPs. With experts,
+    # intermediate_size is each expert's width (HF Qwen3-MoE's moe_intermediate_size).
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1 (Mixtral; Qwen-MoE's flag)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on MLP this wide, gated by a sigmoid (0: none)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -127,8 +170,13 @@ class LlamaConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"model.{key}={value!r} is invalid; use a number >= 0.")
             object.__setattr__(self, key, float(value))
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ConfigError(f"model.tie_word_embeddings={self.tie_word_embeddings!r} is invalid; use true or false.")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0 or (shared and not self.num_local_experts):
+            raise ConfigError(f"model.shared_expert_intermediate_size={shared!r} is invalid; use an integer >= 0, "
+                              f"and 0 for a dense model (a shared expert sits beside routed ones).")
+        for key in ("tie_word_embeddings", "norm_topk_prob", "qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is invalid; use true or false.")
         self._check_rope_scaling()
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
@@ -181,27 +229,23 @@ class LlamaConfig:
         if not isinstance(hf, dict):
             raise ConfigError("config.json must hold a JSON object of model settings.")
         model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mixtral"):
-            raise ConfigError(f"config.json has model_type={model_type!r}; only 'llama' and 'mixtral' checkpoints "
-                              f"are supported.")
-        if model_type == "mixtral" and hf.get("sliding_window") is not None:
-            raise ConfigError(f"config.json sets sliding_window={hf['sliding_window']!r}; pjax attends to the whole "
-                              f"context, so use a checkpoint with sliding_window null.")
+        if model_type not in HF_TYPES:
+            raise ConfigError(f"config.json has model_type={model_type!r}; pjax reads {', '.join(map(repr, HF_TYPES))} "
+                              f"checkpoints.")
+        _refuse_hf_variants(hf, model_type)
         missing = [k for k in _HF_REQUIRED if k not in hf]
         if missing:
             raise ConfigError(f"config.json has no {', '.join(missing)}; it is not a complete LLaMA config.")
         rope = _rope_from_hf(hf)
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("config.json enables attention_bias or mlp_bias; LLaMA in pjax has no biases.")
-        # Mixtral's own keys (router_z_loss_coef is pjax's: HF has no z-loss) only from a mixtral config.
-        moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef") if model_type == "mixtral" else ()
         names = {f.name for f in dataclasses.fields(cls)} - {"make_vocab_size_divisible_by", "rope_theta", "rope_type",
-                                                             *ROPE_KEYS, *MOE_KEYS} | set(moe)
-        kwargs = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if k in names}, **rope}
+                                                             "qk_norm", "qkv_bias", *ROPE_KEYS, *MOE_KEYS}
+        kwargs = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if k in names}, **rope, **_hf_experts(hf, model_type),
+                  "qk_norm": model_type.startswith("qwen3"),
+                  "qkv_bias": model_type.startswith("qwen2") and bool(hf.get("qkv_bias", True))}
         if kwargs.get("rope_original_max_position_embeddings", 0) is None:  # HF's default for llama3
             kwargs["rope_original_max_position_embeddings"] = kwargs["max_position_embeddings"]
-        if model_type == "mixtral":  # HF MixtralConfig's defaults
-            kwargs = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, **kwargs}
         kwargs.setdefault("num_key_value_heads", hf["num_attention_heads"])
         if kwargs["num_key_value_heads"] is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
@@ -211,7 +255,7 @@ class LlamaConfig:
             raise ConfigError("config.json: " + str(e).replace("model.", "")) from None
 
     def to_hf(self) -> dict[str, Any]:
-        """The HuggingFace `config.json` dict for this shape (a MixtralConfig's when it has experts)."""
+        """The HuggingFace `config.json` dict for this shape, of the model type `hf_type` names."""
         d = dataclasses.asdict(self)
         del d["make_vocab_size_divisible_by"]  # pjax's padding: HF sees the real vocabulary
         for key in ("rope_type", *ROPE_KEYS):
@@ -220,16 +264,44 @@ class LlamaConfig:
             # Named rope_scaling, rope_theta top-level (Meta's Llama 3.1 files): transformers 4.x and 5.x read it.
             d["rope_scaling"] = {"rope_type": self.rope_type,
                                  **{k.removeprefix("rope_"): getattr(self, k) for k in ROPE_TYPES[self.rope_type]}}
-        if self.num_local_experts:
-            del d["router_z_loss_coef"]
-            d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",
-                     sliding_window=None, router_jitter_noise=0.0)
-            return d
-        for key in MOE_KEYS:
+        kind = self.hf_type
+        for key in ("qk_norm", "qkv_bias", *(MOE_KEYS if not self.num_local_experts else ("router_z_loss_coef",))):
             del d[key]
-        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                 attention_bias=False, mlp_bias=False)
+        arch = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen2_moe": "Qwen2Moe", "qwen3": "Qwen3",
+                "qwen3_moe": "Qwen3Moe"}[kind]
+        d.update(model_type=kind, architectures=[f"{arch}ForCausalLM"], hidden_act="silu")
+        if kind == "mixtral":
+            del d["norm_topk_prob"], d["shared_expert_intermediate_size"]
+            d.update(sliding_window=None, router_jitter_noise=0.0)
+            return d
+        if kind == "llama":
+            d.update(attention_bias=False, mlp_bias=False)
+            return d
+        d.update(use_sliding_window=False, sliding_window=None)  # Qwen's
+        if kind.startswith("qwen2"):
+            d["qkv_bias"] = self.qkv_bias
+        if kind.endswith("_moe"):
+            d["num_experts"] = d.pop("num_local_experts")
+            d.update(moe_intermediate_size=self.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+            if kind == "qwen3_moe":
+                del d["shared_expert_intermediate_size"]
         return d
+
+    @property
+    def hf_type(self) -> str:
+        """The HF model type this shape exports as (one line where none has its options)."""
+        experts = bool(self.num_local_experts)
+        if self.qk_norm and (self.qkv_bias or self.shared_expert_intermediate_size):
+            raise ConfigError("model.qk_norm (Qwen3's) with model.qkv_bias or a shared expert (Qwen2's) has no HF "
+                              "form; export one family's options.")
+        if self.qk_norm:
+            return "qwen3_moe" if experts else "qwen3"
+        if self.qkv_bias or self.shared_expert_intermediate_size:
+            return "qwen2_moe" if experts else "qwen2"
+        if experts and not self.norm_topk_prob:
+            raise ConfigError("model.norm_topk_prob=false has no HF Mixtral form (Mixtral renormalises its top-k "
+                              "weights); export a model with norm_topk_prob=true, or with Qwen's options.")
+        return "mixtral" if experts else "llama"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -244,5 +316,7 @@ class LlamaConfig:
         hd, h, kv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         experts = self.num_local_experts
         mlp = experts * 3 * d * f + d * experts if experts else 3 * d * f  # MoE: E expert MLPs and the router
-        per_layer = d * hd * (2 * h + 2 * kv) + mlp + 2 * d
+        shared = 3 * d * self.shared_expert_intermediate_size + d if self.shared_expert_intermediate_size else 0
+        extras = (2 * hd if self.qk_norm else 0) + ((h + 2 * kv) * hd if self.qkv_bias else 0) + shared
+        per_layer = d * hd * (2 * h + 2 * kv) + mlp + 2 * d + extras
         return v * d * (1 if self.tie_word_embeddings else 2) + l * per_layer + d

@@ -1,4 +1,4 @@
-"""HuggingFace LLaMA and Mixtral checkpoints (config.json + safetensors) <-> pjax parameters.
+"""HuggingFace LLaMA, Mixtral, Qwen2(-MoE) and Qwen3(-MoE) checkpoints (config.json + safetensors) <-> pjax parameters.
 
 HF stores one tensor per layer (and expert), Linear weights as (out, in); pjax stacks the layers and stores kernels as
 (in, out), head dimensions split out, so `x @ W` and sharding by head are direct. HF's q/k rows are in rotate-half
@@ -41,6 +41,7 @@ class _Tensor:
     n_in: int = 0
     unpadded: tuple[int, ...] | None = None  # without the vocabulary padding
     experts: int = 0
+    flat: bool = False  # HF keeps it 1-D (a bias over the heads' outputs)
 
     @property
     def stacked(self) -> bool:
@@ -59,16 +60,20 @@ class _Tensor:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        if self.flat:
+            return (math.prod(self.real),)
         if not self.n_in:
             return self.real
         return (math.prod(self.real[self.n_in:]), math.prod(self.real[:self.n_in]))
 
     def to_pjax(self, w: np.ndarray) -> np.ndarray:
         """HF layout -> pjax layout, as a view: a memory-mapped tensor stays unread."""
-        return w.T.reshape(self.real) if self.n_in else w
+        return w.T.reshape(self.real) if self.n_in else w.reshape(self.real) if self.flat else w
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
         w = w[tuple(slice(0, n) for n in self.real)]
+        if self.flat:
+            return np.ascontiguousarray(w.reshape(-1))
         return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T if self.n_in else w)
 
 
@@ -90,14 +95,30 @@ def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
         _Tensor(("layers", "w_down"), pre + "mlp.down_proj.weight", (f, d), 1),
         _Tensor(("final_norm", "scale"), "model.norm.weight", (d,)),
     ]
-    if cfg.num_local_experts:
-        e, moe = cfg.num_local_experts, pre + "block_sparse_moe."
+    kind = cfg.hf_type
+    if cfg.num_local_experts:  # Mixtral's names, or Qwen-MoE's (an MLP's per expert)
+        e = cfg.num_local_experts
+        moe, names = ((pre + "block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral"
+                      else (pre + "mlp.", ("gate_proj", "up_proj", "down_proj")))
         table[7:10] = [
             _Tensor(("layers", "router"), moe + "gate.weight", (d, e), 1),
-            _Tensor(("layers", "w_gate"), moe + "experts.{j}.w1.weight", (d, f), 1, experts=e),
-            _Tensor(("layers", "w_up"), moe + "experts.{j}.w3.weight", (d, f), 1, experts=e),
-            _Tensor(("layers", "w_down"), moe + "experts.{j}.w2.weight", (f, d), 1, experts=e),
+            _Tensor(("layers", "w_gate"), moe + f"experts.{{j}}.{names[0]}.weight", (d, f), 1, experts=e),
+            _Tensor(("layers", "w_up"), moe + f"experts.{{j}}.{names[1]}.weight", (d, f), 1, experts=e),
+            _Tensor(("layers", "w_down"), moe + f"experts.{{j}}.{names[2]}.weight", (f, d), 1, experts=e),
         ]
+    fs = cfg.shared_expert_intermediate_size
+    if fs:  # Qwen2-MoE's shared expert and its gate
+        shared = pre + "mlp.shared_expert."
+        table += [_Tensor(("layers", "w_shared_gate"), shared + "gate_proj.weight", (d, fs), 1),
+                  _Tensor(("layers", "w_shared_up"), shared + "up_proj.weight", (d, fs), 1),
+                  _Tensor(("layers", "w_shared_down"), shared + "down_proj.weight", (fs, d), 1),
+                  _Tensor(("layers", "shared_gate"), pre + "mlp.shared_expert_gate.weight", (d, 1), 1)]
+    if cfg.qk_norm:  # Qwen3's per-head RMSNorm scales
+        table[6:6] = [_Tensor(("layers", "q_norm"), pre + "self_attn.q_norm.weight", (dh,)),
+                      _Tensor(("layers", "k_norm"), pre + "self_attn.k_norm.weight", (dh,))]
+    if cfg.qkv_bias:  # Qwen2's
+        table[6:6] = [_Tensor(("layers", name), pre + f"self_attn.{proj}.bias", (n, dh), flat=True)
+                      for name, proj, n in (("bq", "q_proj", h), ("bk", "k_proj", k), ("bv", "v_proj", k))]
     if not cfg.tie_word_embeddings:  # tied: HF reuses embed_tokens and may omit lm_head.weight
         table.append(_Tensor(("lm_head", "kernel"), "lm_head.weight", (d, vp), 1, unpadded=(d, v)))
     return table

@@ -59,6 +59,10 @@ class DecoderLayer(nn.Module):
         wv = _param(self, "wv", (d, kv, dh), ("embed", "kv_heads", "head_dim"), normal)
         wo = _param(self, "wo", (h, dh, d), ("heads", "head_dim", "embed"), normal)
         mlp_norm = _param(self, "mlp_norm", (d,), ("embed",), ones)
+        qk_norms = [_param(self, name, (dh,), ("head_dim",), ones) for name in ("q_norm", "k_norm")] if c.qk_norm else []
+        biases = [_param(self, name, (n, dh), (axis, "head_dim"), nn.initializers.zeros)  # Qwen2's q/k/v biases
+                  for name, n, axis in (("bq", h, "heads"), ("bk", kv, "kv_heads"), ("bv", kv, "kv_heads"))
+                  ] if c.qkv_bias else []
         # MoE: in a shard_map manual over dp, this device's E/dp experts
         e = (c.num_local_experts // manual_size(current(), DP),) if c.num_local_experts else ()
         experts = ("experts",) if e else ()
@@ -76,8 +80,12 @@ class DecoderLayer(nn.Module):
         # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`.
         y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps, p.norms), "attn_norm").astype(p.attention)
         q, k, v = column(y, [attn(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
+        if biases:
+            q, k, v = (a + attn(bias).reshape(-1) for a, bias in zip((q, k, v), biases))
         q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
         q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
+        if qk_norms:  # Qwen3: each head of q and k normalised before RoPE
+            q, k = (rms_norm(a, scale, c.rms_norm_eps, p.norms) for a, scale in zip((q, k), qk_norms))
         q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
         k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
         q, k = rope(q, tables), rope(k, tables)
@@ -90,21 +98,39 @@ class DecoderLayer(nn.Module):
         y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps, p.norms), "mlp_norm").astype(p.mlp)
         if e:
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
+            fs = c.shared_expert_intermediate_size
+            shared = [_param(self, name, shape, axes, normal) for name, shape, axes in (  # Qwen2-MoE's shared expert
+                ("w_shared_gate", (d, fs), ("embed", "mlp")), ("w_shared_up", (d, fs), ("embed", "mlp")),
+                ("w_shared_down", (fs, d), ("mlp", "embed")), ("shared_gate", (d, 1), ("embed", None)))] if fs else []
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
                 return x, None
+            always = 0 if not shared else constrain(
+                self._shared_expert(y, [mlp(w) for w in shared], sp).astype(x.dtype), residual)
             # Under sequence parallelism the experts see every token of the (dp, cp) block.
             y = constrain(y, ("tokens", "embed"))
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
             gemms = Gemms(fp8.einsum, fp8.ragged_dot) if p.fp8 else Gemms()
             with jax.named_scope("experts"):
-                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, config=self.moe)
-            return x + constrain(down.astype(x.dtype), residual), stats
+                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, config=self.moe,
+                                      normalize=c.norm_topk_prob)
+            return x + constrain(down.astype(x.dtype), residual) + always, stats
         gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
         down = row(gated, mlp(w_down), "down")
         return x + constrain(down.astype(x.dtype), residual), None
 
+
+    def _shared_expert(self, y: jax.Array, weights: list[jax.Array], sp: bool) -> jax.Array:
+        """Qwen2-MoE's shared expert on the normed residual y: an MLP every token runs, times a sigmoid gate of y,
+        in the residual's layout. Its GEMMs keep their weight gradients in B under zero-bubble, as the experts do."""
+        w_gate, w_up, w_down, w_g = weights
+        column, row = self._projections(sp, None)
+        gate, up = column(y, [w_gate, w_up], "shared_gate_up")
+        down = row(jax.nn.silu(gate) * up, w_down, "shared_down")
+        with jax.named_scope("shared_gate"):
+            g = jax.nn.sigmoid(jnp.einsum("nd,do->no", y, w_g, preferred_element_type=jnp.float32))
+        return (g * down).astype(y.dtype)
 
     def _projections(self, sp: bool, taps: dict | None) -> tuple[Callable, Callable]:
         """(column, row) matmuls by site, in the form sequence parallelism and zero-bubble taps ask for, each of

@@ -61,13 +61,22 @@ class RouterStats(NamedTuple):
     dropped: jax.Array
 
 
-def route(x: jax.Array, w_router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, RouterStats]:
+class Router(NamedTuple):
+    """How a token picks its experts: the top k of the softmax, renormalised to sum to 1 (Mixtral's rule;
+    `model.norm_topk_prob=false`: Qwen3-MoE's option to keep the softmax's own weights)."""
+
+    top_k: int
+    normalize: bool = True
+
+
+def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool = True
+          ) -> tuple[jax.Array, jax.Array, RouterStats]:
     """(weights [N, k] fp32, experts [N, k] int32, stats) for tokens x [N, D]."""
     with jax.named_scope("router"):  # not fp8 (torchao's recipe): the compiled step's op names tell it apart
         logits = jnp.einsum("nd,de->ne", x.astype(w_router.dtype), w_router, preferred_element_type=F32)
     probs = jax.nn.softmax(logits, axis=-1)
     top, experts = lax.top_k(probs, top_k)
-    weights = top / jnp.sum(top, axis=-1, keepdims=True)
+    weights = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
     num_experts = w_router.shape[-1]
     stats = RouterStats(tokens=jnp.asarray(x.shape[0], F32),
                         assigned=jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=F32), axis=(0, 1)),
@@ -163,10 +172,11 @@ def capacity_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: di
     return y, jnp.sum(~kept).astype(F32)
 
 
-def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, config: MoeConfig, axis: str | None,
+def _local_moe(x: jax.Array, p: dict[str, jax.Array], router: Router, config: MoeConfig, axis: str | None,
                token_axes: tuple[str, ...] = (), gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
     """One device's MoE layer (under EP over `axis`, `p` holds this device's experts)."""
-    weights, experts, stats = route(x, p["router"], top_k)
+    top_k = router.top_k
+    weights, experts, stats = route(x, p["router"], top_k, router.normalize)
     w = {name: p[name].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")}
     num_experts, routing = p["router"].shape[-1], config.routing
     if axis is None and routing == "dense":
@@ -188,20 +198,21 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], top_k: int, config: MoeCon
 
 
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeConfig = MoeConfig(),
-            gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
+            gemms: Gemms = Gemms(), normalize: bool = True) -> tuple[jax.Array, RouterStats]:
     """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over dp when
     dp > 1. Inside a shard_map manual over dp already, x and p are this device's."""
+    router = Router(top_k, normalize)
     mesh = current()
     dp = 1 if mesh.empty or DP not in mesh.shape else mesh.shape[DP]
     num_experts = p["router"].shape[-1]
     if dp == 1:
-        return _local_moe(x, p, top_k, config, None, gemms=gemms)
+        return _local_moe(x, p, router, config, None, gemms=gemms)
     if num_experts % dp:
         raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={dp}; expert "
                           f"parallelism gives each dp device the same number of experts.")
     # Manual over cp too (experts are replicated over cp): no token dimension is left to the partitioner.
     token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
-    local = lambda x, p: _local_moe(x, p, top_k, config, DP, token_axes, gemms)  # noqa: E731
+    local = lambda x, p: _local_moe(x, p, router, config, DP, token_axes, gemms)  # noqa: E731
     if DP in mesh.manual_axes:
         # A pipeline slot keeps the layer's input, not its dispatch buffers (ARCHITECTURE.md, "MoE in a pipeline").
         return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)

@@ -23,7 +23,9 @@ PRESETS["fp8"] = {**PRESETS["bf16"], "fp8": True}
 # A layer's weights by the kind that reads them (norm scales multiply the residual stream).
 _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
                 "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "router": "router",
-                "attn_norm": "embedding", "mlp_norm": "embedding"}
+                "attn_norm": "embedding", "mlp_norm": "embedding", "q_norm": "attention", "k_norm": "attention",
+                "bq": "attention", "bk": "attention", "bv": "attention", "w_shared_gate": "mlp", "w_shared_up": "mlp",
+                "w_shared_down": "mlp", "shared_gate": "mlp"}
 
 
 @dataclasses.dataclass(frozen=True)

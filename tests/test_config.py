@@ -15,7 +15,7 @@ from pjax.data import text as data
 from pjax.config import Config
 from pjax.config_io import CONFIG_DIR, available_configs, config_to_dict, dump_config, load_config, resolve_config_path
 
-REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b", "mixtral-8x7b"]
+REAL_SHAPES = ["smollm-135m", "smollm-360m", "smollm-1.7b", "llama2-7b", "llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
 REPO = Path(__file__).resolve().parent.parent
 
 # Keys that the README, notebooks and the other modules rely on.
@@ -47,7 +47,7 @@ def test_shipped_config_loads_and_sets_every_section(name):
     text = (CONFIG_DIR / f"{name}.yaml").read_text()
     for section in ("model", "mesh", "train", "data", "log", "checkpoint", "pipeline"):
         assert f"\n{section}:" in "\n" + text, f"{name}.yaml has no {section} section"
-    assert cfg.model.head_dim * cfg.model.num_attention_heads == cfg.model.hidden_size
+    assert cfg.model.head_dim * cfg.model.num_attention_heads == cfg.model.hidden_size or "\n  head_dim:" in text
     assert cfg.model.vocab_size >= 4096
 
 
@@ -80,6 +80,7 @@ def test_real_shape_parameter_counts_match_the_released_models():
     assert billions["llama2-7b"] == pytest.approx(6.738, abs=1e-3)
     assert billions["llama3-8b"] == pytest.approx(8.030, abs=1e-3)
     assert billions["mixtral-8x7b"] == pytest.approx(46.70, abs=1e-2)
+    assert billions["qwen3-30b-a3b"] == pytest.approx(30.53, abs=1e-2)
 
 
 def test_data_paths_in_shipped_configs_are_shipped_files():

@@ -175,7 +175,7 @@ def text_batch():
 
 def moe_layout(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
                sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum, schedule: str = "1f1b",
-               layers: int = MOE_CFG.num_hidden_layers):
+               layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral"):
     """The layouts these tests train on (a signature only)."""
 
 
@@ -196,20 +196,37 @@ def cache_by_layout(fn):
 
 
 @cache_by_layout
-def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, schedule, layers):
+def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, schedule, layers, family):
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel, grad_accum=grad_accum)
     pipeline = PipelineConfig(schedule=schedule, virtual_stages=2 if schedule == "zb_v" else 1)
-    return build_trainer(mesh, moe_cfg(layers), tc, pipeline, moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
+    return build_trainer(mesh, moe_cfg(layers, family), tc, pipeline,
+                         moe=moe.MoeConfig(routing=routing, capacity_factor=4.0))
 
 
-def moe_cfg(layers: int = MOE_CFG.num_hidden_layers) -> LlamaConfig:
-    return dataclasses.replace(MOE_CFG, num_hidden_layers=layers)
+FAMILIES = {"mixtral": {},  # and the other families' options: Qwen3-MoE's per-head q/k norms, Qwen2-MoE's q/k/v
+            # biases and sigmoid-gated shared expert, both with the softmax's own top-k weights
+            "qwen3": dict(qk_norm=True, norm_topk_prob=False),
+            "qwen2": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False)}
+
+
+def moe_cfg(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral") -> LlamaConfig:
+    return dataclasses.replace(MOE_CFG, num_hidden_layers=layers, **FAMILIES[family])
 
 
 @functools.cache
-def moe_params(layers: int = MOE_CFG.num_hidden_layers):
-    return jax.tree.map(np.asarray, llama.init_params(moe_cfg(layers), jax.random.key(0)))
+def moe_params(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral"):
+    params = jax.tree.map(np.asarray, llama.init_params(moe_cfg(layers, family), jax.random.key(0)))
+    rng = np.random.default_rng(1)  # norm scales initialise to 1 and biases to 0: others make a mix-up show
+    for name in ("q_norm", "k_norm", "bq", "bk", "bv"):
+        if name in params["layers"]:
+            params["layers"][name] = (params["layers"][name] + 0.2 * rng.normal(size=params["layers"][name].shape)
+                                      ).astype(np.float32)
+    return params
+
+
+def family_of(cfg: LlamaConfig) -> str:
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mixtral"
 
 
 def _pipeline_order(trainer) -> tuple[int, int, bool]:
@@ -221,8 +238,8 @@ def _pipeline_order(trainer) -> tuple[int, int, bool]:
 def params_for(trainer):
     """The same parameters on every layout, in the trainer's layer order and sharding (a trainer's own
     init would compile once per layout)."""
-    return jax.device_put(ppl.to_pipeline_layout(moe_params(trainer.cfg.num_hidden_layers), *_pipeline_order(trainer)),
-                          trainer.state_sharding.params)
+    params = moe_params(trainer.cfg.num_hidden_layers, family_of(trainer.cfg))
+    return jax.device_put(ppl.to_pipeline_layout(params, *_pipeline_order(trainer)), trainer.state_sharding.params)
 
 
 @cache_by_layout
@@ -258,7 +275,9 @@ def step_metrics(*layout):
 
 
 def assert_equal_one_device(layout):
-    ref_loss, ref_grads, ref_router = loss_grads_router(1, layers=LAYOUT.bind(*layout).arguments.get("layers", MOE_CFG.num_hidden_layers))
+    named = LAYOUT.bind(*layout).arguments
+    ref_loss, ref_grads, ref_router = loss_grads_router(1, layers=named.get("layers", MOE_CFG.num_hidden_layers),
+                                                        family=named.get("family", "mixtral"))
     loss, grads, router = loss_grads_router(*layout)
     assert abs(loss - ref_loss) <= 1e-6
     assert_close(grads, ref_grads, rtol=1e-5)
@@ -274,6 +293,18 @@ def assert_equal_one_device(layout):
 @pytest.mark.proves("sp+moe", "zero3+moe")
 def test_moe_training_loss_grads_and_router_metrics_with_experts_over_dp_equal_one_device(layout):
     assert_equal_one_device(layout)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_qwen_moe_options_in_the_step_equal_one_device(family):
+    """Qwen3-MoE's per-head q/k norms, or Qwen2-MoE's q/k/v biases and shared expert, with unrenormalised top-k
+    weights and the experts over dp (ragged dropless) under tp and sequence parallelism: the loss, gradients (the
+    new parameters' included, each non-zero) and router metrics of one device."""
+    assert_equal_one_device((2, 2, 0, "dropless", 1, 1, True, MOE_TC.grad_accum, "1f1b", MOE_CFG.num_hidden_layers,
+                             family))
+    _, grads, _ = loss_grads_router(1, family=family)
+    for name in set(grads["layers"]) - set(loss_grads_router(1)[1]["layers"]):
+        assert np.abs(grads["layers"][name]).max() > 0, name
 
 
 @pytest.mark.parametrize("layout", [(1, 1, 0, "dropless", 1, 2), (2, 2, 1, "capacity", 1, 2),

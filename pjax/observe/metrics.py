@@ -51,7 +51,9 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int, moe: MoeConfig | None 
     """Training FLOPs per token: 6 x the matmul parameters a token runs through + causal attention, no remat."""
     d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     h, kv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    mlp = expert_mlps_per_token(cfg, moe, group_tokens) * 3 * d * f + d * cfg.num_local_experts  # + the router
+    fs = cfg.shared_expert_intermediate_size  # + the router, and a shared expert with its gate
+    shared = 3 * d * fs + d if fs else 0
+    mlp = expert_mlps_per_token(cfg, moe, group_tokens) * 3 * d * f + d * cfg.num_local_experts + shared
     matmul_params = l * (d * dh * (2 * h + 2 * kv) + mlp) + d * v  # the embedding lookup is no matmul
     attention = l * 2 * seq_len * h * dh  # QK^T and PV over T/2 keys on average
     return 6 * matmul_params + 3 * attention
