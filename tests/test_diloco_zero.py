@@ -32,7 +32,8 @@ RUN = ["train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.dt
        "mesh.tp=2", "train.local_steps=2", "train.warmup_steps=0", "train.grad_clip=0.5",
        "train.weight_decay=0.5", f"train.lr={LR}"]
 STREAM = ["train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=1", "train.diloco_mix=0.5"]
-VARIANTS = {"streaming": STREAM, "pp": ["mesh.tp=1", "mesh.pp=2"]}  # pp: a 1F1B pipeline in each group
+# pp: a 1F1B pipeline in each group; qwen: Qwen's q/k norm scales and q/k/v biases, weights with no 'embed' axis
+VARIANTS = {"streaming": STREAM, "pp": ["mesh.tp=1", "mesh.pp=2"], "qwen": ["model.qk_norm=true", "model.qkv_bias=true"]}
 
 
 def _run(zero: int, groups: int | None, variant: str | None = None) -> dict:
@@ -59,7 +60,7 @@ def runs() -> dict[tuple[int, int | None], dict]:
     """Keyed (train.zero, train.diloco_groups[, a VARIANTS key]): 2 groups of 2 replicas, or (None) 4 groups of
     one."""
     keys = ((0, 2), (1, 2), (3, 2), (0, None), (3, None), (0, 2, "streaming"), (1, 2, "streaming"),
-            (3, 2, "streaming"), (0, 2, "pp"), (3, 2, "pp"))
+            (3, 2, "streaming"), (0, 2, "pp"), (3, 2, "pp"), (0, 2, "qwen"), (1, 2, "qwen"), (3, 2, "qwen"))
     return {key: _run(*key) for key in keys}
 
 
@@ -108,6 +109,18 @@ def test_zero3_under_diloco_takes_diloco_s_steps_with_half_the_inner_state_and_c
     plain, sharded = runs[(0, 2, *variant)]["state"].local, runs[(3, 2, *variant)]["state"].local
     assert 2 * _per_device(sharded["opt_state"]) == _per_device(plain["opt_state"])
     assert 2 * _per_device(sharded["params"]) == _per_device(plain["params"])
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_weights_without_an_embed_axis_stay_whole_in_the_groups_and_take_diloco_s_steps(runs, zero):
+    """Qwen's per-head norm scales and q/k/v biases have no 'embed' axis to split: each replica keeps them whole,
+    their gradient is its group's whole sum, and the group's norm counts them once."""
+    _same_steps(runs[(0, 2, "qwen")], runs[(zero, 2, "qwen")])
+    def kept_whole(state):  # per device, the inner state's (and copy's) arrays of these weights
+        return [x.addressable_shards[0].data.shape for path, x in jax.tree_util.tree_leaves_with_path(state.local)
+                if any(getattr(k, "key", None) in ("bq", "q_norm") for k in path)]
+    plain, sharded = kept_whole(runs[(0, 2, "qwen")]["state"]), kept_whole(runs[(zero, 2, "qwen")]["state"])
+    assert len(sharded) >= 4 and sharded == plain
 
 
 @pytest.mark.proves("zero3+diloco")

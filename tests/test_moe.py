@@ -298,9 +298,10 @@ def test_moe_training_loss_grads_and_router_metrics_with_experts_over_dp_equal_o
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 def test_qwen_moe_options_in_the_step_equal_one_device(family):
     """Qwen3-MoE's per-head q/k norms, or Qwen2-MoE's q/k/v biases and shared expert, with unrenormalised top-k
-    weights and the experts over dp (ragged dropless) under tp and sequence parallelism: the loss, gradients (the
-    new parameters' included, each non-zero) and router metrics of one device."""
-    assert_equal_one_device((2, 2, 0, "dropless", 1, 1, True, MOE_TC.grad_accum, "1f1b", MOE_CFG.num_hidden_layers,
+    weights and the experts over dp (ragged dropless) under tp, sequence parallelism and ZeRO-1 (which keeps the
+    norms and biases, weights with no 'embed' axis, whole): the loss, gradients (the new parameters' included,
+    each non-zero) and router metrics of one device."""
+    assert_equal_one_device((2, 2, 1, "dropless", 1, 1, True, MOE_TC.grad_accum, "1f1b", MOE_CFG.num_hidden_layers,
                              family))
     _, grads, _ = loss_grads_router(1, family=family)
     for name in set(grads["layers"]) - set(loss_grads_router(1)[1]["layers"]):

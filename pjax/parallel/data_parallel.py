@@ -70,6 +70,12 @@ def is_expert(names: tuple[str | None, ...]) -> bool:
     return "experts" in names
 
 
+def zero_axis(names: tuple[str | None, ...]) -> int | None:
+    """The dimension ZeRO splits a dense weight's state by: its 'embed' one. A weight with none (Qwen's per-head
+    q/k norm scales and q/k/v biases) is never split: kept whole on every replica, its gradient reduced whole."""
+    return names.index("embed") if "embed" in names else None
+
+
 def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, pipelined: bool = False) -> Any:
     """Each parameter's spec in a shard_map manual over the data `axes`; tp is left to the partitioner."""
     dp = DP in axes
@@ -98,7 +104,10 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "
     packed = [i for i in dense if mode != "none" and feedback.compresses(names[i], mode)]
     exact = [i for i in dense if i not in packed]
     if split_dp:
-        reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in exact], tuple(a for a in axes if a == CP))
+        whole = [i for i in exact if zero_axis(names[i]) is None]
+        exact = [i for i in exact if i not in whole] + whole
+        reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in exact[:len(exact) - len(whole)]],
+                        tuple(a for a in axes if a == CP)) + _psum([leaves[i] for i in whole], axes)
     else:
         reduced = _psum([leaves[i] for i in exact], axes)
     if packed:
@@ -174,8 +183,10 @@ def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConf
 
 def scatter_in_group(grads: Any, cfg: LlamaConfig, group_size: int) -> Any:
     """Each replica's chunk, by 'embed', of its group's sum of `grads` (`groups.group_scatter`; DiLoCo under ZeRO)."""
-    return jax.tree.map(lambda g, names: groups.group_scatter(g, group_size, names.index("embed")),
-                        grads, llama.param_logical_axes(cfg), is_leaf=_is_names)
+    def one(g, names):
+        axis = zero_axis(names)
+        return groups.group_sum(g, group_size) if axis is None else groups.group_scatter(g, group_size, axis)
+    return jax.tree.map(one, grads, llama.param_logical_axes(cfg), is_leaf=_is_names)
 
 
 def replica_axes(mesh: Any) -> tuple[str, ...]:

@@ -101,6 +101,7 @@ def reduce_leaf(g: jax.Array, error: jax.Array, q: jax.Array | None, names: tupl
     residual and Q, per tp block: a flatten of a tp-split gradient would gather it."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
     r_spec = P(None, *tp_only)
+    split_dp = split_dp and "embed" in names  # a weight ZeRO keeps whole is reduced whole (`data_parallel.zero_axis`)
     if mode == "powersgd":
         def low_rank(g, r, q):
             total, err, q_next = powersgd.powersgd_sum(g, r[0], q[0, 0], axes, names)

@@ -17,6 +17,8 @@ fragments steps) gathers the group's chunks, beside the gather every inner step 
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import jax
@@ -54,8 +56,11 @@ def whole_groups_note(tc: Any, replicas: int) -> str | None:
 
 
 def embed_axes(cfg: LlamaConfig) -> Any:
-    """Each parameter's 'embed' axis (every dense LLaMA weight has exactly one)."""
-    return jax.tree.map(lambda names: names.index("embed"), llama.param_logical_axes(cfg), is_leaf=_is_names)
+    """Each parameter's 'embed' axis, or -1 for one ZeRO keeps whole (`data_parallel.zero_axis`)."""
+    def axis(names):
+        found = data_parallel.zero_axis(names)
+        return -1 if found is None else found
+    return jax.tree.map(axis, llama.param_logical_axes(cfg), is_leaf=_is_names)
 
 
 def _over_dp(body: Callable, cfg: LlamaConfig, tree: Any) -> Any:
@@ -70,6 +75,8 @@ def shard(stacked: Any, cfg: LlamaConfig, size: int) -> Any:
         me = lax.axis_index(DP) % size
 
         def one(x, axis):
+            if axis < 0:  # whole on every replica
+                return x
             width = x.shape[axis + 1] // size
             return lax.dynamic_slice_in_dim(x, me * width, width, axis + 1)
         return jax.tree.map(one, tree, embed_axes(cfg))
@@ -79,13 +86,17 @@ def shard(stacked: Any, cfg: LlamaConfig, size: int) -> Any:
 def gather(chunks: Any, cfg: LlamaConfig, size: int) -> Any:
     """The group's whole copy on each of its replicas, from their chunks (the ring's all-gather)."""
     def body(tree):
-        return jax.tree.map(lambda x, axis: groups.group_gather(x[0], size, axis)[None], tree, embed_axes(cfg))
+        return jax.tree.map(lambda x, axis: x if axis < 0 else groups.group_gather(x[0], size, axis)[None], tree,
+                            embed_axes(cfg))
     return _over_dp(body, cfg, chunks)
 
 
-def group_norms(grads: Any, size: int) -> jax.Array:
-    """[replicas]: the global norm of each replica's group gradient, from the chunks' squared norms."""
-    squares = overlap.waits(jax.vmap(lambda g: optax.tree.norm(g, squared=True))(grads))
+def group_norms(grads: Any, size: int, cfg: LlamaConfig) -> jax.Array:
+    """[replicas]: the global norm of each replica's group gradient, from the chunks' squared norms (a leaf kept
+    whole is on each of the group's replicas: counted once)."""
+    axes = embed_axes(cfg)
+    kept = jax.tree.map(lambda g, axis: g / math.sqrt(size) if axis < 0 else g, grads, axes)
+    squares = overlap.waits(jax.vmap(lambda g: optax.tree.norm(g, squared=True))(kept))
     total = jnp.sum(squares.reshape(-1, size), axis=1)
     return jnp.repeat(jnp.sqrt(total), size)
 
@@ -111,7 +122,7 @@ def inner_step(diloco: Any, local: Any, batch: Any) -> tuple[Any, jax.Array, jax
     whole = local["params"] if zero < 3 else gather(local["params"], cfg, size)
     loss, grads = diloco.strategy.per_replica_loss_and_grads(whole, batch, size, scatter=True)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    norms = group_norms(grads, size)
+    norms = group_norms(grads, size, cfg)
     if diloco.tc.grad_clip > 0:  # the inner optimizer's own clip node is an identity (`optim.make_optimizer`)
         grads = clip(grads, norms, diloco.tc.grad_clip)
     mine = shard(local["params"], cfg, size) if zero < 3 else local["params"]
