@@ -17,9 +17,10 @@ Three measurements, each a JSON line:
   time      median step time of each routing over --steps steps on each --time_layouts layout
             (random tokens); `dense` under expert parallelism is the padded [E, n, D] exchange that
             dropless ran before it went ragged.
-  gpu       (--gpu) compiled for 8 compile-only H100s at dp 8: ragged all-to-alls per step, and the
-            experts' GEMM FLOPs read from the optimized HLO against the routed rows' FLOPs, for the
-            uncapped receive buffer and for each --receive_factors cap.
+  gpu       (--gpu) compiled for 8 compile-only H100s at dp 8, for the uncapped receive buffer and each
+            --receive_factors cap, with tokamax's grouped kernels and (--kernel xla, one process each:
+            the choice is cached) XLA's own ragged_dot: ragged all-to-alls and grouped kernels per step,
+            the GEMM FLOPs XLA computes for the experts against the routed rows' FLOPs, temporaries.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def step_time(config: str, layout: str, routing: str, factor: float, steps: int,
             "median_step_ms": round(1000 * statistics.median(times[2:]), 1), "steps": steps}
 
 
-def gpu_flops(config: str, receive_factor: str, overrides: list[str]) -> dict:
+def gpu_flops(config: str, receive_factor: str, kernel: str, overrides: list[str]) -> dict:
+    from models import grouped_gemm
     from pjax.config_io import load_config
     from pjax.observe.hlo_flops import scoped_gemm_flops
     from pjax.plan import gpu_target
@@ -108,6 +110,8 @@ def gpu_flops(config: str, receive_factor: str, overrides: list[str]) -> dict:
     from pjax.plan.layouts import Layout
     from pjax.plan.profiles import PROFILES
 
+    if kernel == "xla":  # XLA:GPU's own ragged_dot, for comparison: as if tokamax were not installed
+        grouped_gemm._tokamax = lambda: None
     cap = [] if receive_factor == "null" else [f"moe.receive_factor={receive_factor}"]
     cfg = load_config(config, ["precision.preset=bf16", *cap, *overrides])
     profile = gpu_target.planned_profile(PROFILES["h100"], "gpu")
@@ -116,9 +120,11 @@ def gpu_flops(config: str, receive_factor: str, overrides: list[str]) -> dict:
     routed = 9 * mc.num_hidden_layers * tc.batch_size * tc.seq_len // 8 * mc.num_experts_per_tok \
         * 2 * mc.hidden_size * mc.intermediate_size  # 3 GEMMs x (forward + 2 backward) per routed row
     experts = scoped_gemm_flops(text, "experts") - scoped_gemm_flops(text, "router")
-    return {"kind": "gpu", "config": config, "layout": "dp8", "receive_factor": receive_factor,
-            "ragged_all_to_alls": text.count("ragged-all-to-all-start("), "expert_gemm_flops": experts,
-            "routed_flops": routed, "ratio": round(experts / routed, 3)}
+    return {"kind": "gpu", "config": config, "overrides": overrides, "layout": "dp8", "kernel": kernel,
+            "receive_factor": receive_factor, "ragged_all_to_alls": text.count("ragged-all-to-all-start("),
+            "grouped_kernels": text.count('custom_call_target="mosaic_gpu'), "xla_expert_gemm_flops": experts,
+            "routed_flops": routed, "xla_ratio": round(experts / routed, 3),
+            "temp_mib": round(step.memory_analysis().temp_size_in_bytes / 2 ** 20, 1)}
 
 
 def plot(results: list[dict], out_dir: str) -> None:
@@ -149,6 +155,7 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="a folder for moe_drops.png")
     ap.add_argument("--gpu", action="store_true", help="only the compile-only H100 measurement")
     ap.add_argument("--receive_factors", default="null,1.0,1.25")
+    ap.add_argument("--kernel", default="tokamax", choices=("tokamax", "xla"))
     ap.add_argument("--only_time", action="store_true", help="only the step times")
     ap.add_argument("overrides", nargs="*", default=[])
     args = ap.parse_args()
@@ -161,7 +168,8 @@ def main() -> None:
     if args.only_time:
         jobs = jobs[-3 * len(args.time_layouts.split(",")):]
     if args.gpu:
-        jobs = [lambda f=f: gpu_flops(args.config, f, args.overrides) for f in args.receive_factors.split(",")]
+        jobs = [lambda f=f: gpu_flops(args.config, f, args.kernel, args.overrides)
+                for f in args.receive_factors.split(",")]
     results = []
     for job in jobs:
         try:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Any, Iterator
 
 import jax
 
 from mesh.scoped import scoped
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("pjax_target_backend", default=None)
+_DEVICE: contextvars.ContextVar[Any] = contextvars.ContextVar("pjax_target_device", default=None)
 
 
 def target_backend() -> str:
@@ -21,6 +23,21 @@ def target_backend() -> str:
     return _TARGET.get() or jax.default_backend()
 
 
-def building_for(backend: str) -> contextlib.AbstractContextManager[None]:
-    """Trace the step inside this block as it is traced on `backend`."""
-    return scoped(_TARGET, backend)
+@contextlib.contextmanager
+def building_for(backend: str, device: Any = None) -> Iterator[None]:
+    """Trace the step inside this block as it is traced on `backend`; `device`: one of the compile-only devices
+    it is built for (`target_device`)."""
+    with scoped(_TARGET, backend), scoped(_DEVICE, device):
+        yield
+
+
+def target_device() -> Any:
+    """A device of the compile-only target `building_for` named, else None (JAX's own devices)."""
+    return _DEVICE.get()
+
+
+def on_target() -> contextlib.AbstractContextManager[Any]:
+    """JAX's default device is the compile-only target's inside this block: a kernel library that asks the default
+    device what it runs on (tokamax) lowers for the target. No eager work may run in it (nothing can run there)."""
+    device = _DEVICE.get()
+    return jax.default_device(device) if device is not None else contextlib.nullcontext()

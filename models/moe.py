@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, PP, current
 from mesh.rules import logical_to_spec
+from models import grouped_gemm
 from models.ragged_dispatch import ragged_experts, receive_rows
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -24,10 +25,11 @@ F32 = jnp.float32
 
 
 class Gemms(NamedTuple):
-    """The experts' matmuls: plain, or fp8's (`models.fp8.einsum`, `models.fp8.ragged_dot`: `precision.fp8`)."""
+    """The experts' matmuls: plain (the grouped GEMM: tokamax's kernel on GPUs, `models/grouped_gemm.py`), or
+    fp8's (`models.fp8.einsum`, `models.fp8.ragged_dot`: `precision.fp8`)."""
 
     einsum: Callable = jnp.einsum
-    ragged_dot: Callable = lax.ragged_dot
+    ragged_dot: Callable = grouped_gemm.ragged_dot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
     count = layout.dp * layout.pp * layout.cp * layout.tp
     mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
     build = lambda tc: trainer_for(mesh, cfg, tc)  # every section: precision, meta, DiLoCo, compression
-    with building_for(backend), persistent_cache(backend == "cpu"):
+    with building_for(backend, mesh.devices.flat[0]), persistent_cache(backend == "cpu"):
         trainer, compiled, _ = compile_step(build(cfg.train), build)  # chunked where cuDNN's does not compile
     return dataclasses.replace(cfg, train=trainer.tc), trainer, compiled
 
