@@ -119,11 +119,13 @@ def gpu_flops(config: str, receive_factor: str, kernel: str, overrides: list[str
     text, mc, tc = step.as_text(), cfg.model, cfg.train
     routed = 9 * mc.num_hidden_layers * tc.batch_size * tc.seq_len // 8 * mc.num_experts_per_tok \
         * 2 * mc.hidden_size * mc.intermediate_size  # 3 GEMMs x (forward + 2 backward) per routed row
-    experts = scoped_gemm_flops(text, "experts") - scoped_gemm_flops(text, "router")
+    router = scoped_gemm_flops(text, "router")
+    experts = scoped_gemm_flops(text, "experts", grouped=False) - router  # XLA's own GEMMs
+    bound = scoped_gemm_flops(text, "experts") - router - experts  # the grouped kernels', at their buffers' rows
     return {"kind": "gpu", "config": config, "overrides": overrides, "layout": "dp8", "kernel": kernel,
             "receive_factor": receive_factor, "ragged_all_to_alls": text.count("ragged-all-to-all-start("),
             "grouped_kernels": text.count('custom_call_target="mosaic_gpu'), "xla_expert_gemm_flops": experts,
-            "routed_flops": routed, "xla_ratio": round(experts / routed, 3),
+            "routed_flops": routed, "xla_ratio": round(experts / routed, 3), "kernel_bound_ratio": round(bound / routed, 3),
             "temp_mib": round(step.memory_analysis().temp_size_in_bytes / 2 ** 20, 1)}
 
 

@@ -23,6 +23,9 @@ _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _GEMM_BATCH = re.compile(r'"lhs_batch_dimensions":\[([^\]]*)\]')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)')
 _FUSED_ATTENTION = 'custom_call_target="__cudnn$fmha'  # cuDNN's fused attention: its FLOPs are in no dot
+_GROUPED = re.compile(r'custom_call_target="mosaic_gpu')  # a Pallas Mosaic GPU kernel: tokamax's grouped GEMM
+GROUPED = "[grouped GEMM kernel]"  # what `gemm_sites` and `gemm_census`'s callers see after such a kernel's op name
+_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}, api_version")
 
 Product = tuple[int, int, int]  # (rows, contraction, columns); a batched product's batch is in its rows
 
@@ -37,8 +40,21 @@ def _indices(match: re.Match | None) -> list[int]:
     return [int(i.strip('" ')) for i in match.group(1).split(",") if i.strip('" ')] if match else []
 
 
+def _grouped(result: str, rest: str) -> Product | None:
+    """A tokamax grouped GEMM's (rows, contraction, columns), from its first floating-point operand [rows,
+    contraction] and its output's last dimension (forward, dX and dW alike). It computes the routed rows at run
+    time; its buffer's rows, counted here, bound them."""
+    operands = _CONSTRAINTS.search(rest)
+    shapes = _SHAPE.finditer(operands.group(1) if operands else "")
+    floats = [[int(d) for d in m.group(2).split(",") if d] for m in shapes if m.group(1) in ("bf16", "f16", "f32")]
+    out = _dims(result)
+    return (*floats[0], out[-1]) if floats and len(floats[0]) == 2 and out else None
+
+
 def _product(result: str, opcode: str, rest: str, shapes: dict[str, str]) -> Product | None:
-    """A dot's or a cuBLAS GEMM call's (rows, contraction, columns); None for anything else."""
+    """A dot's, a cuBLAS GEMM call's or a grouped GEMM kernel's (rows, contraction, columns); None for anything else."""
+    if opcode == "custom-call" and _GROUPED.search(rest) and "RaggedDot" in rest:
+        return _grouped(result, rest)
     if opcode == "dot":
         contracting, batch = _DOT_DIMS.search(rest), _DOT_BATCH.search(rest)
     elif opcode == "custom-call" and _GEMM.search(rest):
@@ -121,7 +137,10 @@ def _gemm_kinds(hlo_text: str, on_gemm: Callable[[str, str, Product, str], None]
             kinds = sorted({_kind(m.group(1)) for o in operands if (m := _SHAPE.search(shapes.get(o, "")))},
                            key=kind_order)
             op_name = re.search(r'op_name="([^"]*)"', rest)
-            on_gemm(comp, kinds[-1] if kinds else "?", product, op_name.group(1) if op_name else "")
+            op_name = op_name.group(1) if op_name else ""
+            if _GROUPED.search(rest):  # its first operands are the groups' integer metadata: its output's dtype
+                kinds, op_name = [_kind(_SHAPE.search(result).group(1))], op_name + " " + GROUPED
+            on_gemm(comp, kinds[-1] if kinds else "?", product, op_name)
 
     return walk(hlo_text, visit)
 
@@ -141,12 +160,14 @@ def gemm_census(hlo_text: str) -> dict[str, dict[str, float]]:
     return census
 
 
-def scoped_gemm_flops(hlo_text: str, scope: str) -> float:
+def scoped_gemm_flops(hlo_text: str, scope: str, grouped: bool = True) -> float:
     """FLOPs per run of the program of the matmuls traced under the named scope `scope` (their op names hold
-    `/scope/`), each counted as often as the loops around it run."""
+    `/scope/`), each counted as often as the loops around it run; `grouped=False` leaves out the grouped GEMM
+    kernels (counted at their buffers' rows: `_grouped`)."""
     own: dict[str, list[Product]] = collections.defaultdict(list)
+    keep = lambda op_name: f"/{scope}/" in op_name and (grouped or GROUPED not in op_name)  # noqa: E731
     runs = _gemm_kinds(hlo_text, lambda comp, kind, product, op_name: own[comp].append(product)
-                       if f"/{scope}/" in op_name else None)
+                       if keep(op_name) else None)
     return sum(2.0 * m * k * n * times for comp, times in runs.items() for m, k, n in own.get(comp, []))
 
 
