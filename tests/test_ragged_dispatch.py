@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from mesh import MeshConfig, make_mesh
 from models import moe, ragged_dispatch as rd
+from test_moe import N, layer  # the same small layer
 
-N, D, F, E, K = 32, 16, 24, 8, 2  # tokens (all devices), hidden, expert width, experts, top-k
+E, K = 8, 2  # experts, top-k (N tokens over all devices, and the layer: test_moe's)
 
 
 def stand_in(n: int, max_send: int):
@@ -104,20 +105,10 @@ def test_the_receive_bound_never_drops_and_its_cap_is_a_share():
     assert rd.receive_rows(16, 2, 4, 100.0) == 128  # never past the bound
 
 
-def layer_inputs(experts: int = E):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, D)).astype(np.float32)
-    p = {"router": rng.normal(size=(D, experts)).astype(np.float32),
-         "w_gate": (0.3 * rng.normal(size=(experts, D, F))).astype(np.float32),
-         "w_up": (0.3 * rng.normal(size=(experts, D, F))).astype(np.float32),
-         "w_down": (0.3 * rng.normal(size=(experts, F, D))).astype(np.float32)}
-    return x, p
-
-
 def test_fine_grained_experts_over_8_devices_equal_the_dense_reference():
     """64 experts, top-8, 8 per device: each device's runs hold several local experts, some of them empty. The
     output and every gradient equal one device's dense reference, without the top-k renormalisation too."""
-    x, p = layer_inputs(64)
+    x, p = layer(64)
 
     def grads(routing, dp, normalize):
         def f(x, p):
@@ -137,7 +128,7 @@ def test_fine_grained_experts_over_8_devices_equal_the_dense_reference():
 
 @functools.cache
 def capped_layer(dp: int, factor: float):
-    x, p = layer_inputs()
+    x, p = layer(E)
     run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=K, config=moe.MoeConfig(receive_factor=factor)))
     with jax.set_mesh(make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])):
         y, stats = run(x, p)
@@ -147,7 +138,7 @@ def capped_layer(dp: int, factor: float):
 def kept_by_rule(dp: int, factor: float) -> np.ndarray:
     """[N, K] which assignments the receive rule keeps: each device's tokens are a block of N/dp; a device's
     assignments go sorted by expert (ties in token, then choice, order)."""
-    x, p = layer_inputs()
+    x, p = layer(E)
     _, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), K)
     experts = np.asarray(experts).reshape(dp, N // dp * K)
     counts = np.stack([np.bincount(e, minlength=E) for e in experts])
@@ -168,7 +159,7 @@ def test_a_capped_receive_buffer_drops_exactly_what_the_rule_cuts(dp, factor):
     and `dropped` counts them."""
     kept = kept_by_rule(dp, factor)
     y, dropped = capped_layer(dp, factor)
-    x, p = layer_inputs()
+    x, p = layer(E)
     weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), K)
     want = np.asarray(jax.jit(moe.dense_experts)(jnp.asarray(x), weights * kept, experts,
                                                   {k: jnp.asarray(v) for k, v in p.items() if k != "router"}))
