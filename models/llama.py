@@ -71,28 +71,14 @@ class DecoderLayer(nn.Module):
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
         p = self.precision
         attn, mlp = (lambda w: w.astype(p.attention)), (lambda w: w.astype(p.mlp))
-        b, t = positions.shape
         sp = seqpar.active(self.sequence_parallel)
         column, row = self._projections(sp, taps)
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
-        # q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`.
         y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps, p.norms), "attn_norm").astype(p.attention)
-        q, k, v = column(y, [attn(w).reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
-        if biases:
-            q, k, v = (a + attn(bias).reshape(-1) for a, bias in zip((q, k, v), biases))
-        q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
-        q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
-        if qk_norms:  # Qwen3: each head of q and k normalised before RoPE
-            q, k = (rms_norm(a, scale, c.rms_norm_eps, p.norms) for a, scale in zip((q, k), qk_norms))
-        q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
-        k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
-        q, k = rope(q, tables), rope(k, tables)
-        with jax.named_scope("attention"):
-            o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
-        o = checkpoint_name(o.reshape(o.shape[0], -1), "attn_out")
-        o = checkpoint_name(row(o, attn(wo).reshape(-1, wo.shape[-1]), "o"), "o_proj")
+        o = self._attention(y, [attn(w) for w in (wq, wk, wv, wo, *biases)], [attn(w) for w in qk_norms],
+                            positions, tables, column, row)
         x = x + constrain(o.astype(x.dtype), residual)
 
         y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps, p.norms), "mlp_norm").astype(p.mlp)
@@ -106,13 +92,8 @@ class DecoderLayer(nn.Module):
                 return x, None
             always = 0 if not shared else constrain(
                 self._shared_expert(y, [mlp(w) for w in shared], sp).astype(x.dtype), residual)
-            # Under sequence parallelism the experts see every token of the (dp, cp) block.
-            y = constrain(y, ("tokens", "embed"))
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
-            gemms = Gemms(fp8.einsum, fp8.ragged_dot) if p.fp8 else Gemms()
-            with jax.named_scope("experts"):
-                down, stats = moe_mlp(y, weights, gemms=gemms, top_k=c.num_experts_per_tok, config=self.moe,
-                                      normalize=c.norm_topk_prob)
+            down, stats = self._experts(y, weights)
             return x + constrain(down.astype(x.dtype), residual) + always, stats
         gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
@@ -120,6 +101,37 @@ class DecoderLayer(nn.Module):
         down = row(gated, mlp(w_down), "down")
         return x + constrain(down.astype(x.dtype), residual), None
 
+
+    def _attention(self, y: jax.Array, weights: list[jax.Array], qk_norms: list[jax.Array], positions: jax.Array,
+                   tables: tuple[jax.Array, jax.Array], column: Callable, row: Callable) -> jax.Array:
+        """Self-attention on the normed residual y [N, D]; `weights`: wq, wk, wv, wo (and Qwen2's q/k/v biases), in
+        the attention dtype. q/k/v column-parallel, o row-parallel: XLA inserts the all-reduce after `wo`."""
+        c, p = self.cfg, self.precision
+        (b, t), dh = positions.shape, c.head_dim
+        wq, wk, wv, wo, *biases = weights
+        q, k, v = column(y, [w.reshape(w.shape[0], -1) for w in (wq, wk, wv)], "qkv")
+        if biases:
+            q, k, v = (a + bias.reshape(-1) for a, bias in zip((q, k, v), biases))
+        q, k, v = (checkpoint_name(a, name) for a, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
+        q, k, v = (unflatten_tokens(a.reshape(a.shape[0], -1, dh), b, t) for a in (q, k, v))
+        if qk_norms:  # Qwen3: each head of q and k normalised before RoPE
+            q, k = (rms_norm(a, scale, c.rms_norm_eps, p.norms) for a, scale in zip((q, k), qk_norms))
+        q = constrain(q, ("batch", "sequence", "heads", "head_dim"))
+        k = constrain(k, ("batch", "sequence", "kv_heads", "head_dim"))
+        q, k = rope(q, tables), rope(k, tables)
+        with jax.named_scope("attention"):
+            o = flatten_tokens(self.attention_fn(q, k, v, positions, positions))
+        o = checkpoint_name(o.reshape(o.shape[0], -1), "attn_out")
+        return checkpoint_name(row(o, wo.reshape(-1, wo.shape[-1]), "o"), "o_proj")
+
+    def _experts(self, y: jax.Array, weights: dict[str, jax.Array]) -> tuple[jax.Array, RouterStats]:
+        """The routed experts on the normed residual y, which under sequence parallelism they see whole per (dp, cp)
+        block: (their output [N, D], the router's statistics)."""
+        c = self.cfg
+        gemms = Gemms(fp8.einsum, fp8.ragged_dot) if self.precision.fp8 else Gemms()
+        with jax.named_scope("experts"):
+            return moe_mlp(constrain(y, ("tokens", "embed")), weights, gemms=gemms, top_k=c.num_experts_per_tok,
+                           config=self.moe, normalize=c.norm_topk_prob)
 
     def _shared_expert(self, y: jax.Array, weights: list[jax.Array], sp: bool) -> jax.Array:
         """Qwen2-MoE's shared expert on the normed residual y: an MLP every token runs, times a sigmoid gate of y,
