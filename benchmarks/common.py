@@ -54,7 +54,7 @@ def layout_config(config: str, layout: str, overrides: list[str], devices: Any =
     sizes, extra = parse_layout(layout)
     cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
     n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
-    return cfg, make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices)
+    return cfg, make_mesh(cfg.mesh, jax.devices()[:n] if devices is None else devices, cfg.model.num_local_experts)
 
 
 def compile_step(config: str, layout: str, overrides: list[str], devices: Any = None) -> dict[str, Any]:
@@ -103,4 +103,4 @@ def trainer_for(config: str, overrides: list[str]) -> tuple[Any, Any]:
 
     cfg = load_config(config, overrides)
     n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    return cfg, step.trainer_for(make_mesh(cfg.mesh, jax.devices()[:n]), cfg)
+    return cfg, step.trainer_for(make_mesh(cfg.mesh, jax.devices()[:n], cfg.model.num_local_experts), cfg)

@@ -47,7 +47,7 @@ def build(config: str, layout: str, routing: str, factor: float, overrides: list
     sizes, extra = parse_layout(layout)
     cfg = load_config(config, [f"mesh.{k}={v}" for k, v in sizes.items()] + extra + list(overrides))
     n = sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"]
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n], cfg.model.num_local_experts)
     return cfg, build_trainer(mesh, cfg.model, cfg.train, cfg.pipeline, MoeConfig(routing, factor, cfg.moe.receive_factor))
 
 

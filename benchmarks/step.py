@@ -21,6 +21,7 @@ import sys
 import time
 
 from common import compile_step, random_batch, use_layout_devices
+from mesh.mesh import data_size
 from pjax.malloc import huge_pages_env
 
 
@@ -42,7 +43,7 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     n_dev = mesh.devices.size
     param_bytes = 4 * mc.num_params
     # Analytic per-device state: params + grads + 2 Adam moments (fp32), each split as the layout splits them.
-    p_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 3 else 1)
+    p_split = mesh.shape["tp"] * mesh.shape["pp"] * (data_size(mesh) if tc.zero >= 3 else 1)
     m_split = mesh.shape["tp"] * mesh.shape["pp"] * (mesh.shape["dp"] if tc.zero >= 1 else 1)
     analytic = param_bytes / p_split * 2 + 2 * param_bytes / m_split
     result = {

@@ -1,4 +1,6 @@
-"""The 4D device mesh, axes outermost to innermost: tp talks every layer (fastest links), dp once per step (slowest)."""
+"""The 4D device mesh, axes outermost to innermost: tp talks every layer (fastest links), dp once per step (slowest).
+Data parallelism is two physical axes: `ep`, the devices that split an MoE's experts among them, inside `dp`, the
+replicas of such a group (ARCHITECTURE.md, "Experts over ep, a split of dp")."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +12,18 @@ from jax.sharding import AxisType, Mesh
 
 from mesh.errors import ConfigError
 
-DP = "dp"  # and ZeRO / FSDP
+DP = "dp"  # the replicas of an expert group (all of data parallelism for a dense model)
+EP = "ep"  # the devices of an expert group: they hold different tokens and different experts
 PP = "pp"
 CP = "cp"
 TP = "tp"
-AXES: tuple[str, ...] = (DP, PP, CP, TP)
+AXES: tuple[str, ...] = (DP, EP, PP, CP, TP)
+DATA: tuple[str, ...] = (DP, EP)  # data parallelism and ZeRO span both
+
+
+def data_size(mesh) -> int:
+    """How many data-parallel replicas a mesh (or abstract mesh) has: dp x ep."""
+    return 1 if mesh.empty else mesh.shape.get(DP, 1) * mesh.shape.get(EP, 1)
 
 
 def current() -> jax.sharding.AbstractMesh:
@@ -25,15 +34,21 @@ def current() -> jax.sharding.AbstractMesh:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes. `dp=-1` means "every device the other axes leave"."""
+    """Sizes of the four mesh axes, and `ep`, how many of the dp devices split the experts (it divides dp).
+    `dp=-1` means "every device the other axes leave"; `ep=0`, "as many as the model's experts allow"
+    (`with_experts`)."""
 
     dp: int = -1
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 0
 
     def __post_init__(self) -> None:
-        for name in AXES:
+        if not isinstance(self.ep, int) or self.ep < 0:
+            raise ConfigError(f"mesh.ep={self.ep!r} is invalid: use a positive integer that divides mesh.dp, "
+                              f"or 0 (as many as the experts allow).")
+        for name in (DP, PP, CP, TP):
             size = getattr(self, name)
             if not isinstance(size, int) or size == 0 or size < -1 or (size == -1 and name != DP):
                 allowed = "a positive integer or -1 (fill the remaining devices)" if name == DP else "a positive integer"
@@ -48,37 +63,51 @@ class MeshConfig:
                     f"mesh.pp*mesh.cp*mesh.tp = {self.pp}*{self.cp}*{self.tp} = {rest} does not divide the "
                     f"{num_devices} available devices; choose sizes whose product divides {num_devices}."
                 )
-            return dataclasses.replace(self, dp=num_devices // rest)
+            return dataclasses.replace(self, dp=num_devices // rest).resolve(num_devices)
         if self.dp * rest != num_devices:
             raise ConfigError(
                 f"mesh dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {self.dp * rest} but "
                 f"{num_devices} devices are available; make the product equal {num_devices} (or set mesh.dp=-1)."
             )
+        if self.ep and self.dp % self.ep:
+            raise ConfigError(f"mesh.ep={self.ep} does not divide mesh.dp={self.dp}: the experts are split over ep "
+                              f"of the dp devices and copied over the rest; choose an ep that divides dp.")
         return self
+
+    def with_experts(self, num_experts: int) -> "MeshConfig":
+        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide
+        (all of dp where they divide it, today's default; 1 for a dense model)."""
+        if self.ep or self.dp < 1 or not num_experts:
+            return self
+        return dataclasses.replace(self, ep=math.gcd(num_experts, self.dp))
 
     @classmethod
     def of(cls, mesh: Mesh) -> "MeshConfig":
         """The sizes of a built mesh."""
-        return cls(**{name: mesh.shape[name] for name in AXES})
+        return cls(dp=data_size(mesh), ep=mesh.shape[EP], **{name: mesh.shape[name] for name in (PP, CP, TP)})
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.dp, self.pp, self.cp, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The physical axes' sizes, in `AXES` order (an unset ep counts as 1)."""
+        ep = self.ep or 1
+        return (self.dp // ep, ep, self.pp, self.cp, self.tp)
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The mesh over `devices` (default: all), every axis Auto (ARCHITECTURE.md, "Auto mesh axes, not Explicit")."""
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, num_experts: int = 0) -> Mesh:
+    """The mesh over `devices` (default: all), every axis Auto (ARCHITECTURE.md, "Auto mesh axes, not Explicit");
+    an unset ep is filled in for a model of `num_experts` experts (`MeshConfig.with_experts`)."""
     devices = list(jax.devices() if devices is None else devices)
-    cfg = cfg.resolve(len(devices))
+    cfg = cfg.resolve(len(devices)).with_experts(num_experts)
     return jax.make_mesh(cfg.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def mesh_summary(mesh: Mesh) -> str:
-    """One line such as 'mesh dp=2 pp=1 cp=1 tp=4 over 8 cpu devices'."""
-    sizes = " ".join(f"{name}={mesh.shape[name]}" for name in AXES)
+    """One line such as 'mesh dp=2 pp=1 cp=1 tp=4 over 8 cpu devices' (dp all data replicas; ep shown when > 1)."""
+    ep = f" (ep={mesh.shape[EP]})" if mesh.shape[EP] > 1 else ""
+    sizes = f"dp={data_size(mesh)}{ep} " + " ".join(f"{name}={mesh.shape[name]}" for name in (PP, CP, TP))
     platform = mesh.devices.flat[0].platform
     return f"mesh {sizes} over {mesh.devices.size} {platform} devices"

@@ -7,15 +7,15 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from mesh.mesh import CP, DP, PP, TP, current
+from mesh.mesh import CP, DATA, EP, PP, TP, current
 
 # Megatron's column/row/vocab-parallel TP falls out of splitting 'heads', 'kv_heads', 'mlp', 'vocab'.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": DP,
+    "batch": DATA,
     "sequence": CP,
-    "tokens": (DP, CP),
+    "tokens": (*DATA, CP),
     # Sequence parallelism: tp inside each (dp, cp) block, so a gather over tp gives back 'tokens'.
-    "sp_tokens": (DP, CP, TP),
+    "sp_tokens": (*DATA, CP, TP),
     # The tp part of a (dp, cp) block's tokens, as its own dimension (the chunked loss's blocks under SP).
     "sp_part": TP,
     "embed": None,
@@ -25,11 +25,11 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": TP,
     "vocab": TP,
     "layers": None,
-    "experts": DP,
+    "experts": EP,  # copied over dp's replicas of the expert group
 }
 
-# ZeRO: every LLaMA weight has exactly one 'embed' dimension, so one rule shards them all over dp.
-FSDP_OVERRIDES: dict[str, str | None] = {"embed": DP}
+# ZeRO: every LLaMA weight has exactly one 'embed' dimension, so one rule shards them all over dp (dp x ep).
+FSDP_OVERRIDES: dict[str, str | tuple[str, ...] | None] = {"embed": DATA}
 PIPELINE_OVERRIDES: dict[str, str | None] = {"layers": PP}
 
 
@@ -61,6 +61,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     return jax.lax.with_sharding_constraint(x, P(*(keep(e) for e in logical_to_spec(names))))
+
+
+def rows_axes(axes: Sequence[str]) -> tuple[str, ...] | None:
+    """Those of `axes` that split a batch's rows (dp, ep), as one spec or collective axis (None if neither)."""
+    return tuple(a for a in DATA if a in axes) or None
 
 
 def auto_size(mesh, axis: str) -> int:
@@ -118,7 +123,7 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
     devices (ARCHITECTURE.md, "Block-order token flattening")."""
     b, t, *rest = x.shape
     mesh = current()
-    dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
+    dp, cp = auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1]), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b * t, *rest)
     x = x.reshape(dp, b // dp, cp, t // cp, *rest).swapaxes(1, 2)
@@ -129,7 +134,7 @@ def unflatten_tokens(x: jax.Array, b: int, t: int) -> jax.Array:
     """The inverse of `flatten_tokens`: [B*T, ...] -> [B, T, ...]."""
     rest = x.shape[1:]
     mesh = current()
-    dp, cp = auto_size(mesh, DP), auto_size(mesh, CP)
+    dp, cp = auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1]), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b, t, *rest)
     x = x.reshape(dp, cp, b // dp, t // cp, *rest).swapaxes(1, 2)

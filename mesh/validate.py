@@ -9,7 +9,7 @@ from mesh.mesh import MeshConfig
 def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
                    hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0,
                    vocab_multiple: int = 1, num_experts: int = 0) -> None:
-    """Check the tp split (heads, kv-heads, MLP, vocabulary padded to `vocab_multiple`), pp (layers), dp (experts)."""
+    """Check the tp split (heads, kv-heads, MLP, vocabulary padded to `vocab_multiple`), pp (layers), ep (experts)."""
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"model.num_attention_heads={num_heads} is not divisible by model.num_key_value_heads="
@@ -30,9 +30,13 @@ def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_
             f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp={mesh.pp}; "
             f"choose a pp that divides the number of layers."
         )
-    if num_experts and num_experts % mesh.dp:
-        raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={mesh.dp}; expert "
-                          f"parallelism gives each dp device the same number of experts: choose a dp that divides it.")
+    if mesh.ep > 1 and not num_experts:
+        raise ConfigError(f"mesh.ep={mesh.ep} splits a mixture of experts, but this model has none; "
+                          f"remove mesh.ep (or set it to 1).")
+    if num_experts and mesh.ep and num_experts % mesh.ep:
+        raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.ep={mesh.ep}; expert "
+                          f"parallelism gives each ep device the same number of experts: choose an ep that divides "
+                          f"both {num_experts} and mesh.dp={mesh.dp}.")
     if zero not in (0, 1, 3):
         raise ConfigError(f"train.zero={zero} is invalid; choose 0 (replicated), 1 (shard optimizer state) or 3 (FSDP).")
     if zero and mesh.dp > 1 and hidden_size % mesh.dp:
@@ -63,15 +67,11 @@ def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_le
 def fit_mesh(num_devices: int, devices_per_host: int, *, num_kv_heads: int, intermediate_size: int,
              padded_vocab_size: int, num_experts: int = 0) -> MeshConfig:
     """The mesh for a model given none: tp the largest divisor of the kv-heads (so the heads), MLP, padded vocabulary
-    and one host's devices (the fastest links), dp every device left. Experts split over dp, so dp divides them too:
-    the (dp, tp) using most devices (larger tp first), maybe some idle (6 experts, 2 kv-heads, 8 devices: dp=tp=2)."""
+    and one host's devices (the fastest links), dp every device left; experts split over the largest ep that
+    divides both them and dp (6 experts, 2 kv-heads, 8 devices: tp=2, dp=4, ep=2)."""
     def splits(t: int) -> bool:
         return not (num_kv_heads % t or devices_per_host % t or num_devices % t or intermediate_size % t
                     or padded_vocab_size % t)
 
-    def dp_for(t: int) -> int:
-        rest = num_devices // t
-        return max(d for d in range(1, rest + 1) if not rest % d and not (num_experts and num_experts % d))
-
-    tp = max(range(1, min(num_kv_heads, devices_per_host) + 1), key=lambda t: (splits(t) and dp_for(t) * t, t))
-    return MeshConfig(dp=dp_for(tp), tp=tp)
+    tp = max(t for t in range(1, min(num_kv_heads, devices_per_host) + 1) if splits(t))
+    return MeshConfig(dp=num_devices // tp, tp=tp).with_experts(num_experts)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.backend import target_backend
 from mesh.errors import ConfigError
-from mesh.mesh import DP, TP, current
+from mesh.mesh import DATA, TP, current
 from mesh.rules import vary
 from models.chunked_attention import chunked_causal_attention
 from models.cpu_attention import blocked_causal_attention
@@ -78,11 +78,11 @@ def manual_everywhere(attend: Callable[..., jax.Array]) -> Callable[..., jax.Arr
         return attend
     auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     # Every automatic axis is named, so q, k, v and all the kernel's residuals vary over each of them; the
-    # axes other than dp and tp are of size 1 wherever a region is manual (pp and cp make their own).
-    if any(mesh.shape[a] > 1 for a in auto if a not in (DP, TP)):
+    # axes other than dp (dp x ep) and tp are of size 1 wherever a region is manual (pp and cp make their own).
+    if any(mesh.shape[a] > 1 for a in auto if a not in (*DATA, TP)):
         return attend
-    rows = DP if DP in auto else None
-    spec = P(rows, None, tuple(a for a in auto if a != DP) or None, None)
+    rows = tuple(a for a in DATA if a in auto) or None
+    spec = P(rows, None, tuple(a for a in auto if a not in DATA) or None, None)
     per_device = P(auto)  # a device's own residual, stacked along a new leading axis
     pullback_tree = []
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mesh.mesh import DP, current
+from mesh.mesh import EP, current
 from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
 from models import deferred_grads, fp8
 from models import sequence_parallel as seqpar
@@ -63,8 +63,8 @@ class DecoderLayer(nn.Module):
         biases = [_param(self, name, (n, dh), (axis, "head_dim"), nn.initializers.zeros)  # Qwen2's q/k/v biases
                   for name, n, axis in (("bq", h, "heads"), ("bk", kv, "kv_heads"), ("bv", kv, "kv_heads"))
                   ] if c.qkv_bias else []
-        # MoE: in a shard_map manual over dp, this device's E/dp experts
-        e = (c.num_local_experts // manual_size(current(), DP),) if c.num_local_experts else ()
+        # MoE: in a shard_map manual over ep, this device's E/ep experts
+        e = (c.num_local_experts // manual_size(current(), EP),) if c.num_local_experts else ()
         experts = ("experts",) if e else ()
         w_gate = _param(self, "w_gate", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)

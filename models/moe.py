@@ -14,8 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP, current
-from mesh.rules import logical_to_spec
+from mesh.mesh import CP, DP, EP, PP, current
 from models import grouped_gemm
 from models.ragged_dispatch import ragged_experts, receive_rows
 
@@ -201,25 +200,26 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], router: Router, config: Mo
 
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeConfig = MoeConfig(),
             gemms: Gemms = Gemms(), normalize: bool = True) -> tuple[jax.Array, RouterStats]:
-    """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over dp when
-    dp > 1. Inside a shard_map manual over dp already, x and p are this device's."""
+    """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over ep when
+    ep > 1, copied over dp. Inside a shard_map manual over the data axes already, x and p are this device's."""
     router = Router(top_k, normalize)
     mesh = current()
-    dp = 1 if mesh.empty or DP not in mesh.shape else mesh.shape[DP]
-    num_experts = p["router"].shape[-1]
-    if dp == 1:
+    size = lambda a: 1 if mesh.empty else mesh.shape.get(a, 1)  # noqa: E731
+    if size(DP) * size(EP) == 1:
         return _local_moe(x, p, router, config, None, gemms=gemms)
-    if num_experts % dp:
-        raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.dp={dp}; expert "
-                          f"parallelism gives each dp device the same number of experts.")
+    num_experts = p["router"].shape[-1]
+    if num_experts % size(EP):
+        raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.ep={size(EP)}; expert "
+                          f"parallelism gives each ep device the same number of experts.")
     # Manual over cp too (experts are replicated over cp): no token dimension is left to the partitioner.
-    token_axes = (DP, CP) if mesh.shape.get(CP, 1) > 1 else (DP,)
-    local = lambda x, p: _local_moe(x, p, router, config, DP, token_axes, gemms)  # noqa: E731
-    if DP in mesh.manual_axes:
+    token_axes = tuple(a for a in (DP, EP, CP) if size(a) > 1)
+    axis = EP if size(EP) > 1 else None
+    local = lambda x, p: _local_moe(x, p, router, config, axis, token_axes, gemms)  # noqa: E731
+    if set(token_axes) & set(mesh.manual_axes):
         # A pipeline slot keeps the layer's input, not its dispatch buffers (ARCHITECTURE.md, "MoE in a pipeline").
         return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)
-    experts = logical_to_spec(("experts",))
-    specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
+    experts = P(EP) if axis else P()
+    specs = {name: experts if name.startswith("w_") else P() for name in p}
     sharded = _differentiated_inside if PP in mesh.manual_axes else _sharded
     return sharded(local, token_axes, specs)(x, p)
 

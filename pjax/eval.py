@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, MeshConfig, make_mesh
+from mesh.mesh import CP, DATA, MeshConfig, data_size, make_mesh
 from mesh.rules import flatten_tokens
 from mesh.validate import validate_batch
 from models import llama
@@ -128,12 +128,12 @@ def evaluate(params: Params, cfg: LlamaConfig, tokens: np.ndarray, mesh: Mesh, *
     """{loss, tokens, perplexity} of the model over the token stream (mean nats per predicted token)."""
     data = windows(tokens, seq_len)
     n = len(data["inputs"])
-    dp = mesh.shape[DP]
+    dp = data_size(mesh)
     rows = -(-min(batch_size, n) // dp) * dp
     validate_batch(MeshConfig.of(mesh), batch_size=rows, grad_accum=1, seq_len=seq_len)
     total = -(-n // rows) * rows
     data = {k: np.pad(v, ((0, total - n), (0, 0))) for k, v in data.items()}  # padded rows: weight 0
-    sharding = NamedSharding(mesh, P(DP, CP))
+    sharding = NamedSharding(mesh, P(DATA, CP))
     step = functools.partial(_batch_loss, spec=StepSpec(cfg, precision, select_attention(attention), scan=scan))
     sums = []
     with jax.set_mesh(mesh):
@@ -231,7 +231,8 @@ def _main(args: argparse.Namespace) -> None:
         if jax.process_index() == 0:
             print(describe(cfg.mesh, model))
     devices = _devices(n)
-    run(args, cfg, make_mesh(cfg.mesh, devices[:cfg.mesh.size] if cfg.mesh.dp > 0 else devices))
+    run(args, cfg, make_mesh(cfg.mesh, devices[:cfg.mesh.size] if cfg.mesh.dp > 0 else devices,
+                        cfg.model.num_local_experts))
 
 
 if __name__ == "__main__":

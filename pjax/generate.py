@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP
+from mesh.mesh import CP, DATA, data_size
 from mesh.rules import unflatten_tokens
 from models import llama
 from models.attention import select_attention
@@ -59,12 +59,12 @@ def generate(params: Params, cfg: LlamaConfig, prompt: Sequence[int], mesh: Mesh
         raise ConfigError(f"the prompt has {len(prompt)} tokens, at least the model's max_position_embeddings="
                           f"{limit}; shorten it.")
     stop = min(len(prompt) + max_new_tokens, limit)
-    dp, cp = mesh.shape[DP], mesh.shape[CP]
+    dp, cp = data_size(mesh), mesh.shape[CP]
     # One row per dp replica (the batch rule splits rows over dp) and a length cp divides; row 0 is read.
     length = -(-stop // cp) * cp
     tokens = np.zeros((dp, length), np.int32)
     tokens[:, :len(prompt)] = prompt
     with jax.set_mesh(mesh):
-        out = _greedy(params, put_rows(tokens, NamedSharding(mesh, P(DP, CP))), jnp.int32(len(prompt)),
+        out = _greedy(params, put_rows(tokens, NamedSharding(mesh, P(DATA, CP))), jnp.int32(len(prompt)),
                       jnp.int32(stop), spec=StepSpec(cfg, precision, select_attention(attention), scan=scan))
     return np.asarray(jax.device_get(out))[0, len(prompt):stop].tolist()

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.backend import on_target
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, MeshConfig, PP, current
+from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current
 from models import llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
@@ -197,7 +197,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
                                     tc.grad_compression) if compressed else None
     l_sharding = outer.local_shardings(mesh, inner, cfg, params_shape, tc) if tc.local_steps else None
     state_sharding = TrainState(NamedSharding(mesh, P()), p_sharding, o_sharding, r_sharding, l_sharding)
-    batch_sharding = NamedSharding(mesh, P(None, DP, CP))
+    batch_sharding = NamedSharding(mesh, P(None, DATA, CP))
 
     def init(rng: jax.Array) -> TrainState:
         params = llama.init_params(cfg, rng)

@@ -129,7 +129,7 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
 
     tc, mc = cfg.train, cfg.model
     _warn_if_longer_than_the_model(cfg)
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = make_mesh(cfg.mesh, devices, cfg.model.num_local_experts)
     build = lambda train: trainer_for(mesh, cfg, train)
     trainer = build(tc)
     _warn_if_zero_has_whole_groups(tc, mesh)

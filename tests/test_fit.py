@@ -33,17 +33,18 @@ def test_fit_mesh_picks_the_largest_kv_head_divisor_that_fits_a_host(kv_heads, d
 
 
 @pytest.mark.parametrize("kv_heads,experts,devices,per_host,want", [
-    (2, 8, 8, 8, MeshConfig(dp=4, tp=2)),  # mixtral-tiny: 2 experts per device
-    (8, 8, 8, 8, MeshConfig(dp=1, tp=8)),  # Mixtral-8x7B on one host
-    (8, 8, 64, 8, MeshConfig(dp=8, tp=8)),  # ... on 8 hosts
-    (2, 6, 8, 8, MeshConfig(dp=2, tp=2)),  # 6 experts: no dp of 4 divides them; 4 of 8 devices
-    (1, 6, 8, 8, MeshConfig(dp=2, tp=1)),
-    (2, 3, 8, 8, MeshConfig(dp=1, tp=2)),  # 3 experts: dp=1, the larger tp
+    (2, 8, 8, 8, MeshConfig(dp=4, tp=2, ep=4)),  # mixtral-tiny: 2 experts per device
+    (8, 8, 8, 8, MeshConfig(dp=1, tp=8, ep=1)),  # Mixtral-8x7B on one host
+    (8, 8, 64, 8, MeshConfig(dp=8, tp=8, ep=8)),  # ... on 8 hosts
+    (8, 8, 128, 8, MeshConfig(dp=16, tp=8, ep=8)),  # ... on 16: the experts copied over 2 replicas
+    (2, 6, 8, 8, MeshConfig(dp=4, tp=2, ep=2)),  # 6 experts: ep 2 divides both; every device used
+    (1, 6, 8, 8, MeshConfig(dp=8, tp=1, ep=2)),
+    (2, 3, 8, 8, MeshConfig(dp=4, tp=2, ep=1)),  # 3 experts: on every device
 ])
-def test_fit_mesh_splits_an_moe_model_s_experts_over_dp(kv_heads, experts, devices, per_host, want):
+def test_fit_mesh_splits_an_moe_model_s_experts_over_ep(kv_heads, experts, devices, per_host, want):
     mesh = fit_mesh(devices, per_host, num_kv_heads=kv_heads, intermediate_size=1536, padded_vocab_size=4096,
                     num_experts=experts)
-    assert mesh == want and experts % mesh.dp == 0
+    assert mesh == want and experts % mesh.ep == 0 and mesh.dp % mesh.ep == 0
 
 
 def test_named_keys_are_the_users_not_the_default_configs():

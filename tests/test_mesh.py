@@ -1,19 +1,38 @@
-"""The 4D mesh: axis order, dp=-1, logical rules, and every validation error's sentence."""
+"""The 4D mesh: axis order, ep inside dp, dp=-1, logical rules, and every validation error's sentence."""
 import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from mesh import AXES, ConfigError, MeshConfig, logical_to_spec, make_mesh, param_rules, validate_batch, validate_model
+from mesh import (AXES, ConfigError, MeshConfig, logical_to_spec, make_mesh, mesh_summary, param_rules, validate_batch,
+                  validate_model)
 
 
-def test_mesh_axes_are_dp_pp_cp_tp_with_tp_innermost():
+def test_mesh_axes_are_dp_ep_pp_cp_tp_with_tp_innermost():
     mesh = make_mesh(MeshConfig(dp=2, pp=1, cp=2, tp=2))
-    assert mesh.axis_names == AXES == ("dp", "pp", "cp", "tp")
-    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "cp": 2, "tp": 2}
+    assert mesh.axis_names == AXES == ("dp", "ep", "pp", "cp", "tp")
+    assert dict(mesh.shape) == {"dp": 2, "ep": 1, "pp": 1, "cp": 2, "tp": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     ids = [[d.id for d in row] for row in mesh.devices.reshape(-1, 2)]
     # tp innermost: devices that differ only in their tp coordinate are neighbours.
     assert ids[0] == [0, 1] and ids[1] == [2, 3]
+
+
+def test_ep_splits_dp_innermost_so_data_order_is_unchanged():
+    mesh = make_mesh(MeshConfig(dp=4, tp=2, ep=2))
+    assert dict(mesh.shape) == {"dp": 2, "ep": 2, "pp": 1, "cp": 1, "tp": 2}
+    # device d's data-replica index is dp * ep + its ep coordinate, as it was before ep split dp
+    ids = mesh.devices.reshape(4, 2)
+    assert [[d.id for d in row] for row in ids] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert MeshConfig.of(mesh) == MeshConfig(dp=4, tp=2, ep=2)
+    assert mesh_summary(mesh).startswith("mesh dp=4 (ep=2) pp=1 cp=1 tp=2")
+
+
+def test_ep_defaults_to_the_largest_split_the_experts_allow():
+    assert MeshConfig(dp=8).with_experts(8).ep == 8  # today's: every dp device its own experts
+    assert MeshConfig(dp=16, tp=8).with_experts(8).ep == 8  # Mixtral at 128 GPUs: copied over 2 replicas
+    assert MeshConfig(dp=8).with_experts(0).ep == 0  # dense: one expert group of one device
+    assert MeshConfig(dp=8, ep=2).with_experts(8).ep == 2  # a set ep is kept
+    assert dict(make_mesh(MeshConfig(dp=8), num_experts=6).shape)["ep"] == 2
 
 
 def test_dp_minus_one_fills_remaining_devices():
@@ -30,9 +49,10 @@ def test_subset_of_devices():
 def test_rules_map_logical_names_to_mesh_axes():
     assert logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tp", None)
     assert logical_to_spec(("vocab", "embed")) == P("tp", None)
-    assert logical_to_spec(("tokens", "embed")) == P(("dp", "cp"), None)
-    assert logical_to_spec(("batch", "sequence")) == P("dp", "cp")
-    assert logical_to_spec(("embed", "mlp"), param_rules(zero_sharded=True)) == P("dp", "tp")
+    assert logical_to_spec(("tokens", "embed")) == P(("dp", "ep", "cp"), None)
+    assert logical_to_spec(("batch", "sequence")) == P(("dp", "ep"), "cp")
+    assert logical_to_spec(("embed", "mlp"), param_rules(zero_sharded=True)) == P(("dp", "ep"), "tp")
+    assert logical_to_spec(("experts", "embed", "mlp")) == P("ep", None, "tp")
     with pytest.raises(KeyError, match="no rule"):
         logical_to_spec(("nonsense",))
 
@@ -73,6 +93,20 @@ def test_error_layers_not_divisible_by_pp():
 def test_error_hidden_not_divisible_by_dp_under_zero():
     with pytest.raises(ConfigError, match="model.hidden_size=256 is not divisible by mesh.dp=3"):
         validate_model(MeshConfig(dp=3), **MODEL, zero=3)
+
+
+def test_error_ep_that_does_not_divide_dp():
+    with pytest.raises(ConfigError, match="mesh.ep=3 does not divide mesh.dp=4"):
+        MeshConfig(dp=4, tp=2, ep=3).resolve(8)
+
+
+@pytest.mark.parametrize("experts,ep,match", [
+    (8, 3, "model.num_local_experts=8 is not divisible by mesh.ep=3"),
+    (0, 2, "mesh.ep=2 splits a mixture of experts, but this model has none"),
+])
+def test_error_ep_that_does_not_split_the_experts(experts, ep, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_model(MeshConfig(dp=6, ep=ep), **{**MODEL, "hidden_size": 240}, num_experts=experts)
 
 
 def test_error_bad_zero_level():

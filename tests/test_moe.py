@@ -43,7 +43,7 @@ def value_and_grads(num_experts: int, top_k: int, routing: str, capacity_factor:
         return jnp.sum(y * jnp.sin(y)), (y, stats)
 
     fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
-    mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
+    mesh = make_mesh(MeshConfig(dp=dp, tp=tp, ep=dp), jax.devices()[: dp * tp])
     with jax.set_mesh(mesh):
         (_, (y, stats)), grads = fn(x, p)
         hlo = fn.lower(x, p).compile().as_text()
@@ -121,16 +121,16 @@ def test_capacity_under_expert_parallelism_is_each_devices_own_queue():
     x, p = layer(8)
     run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=2, config=moe.MoeConfig("capacity", 1.0)))
     quarters = [run(x[i * N // 4:(i + 1) * N // 4], p) for i in range(4)]
-    with jax.set_mesh(make_mesh(MeshConfig(dp=4), jax.devices()[:4])):
+    with jax.set_mesh(make_mesh(MeshConfig(dp=4, ep=4), jax.devices()[:4])):
         y, stats = run(x, p)
     np.testing.assert_array_equal(np.asarray(y), np.concatenate([np.asarray(q[0]) for q in quarters]))
     assert float(stats.dropped) == sum(float(q[1].dropped) for q in quarters) > 0
 
 
-def test_experts_that_do_not_split_over_dp_and_unknown_routings_are_config_errors():
+def test_experts_that_do_not_split_over_ep_and_unknown_routings_are_config_errors():
     x, p = layer(6)
-    mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
-    with jax.set_mesh(mesh), pytest.raises(ConfigError, match=re.escape("num_local_experts=6 is not divisible by mesh.dp=4")):
+    mesh = make_mesh(MeshConfig(dp=4, ep=4), jax.devices()[:4])
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match=re.escape("num_local_experts=6 is not divisible by mesh.ep=4")):
         moe.moe_mlp(jnp.asarray(x), p, top_k=2)
     with pytest.raises(ConfigError, match="moe.routing='sparse' is invalid"):
         moe.MoeConfig(routing="sparse")
@@ -175,8 +175,9 @@ def text_batch():
 
 def moe_layout(dp: int, tp: int = 1, zero: int = 0, routing: str = "dropless", cp: int = 1, pp: int = 1,
                sequence_parallel: bool = False, grad_accum: int = MOE_TC.grad_accum, schedule: str = "1f1b",
-               layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral"):
-    """The layouts these tests train on (a signature only)."""
+               layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral", ep: int | None = None):
+    """The layouts these tests train on (a signature only); the experts over `ep` of the dp devices (all of dp
+    by default)."""
 
 
 LAYOUT = inspect.signature(moe_layout)
@@ -196,8 +197,8 @@ def cache_by_layout(fn):
 
 
 @cache_by_layout
-def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, schedule, layers, family):
-    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
+def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, schedule, layers, family, ep):
+    mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep or dp), jax.devices()[: dp * pp * cp * tp])
     tc = dataclasses.replace(MOE_TC, zero=zero, sequence_parallel=sequence_parallel, grad_accum=grad_accum)
     pipeline = PipelineConfig(schedule=schedule, virtual_stages=2 if schedule == "zb_v" else 1)
     return build_trainer(mesh, moe_cfg(layers, family), tc, pipeline,
@@ -285,13 +286,20 @@ def assert_equal_one_device(layout):
         assert router[key] == pytest.approx(ref_router[key], rel=1e-5), key
 
 
-# Experts over dp is in each of these: with ZeRO-3 (no reduce-once), with ring attention over cp and
-# tp, and capacity routing with ZeRO-1's reduce-scatter under tp and sequence parallelism. The
-# pipelined layouts below cover it under pp, with dp x cp x pp the smallest that has dp inside a pipeline.
-@pytest.mark.parametrize("layout", [(4, 1, 3), (2, 2, 0, "dropless", 2), (2, 2, 1, "capacity", 1, 1, True)],
-                         ids=["dp4_zero3", "dp2_cp2_tp2", "dp2_tp2_zero1_capacity_sequence_parallel"])
+# Experts over ep is in each of these, ep 2, 4 and 8: over half of dp under ZeRO-3 (no reduce-once, the experts
+# copied over dp's two replicas), with ring attention over cp and tp, capacity routing with ZeRO-1's
+# reduce-scatter under tp and sequence parallelism (ep half of dp), over all of dp beside cp under ZeRO-1, and
+# over all 8 devices. The pipelined layouts below cover it under pp, with dp x cp x pp the smallest that has dp
+# inside a pipeline, and ZB-H1 with ep half of dp.
+EP_LAYOUTS = {"dp4_ep2_zero3": dict(dp=4, zero=3, ep=2), "dp2_ep2_cp2_tp2": dict(dp=2, tp=2, cp=2),
+              "dp4_ep2_tp2_zero1_capacity_sequence_parallel": dict(dp=4, tp=2, zero=1, routing="capacity",
+                                                                  sequence_parallel=True, ep=2),
+              "dp4_ep4_cp2_zero1": dict(dp=4, cp=2, zero=1), "dp8_ep8": dict(dp=8)}
+
+
+@pytest.mark.parametrize("layout", [tuple(LAYOUT.bind(**kw).args) for kw in EP_LAYOUTS.values()], ids=list(EP_LAYOUTS))
 @pytest.mark.proves("sp+moe", "zero3+moe")
-def test_moe_training_loss_grads_and_router_metrics_with_experts_over_dp_equal_one_device(layout):
+def test_moe_training_loss_grads_and_router_metrics_with_experts_over_ep_equal_one_device(layout):
     assert_equal_one_device(layout)
 
 
@@ -323,13 +331,14 @@ def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(l
 # Zero-bubble: the router statistics travel with the activations (forward) and their cotangents (B), as in
 # 1F1B; the experts and the router keep their weight gradients in B, W takes attention's projections
 # (models/deferred_grads.py). Four layers, so that ZB-V's V has a layer per half stage.
-ZB_MOE = [(2, 1, 0, "dropless", 1, 2, False, 2, "zb_h1", 4), (1, 1, 0, "dropless", 1, 2, False, 2, "zb_v", 4)]
+ZB_MOE = [(4, 1, 0, "dropless", 1, 2, False, 2, "zb_h1", 4, "mixtral", 2),
+          (1, 1, 0, "dropless", 1, 2, False, 2, "zb_v", 4)]
 
 
-@pytest.mark.parametrize("layout", ZB_MOE, ids=["dp2_pp2_zb_h1", "pp2_zb_v"])
+@pytest.mark.parametrize("layout", ZB_MOE, ids=["dp4_ep2_pp2_zb_h1", "pp2_zb_v"])
 @pytest.mark.proves("zb_h1+moe", "zb_v+moe")
 def test_moe_zero_bubble_loss_grads_and_router_metrics_equal_one_device(layout):
-    """ZB-H1 with the experts over dp (their all-to-alls in F and B), ZB-V's V on one data device."""
+    """ZB-H1 with the experts over ep, half of dp (their all-to-alls in F and B), ZB-V's V on one data device."""
     assert_equal_one_device(layout)
 
 

@@ -38,7 +38,7 @@ def test_mixtral_logits_and_aux_loss_equal_transformers(tmp_path, experts, top_k
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (4, 16))
     with torch.no_grad():
         out = model(torch.tensor(tokens), labels=torch.tensor(tokens))
-    mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
+    mesh = make_mesh(MeshConfig(dp=dp, ep=dp), jax.devices()[:dp])
     cfg, params = load_hf(str(tmp_path / "hf"))
     params = jax.device_put(params, param_shardings(mesh, cfg, zero=0))  # experts split over dp
     assert params["layers"]["w_gate"].sharding.spec[1] == "dp"

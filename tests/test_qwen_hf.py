@@ -49,7 +49,7 @@ def random_hf(path, family: str, **overrides):
 
 def pjax_logits(path, dp: int) -> tuple[LlamaConfig, np.ndarray]:
     cfg, params = load_hf(str(path))
-    mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
+    mesh = make_mesh(MeshConfig(dp=dp, ep=dp), jax.devices()[:dp])
     params = jax.device_put(params, param_shardings(mesh, cfg, zero=0))
     with jax.set_mesh(mesh):
         logits = jax.jit(llama.logits, static_argnums=2)(params, jnp.asarray(TOKENS, jnp.int32), cfg)

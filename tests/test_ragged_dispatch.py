@@ -114,7 +114,7 @@ def test_fine_grained_experts_over_8_devices_equal_the_dense_reference():
         def f(x, p):
             y, stats = moe.moe_mlp(x, p, top_k=8, config=moe.MoeConfig(routing), normalize=normalize)
             return jnp.sum(y * jnp.sin(y)), (y, stats.dropped)
-        with jax.set_mesh(make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])):
+        with jax.set_mesh(make_mesh(MeshConfig(dp=dp, ep=dp), jax.devices()[:dp])):
             (_, (y, dropped)), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, p)
         return jax.tree.map(np.asarray, (y, g)), float(dropped)
 
@@ -130,7 +130,7 @@ def test_fine_grained_experts_over_8_devices_equal_the_dense_reference():
 def capped_layer(dp: int, factor: float):
     x, p = layer(E)
     run = jax.jit(lambda x, p: moe.moe_mlp(x, p, top_k=K, config=moe.MoeConfig(receive_factor=factor)))
-    with jax.set_mesh(make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])):
+    with jax.set_mesh(make_mesh(MeshConfig(dp=dp, ep=dp), jax.devices()[:dp])):
         y, stats = run(x, p)
     return np.asarray(y), float(stats.dropped)
 

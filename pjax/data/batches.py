@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, MeshConfig
+from mesh.mesh import CP, DATA, MeshConfig
 from mesh.validate import validate_batch
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class BatchLayout:
         if not np.array_equal(np.sort(self.columns), np.arange(seq_len)):
             raise ValueError("sequence_layout must permute the last axis (it returned something else for arange).")
         self.global_shape = (grad_accum, batch_size // grad_accum, seq_len)
-        self.sharding = None if mesh is None else NamedSharding(mesh, P(None, DP, CP))
+        self.sharding = None if mesh is None else NamedSharding(mesh, P(None, DATA, CP))
         if self.sharding is not None:
             self._local = process_local_indices(self.sharding, self.global_shape)
 

@@ -167,7 +167,8 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
                         scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes', 'inter_host',
     'kinds', 'group' (the devices those axes span)} per device per step; hosts are consecutive blocks of
-    `devices_per_host` devices."""
+    `devices_per_host` devices. An `ep` axis counts as part of dp (its devices are dp's innermost)."""
+    mesh_shape = _merge_ep(dict(mesh_shape))
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
 
@@ -194,6 +195,14 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
         row["inter_host"] |= inter
         row["kinds"][kind] = row["kinds"].get(kind, 0) + stats["count"]
     return out
+
+
+def _merge_ep(shape: dict[str, int]) -> dict[str, int]:
+    """`shape` with ep folded into dp, its outer neighbour in the mesh (the dp of `MeshConfig`)."""
+    if "ep" not in shape:
+        return shape
+    ep = shape.pop("ep")
+    return {a: v * ep if a == "dp" else v for a, v in shape.items()}
 
 
 _WORK = ("fusion", "custom-call", "convolution", "dot")

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mesh.mesh import data_size
 from models.moe import ROUTER_METRICS
 from pjax.divergence import DivergenceGuard
 from pjax.observe.metrics import (MetricsWriter, memory_per_device, mfu, model_flops_per_token, peak_flops,
@@ -27,7 +28,7 @@ class RunReport:
                  start: int) -> None:
         tc, axes = cfg.train, trainer.mesh.shape
         # A curriculum's shorter windows hold the same tokens per routing group, fewer attention FLOPs per token.
-        group = routing_group_tokens(tc.batch_size, tc.grad_accum, tc.seq_len, axes["dp"], axes["cp"])
+        group = routing_group_tokens(tc.batch_size, tc.grad_accum, tc.seq_len, data_size(trainer.mesh), axes["cp"])
         self.flops_per_token = functools.cache(lambda length: model_flops_per_token(cfg.model, length, cfg.moe, group))
         self.peak = peak_flops(jax.devices()[0], cfg.log.peak_flops)
         self.tokens_per_step = tc.batch_size * tc.seq_len

@@ -100,11 +100,14 @@ def compressed_sum(x: jax.Array, residual: jax.Array, axes: tuple[str, ...], pay
     return unpad(total), unpad(error)
 
 
-def compressed_sum_scatter(x: jax.Array, residual: jax.Array, axis: str, dimension: int, payload: Payload
+def compressed_sum_scatter(x: jax.Array, residual: jax.Array, axis: str | tuple[str, ...], dimension: int,
+                           payload: Payload
                            ) -> tuple[jax.Array, jax.Array]:
     """(`lax.psum_scatter(x + residual, axis, scatter_dimension=dimension, tiled=True)` with a compressed
-    payload, the new residual): phase 1 alone, so one quantization and no owner error."""
-    n = lax.axis_size(axis)
+    payload, the new residual): phase 1 alone, so one quantization and no owner error. `axis` may be several
+    (dp and ep): their devices in mesh order."""
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    n = lax.axis_size(axes)
     moved = jnp.moveaxis(x + residual, dimension, 0).astype(jnp.float32)  # chunk j = rows j*d/n .. of `dimension`
     rows = moved.reshape(n, -1)
     if payload == "int8" and rows.shape[1] % BLOCK:
@@ -112,7 +115,7 @@ def compressed_sum_scatter(x: jax.Array, residual: jax.Array, axis: str, dimensi
         rows = jnp.pad(rows, ((0, 0), (0, pad)))
     values, scale = _encode(rows, payload)
     error = rows - _decode(values, scale)
-    mine = jnp.sum(_decode(*_exchange(values, scale, (axis,), gather=False)), axis=0)
+    mine = jnp.sum(_decode(*_exchange(values, scale, axes, gather=False)), axis=0)
     width = moved[0].size * moved.shape[0] // n
     slice_shape = (moved.shape[0] // n, *moved.shape[1:])
     out = jnp.moveaxis(mine[:width].reshape(slice_shape), 0, dimension)

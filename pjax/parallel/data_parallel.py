@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax import lax
 
 from mesh import rules
-from mesh.mesh import CP, DP, PP, TP, current
-from mesh.rules import logical_to_spec, param_rules, vary  # noqa: F401 (vary: this module's API)
+from mesh.mesh import CP, DATA, DP, EP, PP, TP, current
+from mesh.rules import logical_to_spec, param_rules, rows_axes, vary  # noqa: F401 (vary, rows_axes: this module's API)
 from models import fp8, llama
 from models.config import LlamaConfig
 from pjax.parallel import feedback, groups, overlap
@@ -51,22 +51,22 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
 def can_reduce_once(mesh: Any, zero: int) -> bool:
     """Whether this step accumulates per data replica and reduces once (a pipeline: `pipeline.step._run`)."""
     shape = {} if mesh.empty else dict(mesh.shape)
-    data = shape.get(DP, 1) * shape.get(CP, 1)
+    data = shape.get(DP, 1) * shape.get(EP, 1) * shape.get(CP, 1)
     return data > 1 and zero < 3
 
 
 def data_axes(mesh: Any) -> tuple[str, ...]:
     """The token axes longer than 1 (XLA keeps an all-reduce over groups of one as an op of its own)."""
-    return tuple(a for a in (DP, CP) if mesh.shape[a] > 1)
+    return tuple(a for a in (*DATA, CP) if mesh.shape[a] > 1)
 
 
 def batch_spec(axes: tuple[str, ...]) -> P:
-    """The [micro-batches, rows, tokens] batch split over the manual data `axes` (rows over dp, tokens over cp)."""
-    return P(None, DP if DP in axes else None, CP if CP in axes else None)
+    """The [micro-batches, rows, tokens] batch split over the manual data `axes` (rows over dp x ep, tokens over cp)."""
+    return P(None, rows_axes(axes), CP if CP in axes else None)
 
 
 def is_expert(names: tuple[str | None, ...]) -> bool:
-    """An MoE expert weight (split over dp by its 'experts' dimension)."""
+    """An MoE expert weight (split over ep by its 'experts' dimension, copied over dp)."""
     return "experts" in names
 
 
@@ -78,11 +78,12 @@ def zero_axis(names: tuple[str | None, ...]) -> int | None:
 
 def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, pipelined: bool = False) -> Any:
     """Each parameter's spec in a shard_map manual over the data `axes`; tp is left to the partitioner."""
-    dp = DP in axes
+    rows = rows_axes(axes)
 
     def spec(names):
         entries = [PP if pipelined and name == "layers" else
-                   DP if dp and (name == "experts" or split_dp and name == "embed" and not is_expert(names)) else None
+                   EP if EP in axes and name == "experts" else
+                   rows if split_dp and name == "embed" and not is_expert(names) else None
                    for name in names]
         while entries and entries[-1] is None:
             entries.pop()
@@ -93,7 +94,7 @@ def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, 
 
 def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "none", state: Any = None,
                      axes: tuple[str, ...] | None = None) -> tuple[Any, Any]:
-    """Sum partial gradients over the manual data axes (or `axes`); experts over cp only (all_to_all's backward
+    """Sum partial gradients over the manual data axes (or `axes`); experts over all but ep (all_to_all's backward
     took them home). With a compression `mode` the dense sums are compressed with error feedback
     (`feedback.reduce_leaf`): (sums, the new feedback state)."""
     axes = data_axes(current()) if axes is None else axes
@@ -117,7 +118,7 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "
             out, errors[i], qs[i] = feedback.reduce_leaf(leaves[i], errors[i], qs[i], names[i], axes, split_dp, mode)
             reduced.append(out)
         state = {k: jax.tree.unflatten(treedef, v) for k, v in (("error", errors), ("q", qs)) if k in state}
-    reduced += _psum([leaves[i] for i in experts], tuple(a for a in axes if a != DP))
+    reduced += _psum([leaves[i] for i in experts], tuple(a for a in axes if a != EP))
     by_index = dict(zip(exact + packed + experts, reduced))
     return jax.tree.unflatten(treedef, [by_index[i] for i in range(len(leaves))]), state
 
@@ -127,9 +128,11 @@ def _psum(xs: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
 
 
 def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Reduce-scatter one gradient over dp by 'embed', manual over tp too (else XLA gathers it over tp first)."""
+    """Reduce-scatter one gradient over dp (dp x ep) by 'embed', manual over tp too (else XLA gathers it over tp
+    first)."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
-    scatter = lambda x: lax.psum_scatter(x, DP, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
+    rows = rows_axes(current().manual_axes)
+    scatter = lambda x: lax.psum_scatter(x, rows, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
     return rules.per_device(scatter, tp_only, tp_only)(g)
 
 
@@ -139,7 +142,7 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
     `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs per device.
     With a compression `mode` and its feedback state `residual` (`feedback.shardings`), the new state comes fourth."""
     axes = data_axes(current())
-    split_dp = zero == 1 and DP in axes
+    split_dp = zero == 1 and rows_axes(axes) is not None
 
     def body(params, batch, residual):
         loss, count, grads, router = accumulate(vary(params, axes), batch)

@@ -17,8 +17,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh import rules
-from mesh.mesh import CP, DP, PP, TP
-from mesh.rules import logical_to_spec
+from mesh.mesh import CP, PP, TP
+from mesh.rules import logical_to_spec, rows_axes
 from models import llama
 from models.config import LlamaConfig
 from pjax.parallel import powersgd
@@ -105,13 +105,13 @@ def reduce_leaf(g: jax.Array, error: jax.Array, q: jax.Array | None, names: tupl
     if mode == "powersgd":
         def low_rank(g, r, q):
             total, err, q_next = powersgd.powersgd_sum(g, r[0], q[0, 0], axes, names)
-            return (_my_dp_slice(total, names.index("embed")) if split_dp else total), err[None], q_next[None, None]
+            return (_my_dp_slice(total, names.index("embed"), axes) if split_dp else total), err[None], q_next[None, None]
 
         return rules.per_device(low_rank, (tp_only, r_spec, P(None, TP)), (tp_only, r_spec, P(None, TP)))(g, error, q)
 
     def payload(g, r):
         if split_dp:
-            out, err = compressed_sum_scatter(g, r[0], DP, names.index("embed"), mode)
+            out, err = compressed_sum_scatter(g, r[0], rows_axes(axes), names.index("embed"), mode)
             out = lax.psum(out, CP) if CP in axes else out
         else:
             out, err = compressed_sum(g, r[0], axes, mode)
@@ -121,7 +121,8 @@ def reduce_leaf(g: jax.Array, error: jax.Array, q: jax.Array | None, names: tupl
     return out, err, q
 
 
-def _my_dp_slice(x: jax.Array, dimension: int) -> jax.Array:
-    """This dp device's tile of `x` along `dimension` (what a tiled psum_scatter over dp would leave it)."""
-    size = x.shape[dimension] // lax.axis_size(DP)
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(DP) * size, size, dimension)
+def _my_dp_slice(x: jax.Array, dimension: int, axes: tuple[str, ...]) -> jax.Array:
+    """This dp device's tile of `x` along `dimension` (what a tiled psum_scatter over dp x ep would leave it)."""
+    rows = rows_axes(axes)
+    size = x.shape[dimension] // lax.axis_size(rows)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(rows) * size, size, dimension)

@@ -38,7 +38,8 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
 
     cfg = planned_config(config, layout, profile)
     count = layout.dp * layout.pp * layout.cp * layout.tp
-    mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
+    mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)),
+                     cfg.model.num_local_experts)
     build = lambda tc: trainer_for(mesh, cfg, tc)  # every section: precision, meta, DiLoCo, compression
     with building_for(backend, mesh.devices.flat[0]), persistent_cache(backend == "cpu"):
         trainer, compiled, _ = compile_step(build(cfg.train), build)  # chunked where cuDNN's does not compile

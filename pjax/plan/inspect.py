@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from mesh.mesh import data_size
 from pjax.config import Config
 from pjax.observe.hlo import collectives_by_axis
 from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_census, kind_order
@@ -60,7 +61,7 @@ def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> S
 
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
     """Per-device memory of the compiled step and its collectives per mesh axes (`comm`: from its HLO if None)."""
-    layout = Layout(*(mesh.shape[a] for a in ("dp", "pp", "cp", "tp")), zero=config.train.zero,
+    layout = Layout(data_size(mesh), *(mesh.shape[a] for a in ("pp", "cp", "tp")), zero=config.train.zero,
                     sequence_parallel=config.train.sequence_parallel)
     state = state_bytes(config, layout)
     m = compiled.memory_analysis()

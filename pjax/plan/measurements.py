@@ -74,7 +74,7 @@ def model_products(config_name: str, overrides: Sequence[str] = ()) -> list[tupl
     from pjax.observe.hlo_flops import dot_products
     from pjax.step import trainer_for
 
-    one = [f"mesh.{axis}=1" for axis in ("dp", "pp", "cp", "tp")]
+    one = [f"mesh.{axis}=1" for axis in ("dp", "ep", "pp", "cp", "tp")]
     cfg = load_config(config_name, [*overrides, *one])
     trainer = trainer_for(make_mesh(cfg.mesh, jax.devices()[:1]), cfg)
     return list(dot_products(trainer.compile_step().as_text()))

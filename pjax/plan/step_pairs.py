@@ -33,7 +33,7 @@ def stepper(config_name: str, overrides: Sequence[str], layout: Layout, devices:
     from pjax.step import trainer_for
 
     cfg = load_config(config_name, [*overrides, *layout.overrides()])
-    trainer = trainer_for(make_mesh(cfg.mesh, devices), cfg)
+    trainer = trainer_for(make_mesh(cfg.mesh, devices, cfg.model.num_local_experts), cfg)
     shapes = trainer.abstract_batch()["inputs"].shape
 
     @functools.partial(jax.jit, out_shardings=trainer.batch_sharding)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mesh.mesh import CP, DP, PP, TP, current
+from mesh.mesh import CP, DATA, PP, TP, current
 from mesh.rules import auto_size, constrain
 from models.moe import ROUTER_METRICS
 from pjax.parallel.pipeline import schedules as ps
@@ -62,7 +62,7 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
     return Plan(stage=stage, stage_of=stage_of, stages=sched.p * sched.v, device=device, batch=batch, shared=shared,
                 layers=layers, nothing=nothing, taps=taps, layout=layout,
                 pool=_slot_pool(stage, layout, w0, nothing, batch, taps), x_sets=x_sets, dy_sets=dy_sets,
-                lockstep=lockstep, ordered=lockstep or any(auto_size(mesh, a) > 1 for a in (DP, CP, TP)))
+                lockstep=lockstep, ordered=lockstep or any(auto_size(mesh, a) > 1 for a in (*DATA, CP, TP)))
 
 
 def _slot_pool(stage: Stage, layout: VjpLayout, w0: Any, nothing: Activation, batch: Batch, taps: tuple) -> SlotPool:
@@ -90,7 +90,7 @@ def _start(plan: Plan, slots: int) -> Buffers:
 
 def _totals(plan: Plan, end: Buffers) -> tuple[jax.Array, dict]:
     """The loss and the router metrics' mean over micro-batches, summed over pp and the manual data axes."""
-    data = tuple(a for a in (DP, CP) if a in current().manual_axes)
+    data = tuple(a for a in (*DATA, CP) if a in current().manual_axes)
     # The metrics are the whole batch's on every data device: summed there too and divided, they are invariant.
     copies = plan.batch["inputs"].shape[0] * math.prod(lax.axis_size(a) for a in data)
     router = jax.tree.map(lambda r: r / copies, lax.psum(end.router, (PP, *data)))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh.mesh import CP, DP, current
+from mesh.mesh import CP, current, data_size
 from mesh.rules import logical_to_spec
 from models import deferred_grads, fp8, llama
 from models import sequence_parallel as seqpar
@@ -56,7 +56,7 @@ def scan_lowers(experts: int, data_manual: bool) -> bool:
     """Whether a layer scan lowers inside the pipeline's shard_map: ring attention's shard_map in it fails Shardy's
     verifier ("manual axis cp after free axis pp"); an MoE dispatch's backward hoists constants with a spec over pp."""
     mesh = current()
-    return data_manual or (mesh.shape[CP] == 1 and not (experts and mesh.shape[DP] > 1))
+    return data_manual or (mesh.shape[CP] == 1 and not (experts and data_size(mesh) > 1))
 
 
 def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
