@@ -48,16 +48,14 @@ def fitted_mesh(model: LlamaConfig) -> MeshConfig:
     mesh = fit_mesh(jax.device_count(), jax.local_device_count(), num_kv_heads=model.num_key_value_heads,
                     intermediate_size=model.intermediate_size, padded_vocab_size=model.padded_vocab_size,
                     num_experts=model.num_local_experts)
-    if mesh.size < jax.device_count() and jax.process_count() > 1:
-        raise ConfigError(f"no dp x tp mesh over all {jax.device_count()} devices splits this model's "
-                          f"{model.num_local_experts} experts over dp; set mesh.* keys (dp a divisor of the experts).")
     return mesh
 
 
 def describe(mesh: MeshConfig, model: LlamaConfig) -> str:
     """The line that tells the user which mesh was chosen, and why."""
-    experts = f", dp a divisor of its {model.num_local_experts} experts" if model.num_local_experts else ""
-    idle = f" on {mesh.size} of {jax.device_count()} devices" if mesh.size < jax.device_count() else ""
-    return (f"mesh chosen for the model: dp={mesh.dp} tp={mesh.tp}{idle} (tp: the largest divisor of its "
+    split = f" ep={mesh.ep}" if model.num_local_experts else ""
+    experts = (f", ep the largest divisor of dp that its {model.num_local_experts} experts divide"
+               if model.num_local_experts else "")
+    return (f"mesh chosen for the model: dp={mesh.dp}{split} tp={mesh.tp} (tp: the largest divisor of its "
             f"{model.num_key_value_heads} kv-heads that fits {jax.local_device_count()} devices per host{experts}); "
             f"set mesh.* to choose another.")

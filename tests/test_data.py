@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, MeshConfig, make_mesh
+from mesh.mesh import CP, DATA, DP, MeshConfig, make_mesh
 from pjax import assets
 from pjax.data import build_data, text as data
 from pjax.data.batches import DataIterator, epoch_order
@@ -214,7 +214,7 @@ def test_sharded_batches_hold_the_right_rows_on_each_device(tokens, sizes):
     expected = it.global_batch(0, 0)
     batch = next(it)
     for key, arr in batch.items():
-        assert arr.shape == (2, 8, SEQ) and arr.sharding.spec == jax.sharding.PartitionSpec(None, DP, CP)
+        assert arr.shape == (2, 8, SEQ) and arr.sharding.spec == jax.sharding.PartitionSpec(None, DATA, CP)
         assert len(arr.addressable_shards) == 8
         for shard in arr.addressable_shards:
             assert shard.data.shape == (2, 8 // sizes["dp"], SEQ // sizes.get("cp", 1))
@@ -329,7 +329,7 @@ def test_streamed_saved_dataset_is_read_lazily_and_equals_the_cached_stream_in_o
     it = stream_iter(path, tokenizer, read, mesh=mesh)
     batches = [next(it) for _ in range(40)]
     assert streamed and len(read) < 400 < len(docs)  # ~20 documents a batch, a 64k-character chunk ahead
-    assert batches[0]["inputs"].sharding.spec == jax.sharding.PartitionSpec(None, DP, CP)
+    assert batches[0]["inputs"].sharding.spec == jax.sharding.PartitionSpec(None, DATA, CP)
     cached = data.load_tokens(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), tokenizer)
     np.testing.assert_array_equal(flat_inputs(batches), cached[:40 * 8 * SEQ])
     np.testing.assert_array_equal(np.asarray(batches[-1]["labels"])[-1, -1, -1], cached[40 * 8 * SEQ])

@@ -94,8 +94,8 @@ def test_each_expert_gemm_reads_fp8(routing):
     assert e5m2_casts(Gemms(fp8.einsum, fp8.ragged_dot)) >= 3
 
 
-def test_fp8_experts_over_dp_equal_one_devices():
-    """Experts split over dp (capacity routing, all_to_all) with fp8 GEMMs: one device's layer, up to
+def test_fp8_experts_over_ep_equal_one_devices():
+    """Experts split over ep (capacity routing, all_to_all) with fp8 GEMMs: one device's layer, up to
     the per-device scales (each device's experts and tokens have their own amax)."""
     from models.moe import Gemms, MoeConfig, moe_mlp
 
@@ -106,9 +106,9 @@ def test_fp8_experts_over_dp_equal_one_devices():
     gemms = Gemms(fp8.einsum, fp8.ragged_dot)
     layer = jax.jit(lambda x, p: moe_mlp(x, p, top_k=2, config=MoeConfig("capacity", 4.0), gemms=gemms)[0])
     one = layer(x, p)
-    with jax.set_mesh(make_mesh(MeshConfig(dp=2), jax.devices()[:2])):
+    with jax.set_mesh(make_mesh(MeshConfig(dp=2, ep=2), jax.devices()[:2])):
         split = layer(x, p)
-        assert "all_to_all" in layer.lower(x, p).as_text()  # the experts did go over dp
+        assert "all_to_all" in layer.lower(x, p).as_text()  # the experts did go over ep
     scale = float(jnp.max(jnp.abs(one)))
     assert float(jnp.max(jnp.abs(split - one))) <= 0.15 * scale  # e4m3 steps of different scales
     assert float(jnp.max(jnp.abs(one - layer(x, p)))) == 0.0 and bool(jnp.isfinite(split).all())

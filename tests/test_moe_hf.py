@@ -40,8 +40,8 @@ def test_mixtral_logits_and_aux_loss_equal_transformers(tmp_path, experts, top_k
         out = model(torch.tensor(tokens), labels=torch.tensor(tokens))
     mesh = make_mesh(MeshConfig(dp=dp, ep=dp), jax.devices()[:dp])
     cfg, params = load_hf(str(tmp_path / "hf"))
-    params = jax.device_put(params, param_shardings(mesh, cfg, zero=0))  # experts split over dp
-    assert params["layers"]["w_gate"].sharding.spec[1] == "dp"
+    params = jax.device_put(params, param_shardings(mesh, cfg, zero=0))  # experts split over ep
+    assert params["layers"]["w_gate"].sharding.spec[1] == "ep"
 
     def forward(params, tokens):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -68,7 +68,8 @@ def test_mixtral_export_reads_back_in_transformers_tensor_for_tensor(tmp_path):
 
 
 def test_eval_of_a_mixtral_with_6_experts_needs_no_mesh_flags(tmp_path, monkeypatch, capsys):
-    """No dp x tp over 8 devices splits 6 experts over dp: the fitted mesh is dp=2 x tp=2 on 4 of them."""
+    """6 experts on 8 devices: the fitted mesh is dp=4 x tp=2, the experts over ep=2 (the largest divisor of dp
+    that 6 divides), copied over dp's 2 replicas."""
     model = random_hf_mixtral(tmp_path / "hf", 6, 2, vocab_size=4096)
     model.config.output_router_logits = False  # pjax.eval's loss is the next-token loss alone
     text = short_text(tmp_path / "text.txt", 500)
@@ -78,5 +79,5 @@ def test_eval_of_a_mixtral_with_6_experts_needs_no_mesh_flags(tmp_path, monkeypa
     assert pjax_eval.main(["--hf", str(tmp_path / "hf"), "--text", str(text), "--tokenizer", tokenizer,
                            "train.seq_len=32"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("mesh chosen for the model: dp=2 tp=2 on 4 of 8 devices"), out[0]
+    assert out[0].startswith("mesh chosen for the model: dp=4 ep=2 tp=2"), out[0]
     assert abs(json.loads(out[-1])["loss"] - reference) <= 1e-5

@@ -500,7 +500,7 @@ def test_pipelined_fsdp_train_step_and_eval_loss_match_one_device():
     state = tr.init(jax.random.key(0))
     assert_grads_close(ppl.to_model_layout(jax.device_get(state.params), 2, 2), init_params(), rtol=1e-6)
     wq = state.params["layers"]["wq"]  # [layers, embed, heads, head_dim]: each stage holds its layers
-    assert wq.sharding.spec == P("pp", "dp", "tp", None)
+    assert wq.sharding.spec == P("pp", ("dp", "ep"), "tp", None)
     assert wq.addressable_shards[0].data.shape[:2] == (CFG.num_hidden_layers // 2, CFG.hidden_size // 2)
     batch = jax.device_put(make_batch(4), tr.batch_sharding)
     assert float(tr.loss(state.params, batch)) == pytest.approx(ref_loss, abs=1e-5)

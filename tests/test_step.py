@@ -192,12 +192,12 @@ def test_parameters_are_sharded_as_the_rules_say():
     # The same key gives the same weights on any mesh (the other tests start every layout from these).
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), initial_params())
     wq = state.params["layers"]["wq"]  # [layers, embed, heads, head_dim]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp", None)
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, ("dp", "ep"), "tp", None)
     mu = state.opt_state[1][0].mu["layers"]["wq"]
     assert mu.sharding.spec == wq.sharding.spec
     z1 = trainer(dp=2, tp=2, zero=1).state_sharding  # what its init and step produce (their out_shardings)
     assert z1.params["layers"]["w_down"].spec == jax.sharding.PartitionSpec(None, "tp", None)
-    assert z1.opt_state[1][0].nu["layers"]["w_down"].spec == jax.sharding.PartitionSpec(None, "tp", "dp")
+    assert z1.opt_state[1][0].nu["layers"]["w_down"].spec == jax.sharding.PartitionSpec(None, "tp", ("dp", "ep"))
     # The shard a device holds is really 1/(dp*tp) of the tensor under ZeRO-3.
     assert wq.addressable_shards[0].data.size * 8 == wq.size
 

@@ -58,7 +58,7 @@ def check_run(run: Any) -> None:
     _check_compression(run, head)
     refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
                (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0"),
-               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
+               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over ep)")]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}.")

@@ -56,7 +56,7 @@ def check_run(run: Any) -> None:
                           f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
     refused = [(tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
                 "train.powersgd_start=0 (the outer average is compressed from the first synchronisation)"),
-               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over dp)")]
+               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over ep)")]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.local_steps=0.")

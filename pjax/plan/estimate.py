@@ -129,10 +129,13 @@ def held_gradient_bytes(config: Config, layout: Layout) -> float:
 
 
 def reduced_gradient_bytes(config: Config, layout: Layout) -> float:
-    """`held_gradient_bytes` less an MoE model's experts, which are never reduced over dp."""
+    """`held_gradient_bytes` with an MoE model's experts counted only where dp copies them: a device reduces
+    its E/ep experts over dp's dp/ep replicas of the expert group (none at ep = dp)."""
     mc = config.model
     experts = 3 * mc.num_local_experts * mc.hidden_size * mc.intermediate_size * mc.num_hidden_layers * 4
-    return held_gradient_bytes(config, layout) - experts / (layout.tp * layout.pp)
+    ep = layout.mesh.with_experts(mc.num_local_experts).ep or 1
+    copied = experts / ep if layout.dp > ep else 0
+    return held_gradient_bytes(config, layout) - (experts - copied) / (layout.tp * layout.pp)
 
 
 def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int) -> dict[str, dict[str, Any]]:

@@ -62,7 +62,7 @@ def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> S
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
     """Per-device memory of the compiled step and its collectives per mesh axes (`comm`: from its HLO if None)."""
     layout = Layout(data_size(mesh), *(mesh.shape[a] for a in ("pp", "cp", "tp")), zero=config.train.zero,
-                    sequence_parallel=config.train.sequence_parallel)
+                    sequence_parallel=config.train.sequence_parallel, ep=mesh.shape["ep"])
     state = state_bytes(config, layout)
     m = compiled.memory_analysis()
     need = step_memory_bytes(compiled)

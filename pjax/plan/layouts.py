@@ -47,15 +47,21 @@ class Layout:
     grad_accum: int = 1
     sequence_parallel: bool = False
     context: str = "ring"
+    ep: int = 0  # of dp's devices, how many split the experts (0: `MeshConfig.with_experts`'s default)
 
     @property
     def mesh(self) -> MeshConfig:
-        return MeshConfig(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+        return MeshConfig(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes of `AXES` as this layout names them: dp all data replicas, ep those that split experts."""
+        return (self.dp, self.ep, self.pp, self.cp, self.tp)
 
     @property
     def name(self) -> str:
         """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8': the mesh, what differs from plain, the micro-batches."""
-        parts = [f"{axis}{size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp)) if size > 1]
+        parts = [f"{axis}{size}" for axis, size in zip(AXES, self.sizes) if size > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
@@ -88,7 +94,7 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give `pjax.train` this layout."""
-        keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, (self.dp, self.pp, self.cp, self.tp))]
+        keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, self.sizes) if axis != "ep" or size]
         keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
                  f"train.sequence_parallel={str(self.sequence_parallel).lower()}"]
         keys += ["train.scan_layers=true"] if self.remat == "full" else []
@@ -147,6 +153,17 @@ def micro_batch_counts(config: Config, dp: int) -> list[int]:
     return sorted(g for g in counts if batch % g == 0 and (batch // g) % dp == 0)
 
 
+def expert_splits(config: Config, dp: int) -> list[int]:
+    """mesh.ep values to try: the config's if it sets one, else every divisor of dp that the experts divide
+    (fewer experts per device against all-to-alls over fewer devices); [0] for a dense model."""
+    experts = config.model.num_local_experts
+    if not experts:
+        return [0]
+    if config.mesh.ep:
+        return [config.mesh.ep]
+    return [e for e in range(1, dp + 1) if not dp % e and not experts % e]
+
+
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
     """Every layout of `config` on `devices` devices that pjax accepts. cp > 1 keeps context.strategy: the
@@ -156,11 +173,12 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
     for dp, pp, cp, tp in mesh_shapes(devices, devices_per_host):
         schedules = PIPELINE_SCHEDULES if pp > 1 else [("1f1b", 1)]
         sequence_parallel = (False, True) if tp > 1 else (False,)
-        for zero, remat, (schedule, v), accum, sp in itertools.product(
-                zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel):
+        for zero, remat, (schedule, v), accum, sp, ep in itertools.product(
+                zeros, remats, schedules, micro_batch_counts(config, dp), sequence_parallel,
+                expert_splits(config, dp)):
             if zero and dp == 1:  # the same program as zero=0
                 continue
-            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy)
+            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy, ep)
             try:
                 check(config, layout)
             except ConfigError:
@@ -171,22 +189,22 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
 
 def abstract_mesh(layout: Layout) -> AbstractMesh:
     """The layout's mesh without devices."""
-    sizes = (layout.dp, layout.pp, layout.cp, layout.tp)
-    return AbstractMesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return AbstractMesh(layout.mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
     """Bytes per device of the fp32 parameters, the gradient accumulator and the AdamW moments in the
     dtypes `precision.*` gives them."""
     p = config.precision.resolve(config.train.dtype)
+    ep = layout.mesh.with_experts(config.model.num_local_experts).ep
     return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero,
-                             bytes_per(p.grad_accum), bytes_per(p.optimizer_state)))
+                             bytes_per(p.grad_accum), bytes_per(p.optimizer_state), ep))
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int, grad_bytes: int = 4, moment_bytes: int = 4
-                 ) -> tuple:
-    layout = Layout(dp, pp, cp, tp, zero)
+def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int, grad_bytes: int = 4, moment_bytes: int = 4,
+                 ep: int = 0) -> tuple:
+    layout = Layout(dp, pp, cp, tp, zero, ep=ep)
     mesh = abstract_mesh(layout)
     shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     per_device = lambda shardings: sum(
