@@ -19,9 +19,9 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rope_type", "rope_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings", "rms_norm_eps",
               "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "qk_norm", "qkv_bias",
-              "shared_expert_intermediate_size")
+              "shared_expert_intermediate_size", "router_score")
 MOE_KEYS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef", "norm_topk_prob",
-            "shared_expert_intermediate_size")
+            "shared_expert_intermediate_size", "router_score")
 # HF model types pjax reads: LLaMA's layer, with experts (Mixtral, Qwen2-MoE, Qwen3-MoE), q/k/v biases (Qwen2) or
 # per-head q/k norms (Qwen3).
 HF_TYPES = ("llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -30,7 +30,7 @@ HF_TYPES = ("llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 def shape_keys(num_local_experts: int) -> tuple[str, ...]:
     """The SHAPE_KEYS a checkpoint of a model with this many experts must match: a dense model (0)
     reads no num_experts_per_tok or norm_topk_prob, so a value there must not refuse a resume."""
-    routing = ("num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size")
+    routing = ("num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size", "router_score")
     return SHAPE_KEYS if num_local_experts else tuple(k for k in SHAPE_KEYS if k not in routing)
 
 # RoPE scalings (`models.rope.rope_inv_freq`) and their model keys: HF's rope_scaling keys prefixed "rope_".
@@ -142,6 +142,9 @@ class LlamaConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on MLP this wide, gated by a sigmoid (0: none)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    # The router's scores: "softmax" (Mixtral, Qwen), or "sigmoid" with a per-expert selection bias that each step
+    # moves against the load (DeepSeek-V3's auxiliary-loss-free balancing; models/bias_balance.py).
+    router_score: str = "softmax"
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -174,6 +177,8 @@ class LlamaConfig:
         if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0 or (shared and not self.num_local_experts):
             raise ConfigError(f"model.shared_expert_intermediate_size={shared!r} is invalid; use an integer >= 0, "
                               f"and 0 for a dense model (a shared expert sits beside routed ones).")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.router_score={self.router_score!r} is invalid; choose softmax or sigmoid.")
         for key in ("tie_word_embeddings", "norm_topk_prob", "qk_norm", "qkv_bias"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} is invalid; use true or false.")
@@ -291,6 +296,9 @@ class LlamaConfig:
     def hf_type(self) -> str:
         """The HF model type this shape exports as (one line where none has its options)."""
         experts = bool(self.num_local_experts)
+        if experts and self.router_score != "softmax":
+            raise ConfigError(f"model.router_score={self.router_score} has no HF form pjax exports (Mixtral and Qwen "
+                              f"route by softmax); export a model with router_score=softmax.")
         if self.qk_norm and (self.qkv_bias or self.shared_expert_intermediate_size):
             raise ConfigError("model.qk_norm (Qwen3's) with model.qkv_bias or a shared expert (Qwen2's) has no HF "
                               "form; export one family's options.")

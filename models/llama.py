@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mesh.mesh import EP, current
 from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
 from models import deferred_grads, fp8
+from models.bias_balance import BIAS
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
 from models.config import LlamaConfig
@@ -84,6 +85,8 @@ class DecoderLayer(nn.Module):
         y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps, p.norms), "mlp_norm").astype(p.mlp)
         if e:
             router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
+            bias = ({BIAS: _param(self, BIAS, (c.num_local_experts,), (None,), nn.initializers.zeros)}
+                    if c.router_score == "sigmoid" else {})  # selects only, moved outside the optimizer
             fs = c.shared_expert_intermediate_size
             shared = [_param(self, name, shape, axes, normal) for name, shape, axes in (  # Qwen2-MoE's shared expert
                 ("w_shared_gate", (d, fs), ("embed", "mlp")), ("w_shared_up", (d, fs), ("embed", "mlp")),
@@ -92,7 +95,8 @@ class DecoderLayer(nn.Module):
                 return x, None
             always = 0 if not shared else constrain(
                 self._shared_expert(y, [mlp(w) for w in shared], sp).astype(x.dtype), residual)
-            weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down)}
+            weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down),
+                       **bias}
             down, stats = self._experts(y, weights)
             return x + constrain(down.astype(x.dtype), residual) + always, stats
         gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
@@ -131,7 +135,7 @@ class DecoderLayer(nn.Module):
         gemms = Gemms(fp8.einsum, fp8.ragged_dot) if self.precision.fp8 else Gemms()
         with jax.named_scope("experts"):
             return moe_mlp(constrain(y, ("tokens", "embed")), weights, gemms=gemms, top_k=c.num_experts_per_tok,
-                           config=self.moe, normalize=c.norm_topk_prob)
+                           config=self.moe, normalize=c.norm_topk_prob, score=c.router_score)
 
     def _shared_expert(self, y: jax.Array, weights: list[jax.Array], sp: bool) -> jax.Array:
         """Qwen2-MoE's shared expert on the normed residual y: an MLP every token runs, times a sigmoid gate of y,

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP, current
-from models import grouped_gemm
+from models import bias_balance, grouped_gemm
 from models.ragged_dispatch import ragged_experts, receive_rows
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -40,10 +40,16 @@ class MoeConfig:
     # Dropless under expert parallelism: the rows a device receives, in even shares (tokens x k); None: the
     # bound that never drops (every device's every assignment). Past it assignments drop (dropped_fraction).
     receive_factor: float | None = None
+    # Sigmoid routing's selection bias moves by this much per step against each expert's load (DeepSeek-V3's
+    # gamma; 0 holds it, as for fine-tuning). Read only with model.router_score=sigmoid.
+    bias_update_rate: float = 0.001
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ConfigError(f"moe.routing={self.routing!r} is invalid; choose one of {', '.join(ROUTINGS)}.")
+        rate = self.bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+            raise ConfigError(f"moe.bias_update_rate={rate!r} is invalid; use a number >= 0 (0 holds the bias).")
         for key in ("capacity_factor", "receive_factor"):
             value = getattr(self, key)
             if (value is not None or key == "capacity_factor") and (
@@ -62,28 +68,44 @@ class RouterStats(NamedTuple):
     dropped: jax.Array
 
 
+SCORES = ("softmax", "sigmoid")
+
+
 class Router(NamedTuple):
-    """How a token picks its experts: the top k of the softmax, renormalised to sum to 1 (Mixtral's rule;
-    `model.norm_topk_prob=false`: Qwen3-MoE's option to keep the softmax's own weights)."""
+    """How a token picks its experts: the top k of the scores, their weights renormalised to sum to 1 (Mixtral's
+    rule; `model.norm_topk_prob=false`: Qwen3-MoE's option to keep the scores themselves). The scores are a softmax
+    (Mixtral, Qwen), or each expert's own sigmoid (`model.router_score=sigmoid`, DeepSeek-V3's), whose choice a
+    per-expert bias moves (`models/bias_balance.py`)."""
 
     top_k: int
     normalize: bool = True
+    score: str = "softmax"
 
 
-def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool = True
+def route(x: jax.Array, w_router: jax.Array, router: Router, bias: jax.Array | None = None
           ) -> tuple[jax.Array, jax.Array, RouterStats]:
-    """(weights [N, k] fp32, experts [N, k] int32, stats) for tokens x [N, D]."""
+    """(weights [N, k] fp32, experts [N, k] int32, stats) for tokens x [N, D]; `bias` [E] selects, never weighs."""
     with jax.named_scope("router"):  # not fp8 (torchao's recipe): the compiled step's op names tell it apart
         logits = jnp.einsum("nd,de->ne", x.astype(w_router.dtype), w_router, preferred_element_type=F32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top, experts = lax.top_k(probs, top_k)
-    weights = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
+    if router.score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # the balancing loss's share (DeepSeek-V3's)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    if bias is None:
+        top, experts = lax.top_k(scores, router.top_k)
+    else:
+        experts = lax.top_k(scores + lax.stop_gradient(bias).astype(F32), router.top_k)[1]
+        top = jnp.take_along_axis(scores, experts, axis=-1)
+    weights = top / jnp.sum(top, axis=-1, keepdims=True) if router.normalize else top
     num_experts = w_router.shape[-1]
     stats = RouterStats(tokens=jnp.asarray(x.shape[0], F32),
                         assigned=jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=F32), axis=(0, 1)),
                         prob=jnp.sum(probs, axis=0),
                         z=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
                         dropped=jnp.zeros((), F32))
+    if bias is not None:  # the layer's load comes back as the bias' gradient
+        weights = bias_balance.tapped(weights, bias, stats.assigned)
     return weights, experts.astype(jnp.int32), stats
 
 
@@ -177,7 +199,7 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], router: Router, config: Mo
                token_axes: tuple[str, ...] = (), gemms: Gemms = Gemms()) -> tuple[jax.Array, RouterStats]:
     """One device's MoE layer (under EP over `axis`, `p` holds this device's experts)."""
     top_k = router.top_k
-    weights, experts, stats = route(x, p["router"], top_k, router.normalize)
+    weights, experts, stats = route(x, p["router"], router, p.get(bias_balance.BIAS))
     w = {name: p[name].astype(x.dtype) for name in ("w_gate", "w_up", "w_down")}
     num_experts, routing = p["router"].shape[-1], config.routing
     if axis is None and routing == "dense":
@@ -199,10 +221,10 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], router: Router, config: Mo
 
 
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeConfig = MoeConfig(),
-            gemms: Gemms = Gemms(), normalize: bool = True) -> tuple[jax.Array, RouterStats]:
+            gemms: Gemms = Gemms(), normalize: bool = True, score: str = "softmax") -> tuple[jax.Array, RouterStats]:
     """The sparse MLP on x [N, D]: (y [N, D], router stats over all N tokens); experts over ep when
     ep > 1, copied over dp. Inside a shard_map manual over the data axes already, x and p are this device's."""
-    router = Router(top_k, normalize)
+    router = Router(top_k, normalize, score)
     mesh = current()
     size = lambda a: 1 if mesh.empty else mesh.shape.get(a, 1)  # noqa: E731
     if size(DP) * size(EP) == 1:

@@ -25,7 +25,7 @@ _WEIGHT_KIND = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "
                 "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "router": "router",
                 "attn_norm": "embedding", "mlp_norm": "embedding", "q_norm": "attention", "k_norm": "attention",
                 "bq": "attention", "bk": "attention", "bv": "attention", "w_shared_gate": "mlp", "w_shared_up": "mlp",
-                "w_shared_down": "mlp", "shared_gate": "mlp"}
+                "w_shared_down": "mlp", "shared_gate": "mlp", "router_bias": "router"}
 
 
 @dataclasses.dataclass(frozen=True)

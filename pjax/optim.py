@@ -10,7 +10,7 @@ import optax
 from pjax.config import TrainConfig
 
 # Decaying norm scales shrinks the signal, not the complexity (LLaMA/GPT recipes decay matrices only).
-_NO_DECAY = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "scale", "bq", "bk", "bv"}
+_NO_DECAY = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "scale", "bq", "bk", "bv", "router_bias"}
 
 
 def schedule_length(tc: TrainConfig) -> int:

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh.backend import on_target
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current
-from models import llama
+from models import bias_balance, llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
 from models.moe import MoeConfig
@@ -86,14 +86,16 @@ class Accumulation:
 
 
 def train_step(state: TrainState, batch: Batch, *, strategy: Any, optimizer: optax.GradientTransformation,
-               tc: TrainConfig) -> tuple[TrainState, dict]:
-    """One optimizer step on `strategy`'s gradients: new state, {loss, grad_norm, lr, finite} + MoE router metrics."""
+               tc: TrainConfig, bias_rate: float = 0.0) -> tuple[TrainState, dict]:
+    """One optimizer step on `strategy`'s gradients: new state, {loss, grad_norm, lr, finite} + MoE router metrics;
+    sigmoid routing's selection biases move by `bias_rate` against their layers' loads (`models/bias_balance.py`)."""
     loss, grads, router, residual = _gradients(state, batch, strategy, tc)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # a bf16 accumulator's sum, for fp32 masters
+    loads, grads = bias_balance.split_loads(grads)
     grad_norm = optax.tree.norm(grads)
     lr = lr_schedule(tc)(schedule_count(state.opt_state))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = bias_balance.moved(optax.apply_updates(state.params, updates), state.params, loads, bias_rate)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if tc.on_nonfinite == "skip":
         params, opt_state, residual = keep_if_finite(finite, (params, opt_state, residual),
@@ -217,7 +219,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         strategy = Accumulation(spec, tc.zero, g_sharding, tc.grad_compression)
     diloco = streaming.diloco_for(strategy, inner, optimizer, tc, mc.pp) if tc.local_steps else None
     learner = meta.Meta(spec, meta_cfg, optimizer, tc, strategy) if meta_cfg.algorithm else None
-    step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc)
+    step = functools.partial(train_step, strategy=strategy, optimizer=optimizer, tc=tc, bias_rate=moe.bias_update_rate)
     step = diloco.step if diloco else learner.step if learner else step
     options = _compile_options(mesh, tc, policy.fp8, params_shape)
     jit = functools.partial(jax.jit, compiler_options=options or None)

@@ -41,13 +41,30 @@ def test_listed_layouts_are_exactly_those_pjax_accepts_and_their_overrides_give_
     assert {layout.tp for layout in layouts(load_config("smollm-135m"), 8, 8)} == {1}
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=8), Layout(dp=4, tp=2, zero=1), Layout(dp=4, pp=2, zero=3)],
-                         ids=lambda layout: layout.name)
-def test_state_bytes_equal_what_the_compiled_step_holds(layout):
-    """Arguments of the compiled step = parameters + optimizer state + the batch + a few scalars."""
-    config = load_config("debug", layout.overrides())
+def test_an_moe_model_s_layouts_try_every_ep_the_experts_allow_and_name_it():
+    config = load_config("mixtral-8x7b")  # 8 experts; tp 8 leaves dp 16 on 128 devices
+    found = [layout for layout in layouts(config, devices=128, devices_per_host=8, zeros=(1,), remats=("full",))
+             if layout.tp == 8 and layout.pp == 1 and layout.cp == 1]
+    assert {layout.ep for layout in found} == {1, 2, 4, 8}  # 16 does not divide 8 experts
+    name = next(layout.name for layout in found if layout.ep == 8 and layout.grad_accum == 8)
+    assert name == "dp16-ep8-tp8-zero1-remat-m8" and Layout.parse(name).ep == 8
+    assert load_config("mixtral-8x7b", Layout.parse(name).overrides()).mesh.ep == 8
+    assert {layout.ep for layout in layouts(load_config("llama2-7b"), 8, 8)} == {0}  # dense: no ep to choose
+
+
+MOE = ["model.num_local_experts=4", "model.num_experts_per_tok=2"]
+
+
+@pytest.mark.parametrize("layout,model", [(Layout(dp=8), []), (Layout(dp=4, tp=2, zero=1), []),
+                                          (Layout(dp=4, pp=2, zero=3), []), (Layout(dp=8, zero=1, ep=2), MOE)],
+                         ids=["dp8-m1", "dp4-tp2-zero1-m1", "dp4-pp2-zero3-m1", "dp8-ep2-zero1-moe"])
+def test_state_bytes_equal_what_the_compiled_step_holds(layout, model):
+    """Arguments of the compiled step = parameters + optimizer state + the batch + a few scalars; an MoE model's
+    experts half of them on each device at ep 2, copied over dp's 4 replicas of the group."""
+    config = load_config("debug", [*model, *layout.overrides()])
     analytic = state_bytes(config, layout)
-    trainer = build_trainer(make_mesh(config.mesh, jax.devices()[:8]), config.model, config.train, config.pipeline)
+    trainer = build_trainer(make_mesh(config.mesh, jax.devices()[:8], config.model.num_local_experts), config.model,
+                            config.train, config.pipeline)
     arguments = trainer.compile_step().memory_analysis().argument_size_in_bytes
     tc = config.train
     batch = 3 * tc.batch_size // layout.dp * tc.seq_len * 4  # inputs, labels, positions: int32, rows over dp

@@ -77,7 +77,7 @@ def test_capacity_drops_exactly_the_assignments_past_each_experts_capacity():
     x, p = layer(num_experts)
     cap = moe.capacity(N, top_k, num_experts, factor)
     assert cap == 2  # ceil(0.25 * 32 * 2 / 8)
-    weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), top_k)
+    weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), moe.Router(top_k))
     weights, experts = np.asarray(weights), np.asarray(experts)
     kept, taken = np.zeros_like(weights, bool), np.zeros(num_experts, int)
     for j in range(top_k):
@@ -156,7 +156,7 @@ def test_router_experts_and_aux_loss_match_transformers_mixtral(num_experts, top
         want_aux = float(hf.load_balancing_loss_func(router_logits, num_experts, top_k))
     y, _ = jax.jit(functools.partial(moe.moe_mlp, top_k=top_k))(jnp.asarray(xs[0]), p)
     assert np.max(np.abs(np.asarray(y) - want)) <= 1e-5 * np.max(np.abs(want))
-    stats = [moe.route(jnp.asarray(x), jnp.asarray(p["router"]), top_k)[2] for x in xs]
+    stats = [moe.route(jnp.asarray(x), jnp.asarray(p["router"]), moe.Router(top_k))[2] for x in xs]
     summed = jax.tree.map(lambda a, b: a + b, *stats)
     assert float(moe.aux_losses(summed, layers=2)["aux_loss"]) == pytest.approx(want_aux, rel=1e-6)
 
@@ -208,7 +208,9 @@ def moe_trainer(dp, tp, zero, routing, cp, pp, sequence_parallel, grad_accum, sc
 FAMILIES = {"mixtral": {},  # and the other families' options: Qwen3-MoE's per-head q/k norms, Qwen2-MoE's q/k/v
             # biases and sigmoid-gated shared expert, both with the softmax's own top-k weights
             "qwen3": dict(qk_norm=True, norm_topk_prob=False),
-            "qwen2": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False)}
+            "qwen2": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False),
+            # DeepSeek-V3's routing: sigmoid scores, a selection bias (random here, so that it changes the choice)
+            "sigmoid": dict(router_score="sigmoid")}
 
 
 def moe_cfg(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral") -> LlamaConfig:
@@ -219,7 +221,7 @@ def moe_cfg(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral") ->
 def moe_params(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral"):
     params = jax.tree.map(np.asarray, llama.init_params(moe_cfg(layers, family), jax.random.key(0)))
     rng = np.random.default_rng(1)  # norm scales initialise to 1 and biases to 0: others make a mix-up show
-    for name in ("q_norm", "k_norm", "bq", "bk", "bv"):
+    for name in ("q_norm", "k_norm", "bq", "bk", "bv", "router_bias"):
         if name in params["layers"]:
             params["layers"][name] = (params["layers"][name] + 0.2 * rng.normal(size=params["layers"][name].shape)
                                       ).astype(np.float32)
@@ -227,7 +229,8 @@ def moe_params(layers: int = MOE_CFG.num_hidden_layers, family: str = "mixtral")
 
 
 def family_of(cfg: LlamaConfig) -> str:
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mixtral"
+    return ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "sigmoid" if cfg.router_score == "sigmoid"
+            else "mixtral")
 
 
 def _pipeline_order(trainer) -> tuple[int, int, bool]:
@@ -332,13 +335,14 @@ def test_moe_pipeline_loss_grads_router_metrics_and_eval_loss_equal_one_device(l
 # 1F1B; the experts and the router keep their weight gradients in B, W takes attention's projections
 # (models/deferred_grads.py). Four layers, so that ZB-V's V has a layer per half stage.
 ZB_MOE = [(4, 1, 0, "dropless", 1, 2, False, 2, "zb_h1", 4, "mixtral", 2),
-          (1, 1, 0, "dropless", 1, 2, False, 2, "zb_v", 4)]
+          (2, 2, 0, "dropless", 1, 2, False, 2, "zb_v", 4)]
 
 
-@pytest.mark.parametrize("layout", ZB_MOE, ids=["dp4_ep2_pp2_zb_h1", "pp2_zb_v"])
+@pytest.mark.parametrize("layout", ZB_MOE, ids=["dp4_ep2_pp2_zb_h1", "dp2_tp2_pp2_zb_v"])
 @pytest.mark.proves("zb_h1+moe", "zb_v+moe")
 def test_moe_zero_bubble_loss_grads_and_router_metrics_equal_one_device(layout):
-    """ZB-H1 with the experts over ep, half of dp (their all-to-alls in F and B), ZB-V's V on one data device."""
+    """ZB-H1 with the experts over ep, half of dp (their all-to-alls in F and B); ZB-V's V with them over dp and
+    each expert over tp (its slots' tp splits not probed: `slot_splits`)."""
     assert_equal_one_device(layout)
 
 

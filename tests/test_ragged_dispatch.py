@@ -139,7 +139,7 @@ def kept_by_rule(dp: int, factor: float) -> np.ndarray:
     """[N, K] which assignments the receive rule keeps: each device's tokens are a block of N/dp; a device's
     assignments go sorted by expert (ties in token, then choice, order)."""
     x, p = layer(E)
-    _, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), K)
+    _, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), moe.Router(K))
     experts = np.asarray(experts).reshape(dp, N // dp * K)
     counts = np.stack([np.bincount(e, minlength=E) for e in experts])
     capacity = rd.receive_rows(N // dp, K, dp, factor)
@@ -160,7 +160,7 @@ def test_a_capped_receive_buffer_drops_exactly_what_the_rule_cuts(dp, factor):
     kept = kept_by_rule(dp, factor)
     y, dropped = capped_layer(dp, factor)
     x, p = layer(E)
-    weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), K)
+    weights, experts, _ = moe.route(jnp.asarray(x), jnp.asarray(p["router"]), moe.Router(K))
     want = np.asarray(jax.jit(moe.dense_experts)(jnp.asarray(x), weights * kept, experts,
                                                   {k: jnp.asarray(v) for k, v in p.items() if k != "router"}))
     assert dropped == (~kept).sum() > 0

@@ -7,6 +7,8 @@ import dataclasses
 import math
 from typing import Any
 
+from models.moe import capacity
+from models.ragged_dispatch import receive_rows
 from pjax.config import Config
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.observe.metrics import model_flops_per_token, routing_group_tokens
@@ -176,6 +178,19 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
 _KEPT_PER_ELEMENT = {2: 12, 4: 17}
 
 
+def expert_rows(config: Config, layout: Layout, tokens: int) -> int:
+    """The rows a device's experts hold per MoE layer for `tokens` local tokens: the receive buffer under dropless
+    expert parallelism (`moe.receive_factor`'s bound), the [E, C] capacity buffer, or every expert on every token."""
+    mc, moe = config.model, config.moe
+    experts, k = mc.num_local_experts, mc.num_experts_per_tok
+    ep = layout.mesh.with_experts(experts).ep or 1
+    if moe.routing == "dropless":
+        return receive_rows(tokens, k, ep, moe.receive_factor) if ep > 1 else tokens * k
+    if moe.routing == "capacity" or ep > 1:  # dense under ep runs the capacity that never drops
+        return experts * (capacity(tokens, k, experts, moe.capacity_factor) if moe.routing == "capacity" else tokens)
+    return experts * tokens
+
+
 def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: str) -> int:
     """State (exact) + batch + a rough activation estimate, bytes per device."""
     mc, tc = config.model, config.train
@@ -183,7 +198,9 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     heads = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
     tokens = tc.batch_size // layout.grad_accum // layout.dp * tc.seq_len // layout.cp
     between = d // tp if layout.sequence_parallel else d
-    layer = tokens * _KEPT_PER_ELEMENT[act_bytes] * (between + (heads + 3 * f) // tp)
+    mlp_rows = expert_rows(config, layout, tokens) if mc.num_local_experts else tokens
+    layer = _KEPT_PER_ELEMENT[act_bytes] * (tokens * (between + heads // tp)
+                                            + mlp_rows * (3 * f // tp + (d if mc.num_local_experts else 0)))
     if attention in ("auto", "blocked", "reference"):
         layer += tokens * mc.num_attention_heads // tp * tc.seq_len // 2 * 4
     layers = mc.num_hidden_layers // layout.pp

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh.mesh import TP, current
-from mesh.rules import logical_to_spec
+from mesh.mesh import EP, TP, current
+from mesh.rules import logical_to_spec, manual_size
 from pjax.parallel.pipeline.stage import VjpLayout
 
 Split = tuple | None  # per dimension tp or None; None: not known
@@ -59,8 +59,12 @@ def align(stored: Sequence[jax.ShapeDtypeStruct], probed: Sequence[jax.ShapeDtyp
 
 def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, taps: Any
                 ) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
-    """`SlotPool.splits`: the tp split of each residual (kind 0) and each tap cotangent B writes for W (kind 1)."""
+    """`SlotPool.splits`: the tp split of each residual (kind 0) and each tap cotangent B writes for W (kind 1).
+    Not known (None) where a stage holds only its ep block of the experts: the probe, every axis automatic,
+    would read the block as all of them."""
     tapped = pool.written(1)
+    if manual_size(current(), EP) > 1:
+        return (None,) * len(pool.kinds[0]), (None,) * len(pool.kinds[1])
 
     def forward_and_b(w, act, positions, taps):
         out, vjp_fn = jax.vjp(lambda w, act, taps: stage.layers(w, act, positions, taps), w, act, taps)
@@ -70,7 +74,8 @@ def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, t
 
     layer = stage.layer_specs
     w_specs = jax.tree.map(lambda s: P(None, *s), layer) if stage.scan else [layer] * len(w)
-    in_specs = (w_specs, (logical_to_spec((stage.tokens, "embed")), ()), P(), jax.tree.map(lambda _: P(), taps))
+    stats = jax.tree.map(lambda _: P(), act[1])  # an MoE stage's router statistics travel replicated
+    in_specs = (w_specs, (logical_to_spec((stage.tokens, "embed")), stats), P(), jax.tree.map(lambda _: P(), taps))
     found = tp_specs(forward_and_b, (w, act, positions, taps), in_specs)
     residuals, cotangents = found[:len(found) - len(tapped)], found[len(found) - len(tapped):]
     by_leaf = dict(zip(tapped, (s for _, s in cotangents)))
