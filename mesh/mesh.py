@@ -45,7 +45,7 @@ class MeshConfig:
     ep: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep, int) or self.ep < 0:
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 0:
             raise ConfigError(f"mesh.ep={self.ep!r} is invalid: use a positive integer that divides mesh.dp, "
                               f"or 0 (as many as the experts allow).")
         for name in (DP, PP, CP, TP):
@@ -75,8 +75,8 @@ class MeshConfig:
         return self
 
     def with_experts(self, num_experts: int) -> "MeshConfig":
-        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide
-        (all of dp where they divide it, today's default; 1 for a dense model)."""
+        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide (all of dp
+        where they divide it). A dense model's stays 0, which builds an ep axis of 1."""
         if self.ep or self.dp < 1 or not num_experts:
             return self
         return dataclasses.replace(self, ep=math.gcd(num_experts, self.dp))

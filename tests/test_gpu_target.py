@@ -196,6 +196,24 @@ def test_dropless_experts_go_by_ragged_all_to_all_to_grouped_gemm_kernels(receiv
     assert bound / routed == pytest.approx(8.0 if receive_factor is None else 1.0, rel=1e-6)
 
 
+def test_experts_over_ep_exchange_within_their_group_and_reduce_over_its_copies():
+    """mixtral-tiny at dp 8, ep 4 for compile-only H100s: the ragged all-to-alls run within each group of 4
+    consecutive devices, and the experts' gradients (2 layers x 2 experts x 3 weights a device) are all-reduced
+    over the group's 2 copies only, devices 4 apart."""
+    from pjax.observe.hlo import device_groups
+
+    config, _, step = gpu_compile("mixtral-tiny", ["precision.preset=bf16", "mesh.ep=4"], "dp8-ep4")
+    text = step.as_text().splitlines()
+    ragged = [line for line in text if "ragged-all-to-all-start(" in line]
+    assert len(ragged) == 4 * config.model.num_hidden_layers
+    assert all(device_groups(line, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]] for line in ragged)
+    mc = config.model
+    experts = mc.num_hidden_layers * 2 * 3 * mc.hidden_size * mc.intermediate_size
+    copies = [line for line in text if re.search(r"all-reduce(-start)?\(", line)
+              and device_groups(line, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]]
+    assert [_dims(line.split("=")[1].split()[0]) for line in copies] == [[experts]], copies
+
+
 def test_the_grouped_gemm_is_tokamax_s_kernel_where_its_mosaic_lowers_and_xla_s_elsewhere():
     """Hopper, bf16 and widths in whole 128-byte swizzles: tokamax; a width of 48, fp32, an A100 or the CPU: XLA's."""
     import jax

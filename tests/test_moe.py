@@ -389,7 +389,7 @@ def test_moe_step_adds_the_router_losses_and_reports_them_alike_on_any_layout():
 
 
 def test_moe_checkpoint_restores_onto_another_expert_layout(tmp_path):
-    """Saved with 4 experts per device (dp=2), restored with 2 per device under tp=2 (dp=4 x tp=2):
+    """Saved with 4 experts per device (dp = ep = 2), restored with 2 per device under tp=2 (dp = ep = 4 x tp=2):
     every leaf equal and on its new sharding, and the next step's loss the same."""
     from pjax.checkpoint.checkpointer import Checkpointer
     from pjax.config import Config
@@ -404,7 +404,7 @@ def test_moe_checkpoint_restores_onto_another_expert_layout(tmp_path):
     loader = moe_trainer(4, 2)
     with Checkpointer(str(tmp_path)) as ckpt:
         restored = ckpt.restore(loader, config).state
-    assert restored.params["layers"]["w_gate"].addressable_shards[0].data.shape[1] == 2  # 8 experts / dp=4
+    assert restored.params["layers"]["w_gate"].addressable_shards[0].data.shape[1] == 2  # 8 experts / ep=4
     for got, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(got), ref)
     _, metrics = loader.step(restored, jax.device_put(text_batch(), loader.batch_sharding))
