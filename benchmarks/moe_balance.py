@@ -16,11 +16,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BIAS = ["model.router_score=sigmoid", "model.router_aux_loss_coef=0.0"]
 RUNS = {"aux_loss": ["model.router_score=softmax", "model.router_aux_loss_coef=0.02"],
@@ -29,6 +27,8 @@ RUNS = {"aux_loss": ["model.router_score=softmax", "model.router_aux_loss_coef=0
 
 
 def run(name: str, args: argparse.Namespace, root: str) -> dict:
+    import jax
+
     from pjax.config_io import load_config
     from pjax.train import train
 
@@ -36,7 +36,6 @@ def run(name: str, args: argparse.Namespace, root: str) -> dict:
              f"model.intermediate_size={args.width}"]
     cfg = load_config("mixtral-tiny", [*model, *RUNS[name], "mesh.dp=1", "mesh.tp=1", f"train.steps={args.steps}",
                                        "log.every=1", "log.eval_every=0", f"log.dir={root}/{name}"])
-    import jax
     records = [r for r in train(cfg, progress=False, devices=jax.devices()[:1]) if "load_max" in r]
     loads = [r["load_max"] for r in records]
     quarter = max(1, len(loads) // 4)

@@ -77,6 +77,11 @@ def auto_size(mesh, axis: str) -> int:
     return mesh.shape[axis]
 
 
+def auto_rows(mesh) -> int:
+    """How many ways a batch's rows are still split automatically: dp x ep's automatic part."""
+    return auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1])
+
+
 def manual_size(mesh, axis: str) -> int:
     """Size of a mesh axis an enclosing shard_map has made manual (1 if absent or automatic)."""
     if mesh.empty or axis not in mesh.axis_names:
@@ -123,7 +128,7 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
     devices (ARCHITECTURE.md, "Block-order token flattening")."""
     b, t, *rest = x.shape
     mesh = current()
-    dp, cp = auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1]), auto_size(mesh, CP)
+    dp, cp = auto_rows(mesh), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b * t, *rest)
     x = x.reshape(dp, b // dp, cp, t // cp, *rest).swapaxes(1, 2)
@@ -134,7 +139,7 @@ def unflatten_tokens(x: jax.Array, b: int, t: int) -> jax.Array:
     """The inverse of `flatten_tokens`: [B*T, ...] -> [B, T, ...]."""
     rest = x.shape[1:]
     mesh = current()
-    dp, cp = auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1]), auto_size(mesh, CP)
+    dp, cp = auto_rows(mesh), auto_size(mesh, CP)
     if cp == 1 or b % dp or t % cp:
         return x.reshape(b, t, *rest)
     x = x.reshape(dp, cp, b // dp, t // cp, *rest).swapaxes(1, 2)

@@ -91,4 +91,4 @@ def test_sigmoid_routing_keys_are_checked_and_have_no_hf_export():
         moe.MoeConfig(bias_update_rate=-1)
     with pytest.raises(ConfigError, match="router_score=sigmoid has no HF form"):
         dataclasses.replace(MOE_CFG, router_score="sigmoid").hf_type
-    assert isinstance(LlamaConfig(router_score="sigmoid"), LlamaConfig)  # a dense model ignores it
+    assert LlamaConfig(router_score="sigmoid").hf_type == "llama"  # a dense model has no router to score

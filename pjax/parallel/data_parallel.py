@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax import lax
 
 from mesh import rules
-from mesh.mesh import CP, DATA, DP, EP, PP, TP, current
+from mesh.mesh import CP, DATA, DP, EP, PP, TP, current, data_size
 from mesh.rules import logical_to_spec, param_rules, rows_axes, vary  # noqa: F401 (vary, rows_axes: this module's API)
 from models import fp8, llama
 from models.config import LlamaConfig
@@ -50,9 +50,8 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
 
 def can_reduce_once(mesh: Any, zero: int) -> bool:
     """Whether this step accumulates per data replica and reduces once (a pipeline: `pipeline.step._run`)."""
-    shape = {} if mesh.empty else dict(mesh.shape)
-    data = shape.get(DP, 1) * shape.get(EP, 1) * shape.get(CP, 1)
-    return data > 1 and zero < 3
+    cp = 1 if mesh.empty else mesh.shape.get(CP, 1)
+    return data_size(mesh) * cp > 1 and zero < 3
 
 
 def data_axes(mesh: Any) -> tuple[str, ...]:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from mesh.backend import target_backend
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, EP, TP, current
-from mesh.rules import auto_size, constrain
+from mesh.mesh import CP, TP, current
+from mesh.rules import auto_rows, auto_size, constrain
 from models import sequence_parallel as seqpar
 from models.llama import mask_padded_vocab
 
@@ -36,7 +36,7 @@ def vocab_parallel_cross_entropy(hidden: jax.Array, kernel: jax.Array, labels: j
     n = hidden.shape[0]
     mesh = current()
     sp = seqpar.active(sequence_parallel)
-    shares = auto_size(mesh, DP) * auto_size(mesh, EP) * auto_size(mesh, CP)
+    shares = auto_rows(mesh) * auto_size(mesh, CP)
     if 0 < chunk < n // shares:
         if (n // shares) % chunk:
             raise ConfigError(f"train.loss_chunk={chunk} does not divide the {n // shares} tokens of a device's "

@@ -186,9 +186,9 @@ def expert_rows(config: Config, layout: Layout, tokens: int) -> int:
     ep = layout.mesh.with_experts(experts).ep or 1
     if moe.routing == "dropless":
         return receive_rows(tokens, k, ep, moe.receive_factor) if ep > 1 else tokens * k
-    if moe.routing == "capacity" or ep > 1:  # dense under ep runs the capacity that never drops
-        return experts * (capacity(tokens, k, experts, moe.capacity_factor) if moe.routing == "capacity" else tokens)
-    return experts * tokens
+    if moe.routing == "capacity":
+        return experts * capacity(tokens, k, experts, moe.capacity_factor)
+    return experts * tokens  # dense: every expert on every token (under ep, the capacity that never drops)
 
 
 def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: str) -> int:
