@@ -97,10 +97,9 @@ def trainer_for(config: str, overrides: list[str]) -> tuple[Any, Any]:
     step reads (pipeline, MoE, context, precision, meta) passed on."""
     import jax
 
-    from mesh.mesh import make_mesh
     from pjax.config_io import load_config
     from pjax import step
 
     cfg = load_config(config, overrides)
     n = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp
-    return cfg, step.trainer_for(make_mesh(cfg.mesh, jax.devices()[:n], cfg.model.num_local_experts), cfg)
+    return cfg, step.trainer_for(step.mesh_for(cfg, jax.devices()[:n]), cfg)

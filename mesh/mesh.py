@@ -74,12 +74,20 @@ class MeshConfig:
                               f"of the dp devices and copied over the rest; choose an ep that divides dp.")
         return self
 
-    def with_experts(self, num_experts: int) -> "MeshConfig":
-        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide (all of dp
-        where they divide it). A dense model's stays 0, which builds an ep axis of 1."""
+    def with_experts(self, num_experts: int, copies: int = 1) -> "MeshConfig":
+        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide and that
+        leaves at least `copies` whole copies of them (dp / ep; DiLoCo's groups need 2): all of dp where the
+        experts divide it and one copy will do. A dense model's stays 0, which builds an ep axis of 1."""
         if self.ep or self.dp < 1 or not num_experts:
             return self
-        return dataclasses.replace(self, ep=math.gcd(num_experts, self.dp))
+        fits = [d for d in range(1, self.dp + 1) if not self.dp % d and not num_experts % d and self.dp // d >= copies]
+        return dataclasses.replace(self, ep=max(fits, default=1))
+
+    def model_copies(self, num_experts: int = 0, copies: int = 1) -> int:
+        """How many data replicas hold a whole model each: dp / ep (an expert group is one), dp for a dense model;
+        an unset ep as `with_experts(num_experts, copies)` fills it in. DiLoCo's groups and meta-learning's tasks
+        are made of these."""
+        return self.with_experts(num_experts, copies).shape[0]
 
     @classmethod
     def of(cls, mesh: Mesh) -> "MeshConfig":
@@ -97,11 +105,13 @@ class MeshConfig:
         return math.prod(self.shape)
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, num_experts: int = 0) -> Mesh:
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, num_experts: int = 0,
+              copies: int = 1) -> Mesh:
     """The mesh over `devices` (default: all), every axis Auto (ARCHITECTURE.md, "Auto mesh axes, not Explicit");
-    an unset ep is filled in for a model of `num_experts` experts (`MeshConfig.with_experts`)."""
+    an unset ep is filled in for a model of `num_experts` experts, `copies` of them at least
+    (`MeshConfig.with_experts`)."""
     devices = list(jax.devices() if devices is None else devices)
-    cfg = cfg.resolve(len(devices)).with_experts(num_experts)
+    cfg = cfg.resolve(len(devices)).with_experts(num_experts, copies)
     return jax.make_mesh(cfg.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from models.reference_attention import reference_attention
 
@@ -16,6 +17,15 @@ _NEG = -1e30  # finite: no inf - inf NaNs in any dtype
 def _diag_bias(block: int) -> jax.Array:
     i = jnp.arange(block)
     return jnp.where(i[:, None] >= i[None, :], 0.0, _NEG).astype(jnp.float32)
+
+
+def _add_at(x: jax.Array, y: jax.Array, start: int) -> jax.Array:
+    """x with y added to its last axis' columns [start, start + width): `x.at[..., a:b].add`, but as slices. A
+    slice spanning the axis makes that a scatter with zero-size indices, and differentiated twice (MAML) inside a
+    shard_map, the backward's manual computation then takes only those zero-size constants, which Shardy refuses
+    (jax 0.10.2)."""
+    end = start + y.shape[-1]
+    return lax.dynamic_update_slice_in_dim(x, x[..., start:end] + y, start, axis=x.ndim - 1)
 
 
 def _forward(q, k, v, block):
@@ -29,7 +39,7 @@ def _forward(q, k, v, block):
         end = start + block
         rows = q[:, :, start * g:end * g]
         s = jnp.einsum("bkrd,bkds->bkrs", rows, k_t[..., :end], preferred_element_type=jnp.float32) * scale
-        p = jax.nn.softmax(s.at[..., start:end].add(bias), axis=-1)
+        p = jax.nn.softmax(_add_at(s, bias, start), axis=-1)
         probs.append(p)
         outs.append(jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v[:, :, :end]))
     return jnp.concatenate(outs, axis=2), probs
@@ -62,11 +72,11 @@ def _blocked_bwd(block, res, d_out):
     for i, start in enumerate(range(0, t, block)):
         end, rows = start + block, slice(start * g, (start + block) * g)
         p, do = probs[i], d_out[:, :, rows]
-        dv_t = dv_t.at[..., :end].add(jnp.einsum("bkrd,bkrs->bkds", do, p))
+        dv_t = _add_at(dv_t, jnp.einsum("bkrd,bkrs->bkds", do, p), 0)
         dp = jnp.einsum("bkrd,bkds->bkrs", do, v_t[..., :end])
         ds = p * (dp - delta[:, :, rows, None]) * scale
         dq_blocks.append(jnp.einsum("bkrs,bksd->bkrd", ds, k[:, :, :end]))
-        dk_t = dk_t.at[..., :end].add(jnp.einsum("bkrd,bkrs->bkds", q[:, :, rows], ds))
+        dk_t = _add_at(dk_t, jnp.einsum("bkrd,bkrs->bkds", q[:, :, rows], ds), 0)
     dq = jnp.concatenate(dq_blocks, axis=2)
     return dq.astype(res[0].dtype), jnp.swapaxes(dk_t, -1, -2).astype(res[1].dtype), \
         jnp.swapaxes(dv_t, -1, -2).astype(res[2].dtype)

@@ -4,8 +4,6 @@ a manual region splits over devices (rows over dp, tokens over cp or over tp und
 amax over all of its blocks, so every layout scales as one device does."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -13,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mesh import replica_groups
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP
-from mesh.scoped import scoped
 from models.projection import PLAIN, Gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -29,32 +27,14 @@ def _largest(fp8: jnp.dtype) -> float:
     return float(jnp.finfo(fp8).max)
 
 
-# Where the dp replicas train models of their own (DiLoCo's groups, meta-learning's tasks): the replicas in a group,
-# consecutive along dp, that hold one model. None: all of them hold one.
-_GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("fp8_replica_group", default=None)
-
-
-def replica_groups(size: int) -> contextlib.AbstractContextManager[None]:
-    """Inside, a tensor split over dp is split over its group of `size` replicas only (traced in the block)."""
-    return scoped(_GROUP, size)
-
-
 def whole_amax(x: jax.Array, copies: tuple[str, ...] = ()) -> jax.Array:
     """x's largest magnitude over the whole tensor: over the devices whose blocks of it a manual region holds
     (the axes x varies over; an automatic axis's split XLA reduces itself). Not over pp: its devices hold other
-    layers, and a layer's tensors are one device's; over dp only within a group of `replica_groups`; not over
+    layers, and a layer's tensors are one device's; over dp only within a group of `mesh.replica_groups`; not over
     `copies`, manual axes along which x's blocks are known to be alike."""
     amax = jnp.max(jnp.abs(x)).astype(_F32)
     split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax != PP and ax not in copies))
-    group = _GROUP.get()
-    if group is None or DP not in split:
-        return lax.pmax(amax, split) if split else amax
-    rest = tuple(ax for ax in split if ax != DP)
-    amax = lax.pmax(amax, rest) if rest else amax
-    if group == 1:
-        return amax
-    every = lax.all_gather(amax, DP)  # one scalar per replica: the group's are `group` consecutive ones
-    return jnp.max(lax.dynamic_slice_in_dim(every, lax.axis_index(DP) // group * group, group))
+    return replica_groups.pmax(amax, split)
 
 
 def scale_of(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> jax.Array:

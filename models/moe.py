@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mesh import replica_groups
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP, current
 from models import bias_balance, grouped_gemm
@@ -215,8 +216,8 @@ def _local_moe(x: jax.Array, p: dict[str, jax.Array], router: Router, config: Mo
         cap = x.shape[0] if routing != "capacity" else capacity(x.shape[0], top_k, num_experts, config.capacity_factor)
         y, dropped = capacity_experts(x, weights, experts, w, cap, axis, gemms)
         stats = stats._replace(dropped=dropped)
-    if token_axes:  # the statistics of the whole batch, on every device
-        stats = RouterStats(*lax.psum(tuple(stats), token_axes))
+    if token_axes:  # the statistics of the whole batch (of a replica group's rows: `mesh.replica_groups`)
+        stats = RouterStats(*replica_groups.psum(tuple(stats), token_axes))
     return y, stats
 
 

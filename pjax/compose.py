@@ -108,7 +108,8 @@ def check(config: Any) -> None:
     from pjax.data.curriculum import Curriculum
     from pjax.validate import Run, validate_run
 
-    run = Run(config.mesh, config.model, config.train, config.pipeline, config.context, config.precision, config.meta)
+    run = Run(config.mesh, config.model, config.train, config.pipeline, config.context, config.precision, config.meta,
+              config.moe)
     validate_run(*run)
     Curriculum.for_run(config.data.curriculum, run)
     if config.meta.algorithm is not None:

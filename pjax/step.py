@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.backend import on_target
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current
+from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current, make_mesh
 from models import bias_balance, llama
 from models.attention import select_attention
 from models.config import LlamaConfig, shape_keys
@@ -69,9 +69,10 @@ class Accumulation:
         return data_parallel.reduce_once(local, params, batch, self.spec.cfg, self.zero, self.compression, residual)
 
     def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1,
-                                   scatter: bool = False) -> tuple[jax.Array, Any]:
-        """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
-        [replicas, ...] parameters (`data_parallel.per_replica`; with `scatter`, its chunk of the group's)."""
+                                   scatter: bool = False) -> tuple[jax.Array, Any, dict]:
+        """The global batch's mean loss, each dp replica's mean gradient on its group's rows from its own
+        [replicas, ...] parameters (`data_parallel.per_replica`; with `scatter`, its chunk of the group's), and
+        the groups' mean router metrics (MoE; else {})."""
         local = functools.partial(accumulate, spec=self.spec)
         return data_parallel.per_replica(local, stacked_params, batch, self.spec.cfg, group_size, scatter)
 
@@ -183,9 +184,9 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
-    validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg)
+    validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg, moe)
     policy = precision.resolve(tc.dtype)
-    inner = make_optimizer(tc, policy.optimizer_state, clipped_before=group_zero.sharded(tc, mc.dp))
+    inner = make_optimizer(tc, policy.optimizer_state, clipped_before=group_zero.sharded(tc, mesh.shape[DP]))
     optimizer = outer.outer_optimizer(tc) if tc.local_steps else inner
     if meta_cfg.algorithm:
         optimizer = meta.meta_optimizer(meta_cfg, tc, inner)
@@ -206,7 +207,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         if mc.pp > 1:
             params = pipeline_layout.to_pipeline_layout(params, mc.pp, pipeline.virtual_stages, pipeline.vshape)
         residual = _zero_feedback(params, mesh, cfg, tc, outer_loop) if compressed else None
-        local = diloco.fresh(params, mc.dp) if diloco else None
+        local = diloco.fresh(params, mesh.shape[DP]) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
     attention_fn = None
@@ -237,6 +238,12 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         diloco=diloco,
         learner=learner,
     )
+
+
+def mesh_for(config: Config, devices: Any = None) -> Mesh:
+    """The mesh a run's config asks for over `devices` (default: all): an unset mesh.ep filled in for its experts,
+    leaving DiLoCo the two copies of them it averages (`outer.copies_needed`)."""
+    return make_mesh(config.mesh, devices, config.model.num_local_experts, outer.copies_needed(config.train))
 
 
 def trainer_for(mesh: Mesh, config: Config, tc: TrainConfig | None = None) -> Trainer:

@@ -117,19 +117,19 @@ def _prepare(cfg: Config, ckpt: Any, devices: Sequence[Any] | None, note: str | 
     """Mesh, sharded step, data and state, each failing with one line before any step runs."""
     import jax
 
-    from mesh.mesh import CP, make_mesh
+    from mesh.mesh import CP
     from pjax.checkpoint.resume import write_config
     from pjax.data import build_data
     from pjax.data.curriculum import Curriculum
     from pjax.data.prefetch import Prefetcher
     from pjax.observe.memory import step_memory_bytes
     from pjax.parallel.context.zigzag import zigzag_layout
-    from pjax.step import init_state, trainer_for
+    from pjax.step import init_state, mesh_for, trainer_for
     from pjax.validate import Run
 
     tc, mc = cfg.train, cfg.model
     _warn_if_longer_than_the_model(cfg)
-    mesh = make_mesh(cfg.mesh, devices, cfg.model.num_local_experts)
+    mesh = mesh_for(cfg, devices)
     build = lambda train: trainer_for(mesh, cfg, train)
     trainer = build(tc)
     _warn_if_zero_has_whole_groups(tc, mesh)

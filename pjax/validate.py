@@ -13,6 +13,7 @@ from mesh.mesh import MeshConfig
 from mesh.validate import validate_batch, validate_model
 from models import sequence_parallel
 from models.config import LlamaConfig
+from models.moe import MoeConfig
 from models.precision import PrecisionConfig
 from pjax.config import MetaConfig, TrainConfig
 from pjax.parallel import compression, meta, outer, streaming
@@ -32,6 +33,7 @@ class Run(NamedTuple):
     context: ContextConfig = ContextConfig()
     precision: PrecisionConfig = PrecisionConfig()
     meta: MetaConfig = MetaConfig()
+    moe: MoeConfig = MoeConfig()
 
 
 def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
@@ -68,8 +70,8 @@ RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),
                  context: ContextConfig = ContextConfig(), precision: PrecisionConfig = PrecisionConfig(),
-                 meta_cfg: MetaConfig = MetaConfig()) -> None:
+                 meta_cfg: MetaConfig = MetaConfig(), moe: MoeConfig = MoeConfig()) -> None:
     """A one-line ConfigError, from the first of `RULES` that fails, unless the run splits over `mc`."""
-    run = Run(mc, cfg, tc, pipeline, context, precision, meta_cfg)
+    run = Run(mc, cfg, tc, pipeline, context, precision, meta_cfg, moe)
     for rule in RULES:
         rule(run)

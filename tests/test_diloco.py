@@ -268,12 +268,6 @@ def test_layouts_diloco_does_not_run_on_are_one_line(overrides, message):
         validate_run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.context, cfg.precision)
 
 
-def test_an_moe_model_is_refused():
-    cfg = load_config("mixtral-tiny", ["train.local_steps=4", "mesh.dp=2", "mesh.tp=1"])
-    with pytest.raises(ConfigError, match="does not run with an MoE model"):
-        validate_run(cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.context, cfg.precision)
-
-
 def test_the_planner_counts_one_parameter_average_every_h_steps():
     from pjax.plan.estimate import analytic_comm
     from pjax.plan.layouts import Layout

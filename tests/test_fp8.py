@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from mesh import MeshConfig, make_mesh
+from mesh import MeshConfig, make_mesh, replica_groups
 from mesh.errors import ConfigError
 from models import fp8
 from models.config import LlamaConfig
@@ -183,7 +183,7 @@ def test_fp8_scales_are_per_tensor_on_every_layout(layout):
 
 def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():
     """Rows split over dp: one amax over all of them; where the replicas train models of their own (DiLoCo's
-    groups, meta-learning's tasks, `fp8.replica_groups`), over each group of replicas only."""
+    groups, meta-learning's tasks, `mesh.replica_groups`), over each group of replicas only."""
     from jax.sharding import PartitionSpec as P
 
     mesh = make_mesh(MeshConfig(dp=4), jax.devices()[:4])
@@ -191,7 +191,7 @@ def test_the_amax_spans_the_devices_of_one_tensor_and_a_replica_group_only():
 
     def amax(group):
         def body(block):
-            with contextlib.nullcontext() if group is None else fp8.replica_groups(group):
+            with contextlib.nullcontext() if group is None else replica_groups.replica_groups(group):
                 return fp8.whole_amax(block)[None]
         return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(x))
 

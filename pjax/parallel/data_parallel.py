@@ -10,10 +10,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax import lax
 
-from mesh import rules
+from mesh import replica_groups, rules
 from mesh.mesh import CP, DATA, DP, EP, PP, TP, current, data_size
 from mesh.rules import logical_to_spec, param_rules, rows_axes, vary  # noqa: F401 (vary, rows_axes: this module's API)
-from models import fp8, llama
+from models import llama
 from models.config import LlamaConfig
 from pjax.parallel import feedback, groups, overlap
 
@@ -157,29 +157,32 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
 
 
 def per_replica(accumulate: Any, stacked_params: Any, batch: Any, cfg: LlamaConfig, group_size: int = 1,
-                scatter: bool = False) -> tuple[jax.Array, Any]:
+                scatter: bool = False) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Each dp replica's own mean gradient, with no reduction over dp beyond its group of `group_size` replicas
     (DiLoCo's groups, `pjax.parallel.outer`): `stacked_params` carry a leading [replicas] axis over dp, and so
-    do the gradients returned with the global mean loss. Sums over cp and the group; tp stays with the
-    partitioner. With `scatter` (DiLoCo under ZeRO) the group's sum is reduce-scattered by 'embed': each replica
-    keeps its chunk (`groups.group_scatter`)."""
+    do the gradients returned with the global mean loss and the router metrics (each group's, averaged over
+    the groups). A replica is an expert group: its gradient is summed over ep (the experts' over none: each
+    device's own) and cp, and over the group's replicas; tp stays with the partitioner. With `scatter` (DiLoCo
+    under ZeRO) the group's sum is reduce-scattered by 'embed': each replica keeps its chunk
+    (`groups.group_scatter`)."""
     axes = replica_axes(current())
     in_group = axes[1:]
 
     def body(params, batch):
         one = jax.tree.map(lambda x: x[0], params)
-        with fp8.replica_groups(group_size):
-            loss, count, grads, _ = accumulate(vary(one, in_group), batch)
-        grads, (loss, count) = _psum([grads, (loss, count)], in_group)
+        with replica_groups.replica_groups(group_size):
+            loss, count, grads, router = accumulate(vary(one, in_group), batch)
+        grads = reduce_gradients(grads, cfg, False, axes=in_group)[0]
+        loss, count = _psum([loss, count], in_group)
         total, tokens = lax.psum((overlap.waits(loss), overlap.waits(count)), DP)
         if scatter:
             grads, count = scatter_in_group(grads, cfg, group_size), groups.group_sum(count, group_size)
         else:
             grads, count = groups.group_sum((grads, count), group_size)
-        return total / tokens, jax.tree.map(lambda g: g[None] / count, grads)
+        return total / tokens, jax.tree.map(lambda g: g[None] / count, grads), lax.pmean(router, DP)
 
     specs = stacked_specs(data_specs(cfg, axes))
-    return jax.shard_map(body, in_specs=(specs, batch_spec(axes)), out_specs=(P(), specs),
+    return jax.shard_map(body, in_specs=(specs, batch_spec(axes)), out_specs=(P(), specs, P()),
                          axis_names=set(axes))(stacked_params, batch)
 
 
@@ -192,8 +195,9 @@ def scatter_in_group(grads: Any, cfg: LlamaConfig, group_size: int) -> Any:
 
 
 def replica_axes(mesh: Any) -> tuple[str, ...]:
-    """The manual axes of a per-replica step: dp (even at 1: the replicas' axis), then cp when it splits tokens."""
-    return (DP, CP) if mesh.shape[CP] > 1 else (DP,)
+    """The manual axes of a per-replica step: dp (even at 1: the replicas' axis), then ep and cp where they split
+    a replica's tokens."""
+    return (DP, *(a for a in (EP, CP) if mesh.shape[a] > 1))
 
 
 def stacked_specs(specs: Any) -> Any:

@@ -27,7 +27,7 @@ import optax
 from jax import lax
 
 from mesh.mesh import DP
-from models import llama
+from models import bias_balance, llama
 from models.config import LlamaConfig
 from pjax.parallel import data_parallel, groups, overlap
 
@@ -51,8 +51,8 @@ def whole_groups_note(tc: Any, replicas: int) -> str | None:
         return None
     return (f"train.zero={tc.zero} under DiLoCo (train.local_steps={tc.local_steps}) with groups of one replica: "
             f"each group's inner state stays whole on its replica (nothing to shard within a group), and ZeRO "
-            f"shards only the global parameters' state over dp; set train.diloco_groups below mesh.dp={replicas} "
-            f"to shard the inner state within groups.")
+            f"shards only the global parameters' state over dp; set train.diloco_groups below the {replicas} "
+            f"replicas (mesh.dp, over mesh.ep for an MoE) to shard the inner state within groups.")
 
 
 def embed_axes(cfg: LlamaConfig) -> Any:
@@ -116,17 +116,18 @@ def fresh(params: Any, inner: optax.GradientTransformation, replicas: int, cfg: 
     return {"params": mine if zero >= 3 else whole, "opt_state": jax.vmap(inner.init)(mine)}
 
 
-def inner_step(diloco: Any, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
+def inner_step(diloco: Any, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array, dict]:
     """`DiLoCo.inner_step` with the group's state sharded over its replicas (the module's docstring)."""
     size, cfg, zero = diloco.group_size(), diloco.strategy.spec.cfg, diloco.tc.zero
     whole = local["params"] if zero < 3 else gather(local["params"], cfg, size)
-    loss, grads = diloco.strategy.per_replica_loss_and_grads(whole, batch, size, scatter=True)
+    loss, grads, router = diloco.strategy.per_replica_loss_and_grads(whole, batch, size, scatter=True)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    loads, grads = bias_balance.split_loads(grads)  # a bias is kept whole: its loads are the group's
     norms = group_norms(grads, size, cfg)
     if diloco.tc.grad_clip > 0:  # the inner optimizer's own clip node is an identity (`optim.make_optimizer`)
         grads = clip(grads, norms, diloco.tc.grad_clip)
     mine = shard(local["params"], cfg, size) if zero < 3 else local["params"]
     updates, opt_state = jax.vmap(diloco.inner.update)(grads, local["opt_state"], mine)
-    mine = optax.apply_updates(mine, updates)
+    mine = diloco.moved(optax.apply_updates(mine, updates), mine, loads)
     params = gather(mine, cfg, size) if zero < 3 else mine
-    return {"params": params, "opt_state": opt_state}, loss, jnp.mean(norms)
+    return {"params": params, "opt_state": opt_state}, loss, jnp.mean(norms), router

@@ -1,14 +1,16 @@
 """Meta-learning on the outer loop: Reptile, first-order MAML and MAML over tasks (`meta.*`).
 
-A task is a data source (`meta.tasks`, or a value of `meta.task_field`); each dp replica is a group that
-adapts the meta-parameters `TrainState.params` to its step's task by `meta.inner_steps` SGD steps at
-`meta.inner_lr`, one micro-batch each, with no communication between groups (with pp or cp > 1 each group
-adapts a copy through the strategy: `over_copies`); the groups then meet once, in one mean over dp:
+A task is a data source (`meta.tasks`, or a value of `meta.task_field`); each dp replica (of an MoE, each expert
+group of ep devices) is a group that adapts the meta-parameters `TrainState.params` to its step's task by
+`meta.inner_steps` SGD steps at `meta.inner_lr`, one micro-batch each, with no communication between groups (with
+pp, cp or ep > 1 each group adapts a copy through the strategy: `over_copies`; an MoE's router statistics are the
+group's own, `mesh.replica_groups`); the groups then meet once, in one mean over dp:
 - reptile: the adapted parameters are averaged and the outer loop's step (`outer.outer_step`, DiLoCo's:
   SGD with `train.outer_lr` and Nesterov `train.outer_momentum`) moves the meta-parameters toward them;
 - fomaml: the gradient of the task's loss on one more micro-batch (the query), at the adapted parameters;
 - maml: the same loss differentiated through the inner steps (`jax.grad` of the whole adaptation).
-fomaml's and maml's mean meta-gradient goes to the run's AdamW (train.lr, its schedule and clipping).
+fomaml's and maml's mean meta-gradient goes to the run's AdamW (train.lr, its schedule and clipping). Sigmoid
+routing's selection biases move by their loads, never by SGD or AdamW: in each inner step and by the query's.
 With `train.grad_compression` that one mean travels in its payload with error feedback (`outer.compressed_mean`,
 DiLoCo's outer average's code).
 The task data comes from `pjax.data.tasks.TaskIterator`: group g's rows hold one task per step.
@@ -24,9 +26,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mesh import replica_groups
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, PP, current
-from models import fp8
+from mesh.mesh import CP, DP, EP, PP, current
+from models import bias_balance
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import data_parallel, outer
@@ -51,20 +54,27 @@ def check_run(run: Any) -> None:
         raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative "
                           f"of Ulysses' all-to-alls in the groups' shard_map does not lower (jax 0.10.2); use "
                           f"context.strategy=ring or all_gather, or meta.algorithm=fomaml or reptile.")
+    if meta.algorithm == "maml" and run.model.num_local_experts and run.moe.routing == "dropless":
+        ample = run.model.num_local_experts / run.model.num_experts_per_tok
+        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative of "
+                          f"dropless routing's grouped GEMMs (lax.ragged_dot) is not implemented (jax 0.10.2): use "
+                          f"moe.routing=capacity (moe.capacity_factor >= {ample:g}, experts / top-k, drops nothing), "
+                          f"or meta.algorithm=fomaml or reptile.")
     if mesh.pp > 1 and run.pipeline.schedule == "interleaved":
         raise ConfigError(f"{head} with mesh.pp={mesh.pp} runs the pipeline on one micro-batch per inner step, and "
                           f"pipeline.schedule=interleaved needs them in groups of pp: use pipeline.schedule=1f1b "
                           f"(or afab, zb_h1, zb_v).")
     _check_compression(run, head)
     refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
-               (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0"),
-               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over ep)")]
+               (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0")]
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{head} does not run with {what}; use {fix}.")
-    if len(meta.tasks) % mesh.dp:
-        raise ConfigError(f"meta.tasks names {len(meta.tasks)} tasks, which do not divide over the mesh.dp={mesh.dp} "
-                          f"groups that adapt in parallel; name a multiple of {mesh.dp} tasks, or change mesh.dp.")
+    groups = mesh.model_copies(run.model.num_local_experts)
+    if len(meta.tasks) % groups:
+        where = f"mesh.dp={mesh.dp}" if groups == mesh.dp else f"{groups} (mesh.dp={mesh.dp} / mesh.ep)"
+        raise ConfigError(f"meta.tasks names {len(meta.tasks)} tasks, which do not divide over the {where} "
+                          f"groups that adapt in parallel; name a multiple of {groups} tasks, or change mesh.dp.")
     reads = meta.inner_steps + meta.query
     if tc.grad_accum != reads:
         query = " and 1 to take the meta-gradient on" if meta.query else ""
@@ -102,7 +112,7 @@ class Meta:
     meta: Any  # MetaConfig
     optimizer: optax.GradientTransformation  # `meta_optimizer`'s
     tc: Any  # TrainConfig
-    strategy: Any = None  # with pp or cp > 1 the groups adapt through its per_replica_loss_and_grads (`over_copies`)
+    strategy: Any = None  # with pp, cp or ep > 1 the groups adapt through its per_replica_loss_and_grads (`over_copies`)
 
     def step(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """One meta-step: {loss (before adapting), adapted_loss, grad_norm, lr, finite}. With
@@ -120,9 +130,11 @@ class Meta:
             params, opt_state = outer.outer_step(self.optimizer, state.params, state.opt_state, target)
             grad_norm = optax.tree.norm(jax.tree.map(jnp.subtract, state.params, target))
             lr = jnp.asarray(self.tc.outer_lr, jnp.float32)
-        else:
+        else:  # the query's loads move the selection biases, outside AdamW (as in `pjax.step.train_step`)
+            loads, target = bias_balance.split_loads(target)
             updates, opt_state = self.optimizer.update(target, state.opt_state, state.params)
             params, grad_norm = optax.apply_updates(state.params, updates), optax.tree.norm(target)
+            params = bias_balance.moved(params, state.params, loads, self.spec.moe.bias_update_rate)
             lr = lr_schedule(self.tc)(schedule_count(state.opt_state))
         finite = jnp.isfinite(loss) & jnp.isfinite(adapted) & jnp.isfinite(grad_norm)
         if self.tc.on_nonfinite == "skip":
@@ -135,13 +147,13 @@ class Meta:
         """`per_task` in every group at once (a shard_map manual over dp), then the mean over the groups (with
         `stacked`, each group's row of a [groups, ...] stack instead; the losses are means either way)."""
         axes = data_parallel.data_axes(current())
-        if current().shape[PP] > 1 or CP in axes:
+        if current().shape[PP] > 1 or CP in axes or EP in axes:
             return self.over_copies(params, batch, stacked)
         if not axes:
             return self.per_task(params, batch)
 
         def body(params, batch):
-            with fp8.replica_groups(1):  # each replica adapts to its own task
+            with replica_groups.replica_groups(1):  # each replica adapts to its own task
                 out = self.per_task(data_parallel.vary(params, axes), batch)
             if not stacked:
                 return lax.pmean(out, DP)
@@ -150,15 +162,16 @@ class Meta:
                              out_specs=(P(DP) if stacked else P(), P(), P()), axis_names=set(axes))(params, batch)
 
     def over_copies(self, params: Any, batch: Any, stacked: bool = False) -> tuple[Any, jax.Array, jax.Array]:
-        """`over_tasks` with pp or cp > 1: every group's parameters stacked [groups, ...] and adapted by the
-        strategy's step without dp (a pipeline per group, a sum over cp), one micro-batch per inner step."""
-        n, lr = self.meta.inner_steps, self.meta.inner_lr
+        """`over_tasks` with pp, cp or ep > 1: every group's parameters stacked [groups, ...] and adapted by the
+        strategy's step without dp (a pipeline per group, a sum over cp, an expert group over ep), one micro-batch
+        per inner step."""
+        n = self.meta.inner_steps
         grads_of = lambda p, micro: self.strategy.per_replica_loss_and_grads(  # noqa: E731
-            p, jax.tree.map(lambda x: x[None], micro))
+            p, jax.tree.map(lambda x: x[None], micro))[:2]
 
         def one(p, micro):
             loss, grads = grads_of(p, micro)
-            return jax.tree.map(lambda w, g: w - lr * g.astype(w.dtype), p, grads), loss
+            return self.sgd(p, grads), loss
 
         def adapt(p):
             return lax.scan(one, outer.copies(p, current().shape[DP]), jax.tree.map(lambda x: x[:n], batch))
@@ -200,8 +213,15 @@ class Meta:
         """SGD at meta.inner_lr, one step per support micro-batch: the adapted parameters and each step's loss."""
         def one(p, micro):
             loss, grads = jax.value_and_grad(self.task_loss)(p, micro)
-            return jax.tree.map(lambda w, g: w - self.meta.inner_lr * g.astype(w.dtype), p, grads), loss
+            return self.sgd(p, grads), loss
         return lax.scan(one, params, support)
+
+    def sgd(self, params: Any, grads: Any) -> Any:
+        """One inner step at meta.inner_lr; sigmoid routing's selection biases moved by their loads instead, as a
+        training step moves them (`models/bias_balance.py`)."""
+        loads, grads = bias_balance.split_loads(grads)
+        new = jax.tree.map(lambda w, g: w - self.meta.inner_lr * g.astype(w.dtype), params, grads)
+        return bias_balance.moved(new, params, loads, self.spec.moe.bias_update_rate)
 
     def task_loss(self, params: Any, micro: Any) -> jax.Array:
         """Mean token loss of one micro-batch."""

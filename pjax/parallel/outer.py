@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
+from models import bias_balance
 from pjax.divergence import keep_if_finite
 from pjax.optim import lr_schedule, schedule_count
 from pjax.parallel import data_parallel, feedback, group_zero, overlap
@@ -44,22 +45,39 @@ def check_run(run: Any) -> None:
         _outer_keys_unused(tc, run.meta.algorithm)
         return
     head = f"train.local_steps={tc.local_steps} (DiLoCo)"
+    copies = mesh.model_copies(run.model.num_local_experts, copies_needed(tc))
     if mesh.dp < 2:
         raise ConfigError(f"{head} syncs dp groups, and this mesh has dp={mesh.dp}: set mesh.dp >= 2, or "
                           f"train.local_steps=0.")
+    if copies < 2:
+        raise ConfigError(f"{head} syncs copies of the model, and the experts span all mesh.dp={mesh.dp} replicas "
+                          f"(mesh.ep={mesh.dp}): set mesh.ep to a divisor of {mesh.dp} below it, so that dp / ep "
+                          f">= 2 copies hold every expert, or train.local_steps=0.")
     if tc.steps < tc.local_steps:
         raise ConfigError(f"{head} first synchronises at step {tc.local_steps}, after train.steps={tc.steps}: the "
                           f"checkpoint and export would hold the initial parameters; set train.local_steps <= "
                           f"{tc.steps}, or more train.steps.")
-    if tc.diloco_groups is not None and mesh.dp % tc.diloco_groups:
-        raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split the mesh.dp={mesh.dp} "
-                          f"replicas evenly; use a divisor of {mesh.dp}, or null for one group per replica.")
-    refused = [(tc.grad_compression != "none" and tc.powersgd_start > 0, f"train.powersgd_start={tc.powersgd_start}",
-                "train.powersgd_start=0 (the outer average is compressed from the first synchronisation)"),
-               (run.model.num_local_experts > 0, "an MoE model", "a dense model (experts are split over ep)")]
-    for bad, what, fix in refused:
-        if bad:
-            raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.local_steps=0.")
+    if tc.diloco_groups is not None and copies % tc.diloco_groups:
+        raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split "
+                          f"{_copies(mesh, copies)} evenly; use a divisor of {copies}, or null for one group per "
+                          f"replica.")
+    if tc.grad_compression != "none" and tc.powersgd_start > 0:
+        raise ConfigError(f"{head} does not run with train.powersgd_start={tc.powersgd_start}; use "
+                          f"train.powersgd_start=0 (the outer average is compressed from the first synchronisation), "
+                          f"or train.local_steps=0.")
+
+
+def copies_needed(tc: Any) -> int:
+    """The fewest whole copies of the model a run's data replicas must hold: DiLoCo's groups average 2 or more
+    (an MoE's unset mesh.ep leaves them: `MeshConfig.with_experts`)."""
+    return 2 if tc.local_steps else 1
+
+
+def _copies(mesh: Any, copies: int) -> str:
+    """The model's copies on `mesh`, in words: 'the mesh.dp=4 replicas', or an MoE's expert groups."""
+    if copies == mesh.dp:
+        return f"the mesh.dp={mesh.dp} replicas"
+    return f"the {copies} copies of the experts (mesh.dp={mesh.dp} / mesh.ep={mesh.dp // copies})"
 
 
 def _outer_keys_unused(tc: Any, algorithm: str | None) -> None:
@@ -151,28 +169,36 @@ class DiLoCo:
 
     def inner_round(self, state: Any, batch: Any) -> tuple[Any, dict]:
         """`inner_step` on the groups' parameters and inner state (other entries of `state.local` kept), a
-        non-finite step dropped under on_nonfinite=skip, and the step's metrics."""
+        non-finite step dropped under on_nonfinite=skip, and the step's metrics (an MoE's router metrics: the
+        groups' mean)."""
         own = {k: state.local[k] for k in ("params", "opt_state")}
-        new, loss, grad_norm = self.inner_step(own, batch)
+        new, loss, grad_norm, router = self.inner_step(own, batch)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if self.tc.on_nonfinite == "skip":
             new = keep_if_finite(finite, new, own)
         # Every group's count is the same; the first one's read over dp (`overlap.waits`: a landing's anchor).
         lr = overlap.waits(lr_schedule(self.tc)(schedule_count(own["opt_state"])))[0]
-        return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+        return {**state.local, **new}, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite, **router}
 
-    def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array]:
-        """Each group's AdamW step on its rows, its gradient summed over cp and the group's replicas only
-        (`per_replica_loss_and_grads`), the update vmapped over the replicas: (new local state, global mean
-        loss, mean of the replicas' gradient norms). The loss and token count are all that crosses groups."""
+    def inner_step(self, local: Any, batch: Any) -> tuple[Any, jax.Array, jax.Array, dict]:
+        """Each group's AdamW step on its rows, its gradient summed over its expert group (ep), cp and the group's
+        replicas only (`per_replica_loss_and_grads`), the update vmapped over the replicas, sigmoid routing's
+        biases moved by each group's own loads (`models/bias_balance.py`): (new local state, global mean loss,
+        mean of the replicas' gradient norms, the groups' mean router metrics). The loss, token count and
+        metrics are all that crosses groups."""
         if group_zero.sharded(self.tc, current().shape[DP]):
             return group_zero.inner_step(self, local, batch)
-        loss, grads = self.strategy.per_replica_loss_and_grads(local["params"], batch, self.group_size())
+        loss, grads, router = self.strategy.per_replica_loss_and_grads(local["params"], batch, self.group_size())
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        loads, grads = bias_balance.split_loads(grads)
         updates, opt_state = jax.vmap(self.inner.update)(grads, local["opt_state"], local["params"])
-        params = optax.apply_updates(local["params"], updates)
+        params = self.moved(optax.apply_updates(local["params"], updates), local["params"], loads)
         norm = jnp.mean(overlap.waits(jax.vmap(optax.tree.norm)(grads)))
-        return {"params": params, "opt_state": opt_state}, loss, norm
+        return {"params": params, "opt_state": opt_state}, loss, norm, router
+
+    def moved(self, params: Any, before: Any, loads: Any) -> Any:
+        """`params` with each group's selection biases moved by its loads at `moe.bias_update_rate`."""
+        return bias_balance.moved(params, before, loads, self.strategy.spec.moe.bias_update_rate)
 
     def group_size(self) -> int:
         """Replicas per group: 1, or dp / `train.diloco_groups`."""

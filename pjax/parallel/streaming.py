@@ -218,6 +218,8 @@ class StreamingDiLoCo(outer.DiLoCo):
         """Fragment f's error feedback (`feedback`): its slices of every replica's residual and, with PowerSGD,
         its warm-start Qs; with `new`, `residual` with fragment f's replaced by it."""
         def error(x: jax.Array, kind: int, y: jax.Array | None = None, axis: int = 1) -> jax.Array:
+            if kind == 1 and x.ndim == 2:  # an expert's placeholder [replicas, 1]: its average travels exact
+                return x if y is None else y
             if y is None:
                 return fragment(x, f, self.parts, axis, self._columns(kind))
             return with_fragment(x, y, f, self.parts, axis, self._columns(kind))

@@ -31,15 +31,13 @@ def compile_planned(config: Config, layout: Layout, profile: Profile, devices_pe
     """(planned config, trainer, compiled step) of one layout, on fake CPU devices of this process or on
     compile-only GPUs of the profile's kind (`backend` 'cpu' or 'gpu', `pjax.plan.gpu_target`)."""
     from mesh.backend import building_for
-    from mesh.mesh import make_mesh
     from pjax.cudnn_fallback import compile_step
     from pjax.plan.gpu_target import compile_devices, persistent_cache
-    from pjax.step import trainer_for
+    from pjax.step import mesh_for, trainer_for
 
     cfg = planned_config(config, layout, profile)
     count = layout.dp * layout.pp * layout.cp * layout.tp
-    mesh = make_mesh(cfg.mesh, compile_devices(backend, profile.name, count, min(count, devices_per_host)),
-                     cfg.model.num_local_experts)
+    mesh = mesh_for(cfg, compile_devices(backend, profile.name, count, min(count, devices_per_host)))
     build = lambda tc: trainer_for(mesh, cfg, tc)  # every section: precision, meta, DiLoCo, compression
     with building_for(backend, mesh.devices.flat[0]), persistent_cache(backend == "cpu"):
         trainer, compiled, _ = compile_step(build(cfg.train), build)  # chunked where cuDNN's does not compile

@@ -28,12 +28,11 @@ def stepper(config_name: str, overrides: Sequence[str], layout: Layout, devices:
     """`layout`'s training step built on `devices` with a batch: a call starts a state, times `steps` steps after
     one warm-up step (the first call's compiles) and drops the state, so that two steppers of a model that
     fills the devices can take turns; it gives the steps' median seconds."""
-    from mesh.mesh import make_mesh
     from pjax.config_io import load_config
-    from pjax.step import trainer_for
+    from pjax.step import mesh_for, trainer_for
 
     cfg = load_config(config_name, [*overrides, *layout.overrides()])
-    trainer = trainer_for(make_mesh(cfg.mesh, devices, cfg.model.num_local_experts), cfg)
+    trainer = trainer_for(mesh_for(cfg, devices), cfg)
     shapes = trainer.abstract_batch()["inputs"].shape
 
     @functools.partial(jax.jit, out_shardings=trainer.batch_sharding)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mesh import replica_groups
 from mesh.errors import ConfigError
 from mesh.mesh import DP, PP, current
-from models import fp8
 from models.config import LlamaConfig
 from pjax.parallel import data_parallel, feedback, groups
 from pjax.parallel.pipeline import schedules as ps
@@ -51,28 +51,30 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
 
 
 def _run_per_replica(sched: ps.Schedule, stage: Stage, stacked_params: Any, batch: Batch, lockstep: bool,
-                     cfg: LlamaConfig, group_size: int, scatter: bool = False) -> tuple[jax.Array, Any]:
-    """The executor once per dp replica on [replicas, ...] parameters: each replica's gradients summed over cp
-    and its group of `group_size` replicas (`groups.group_sum`; with `scatter`, each replica's chunk of that sum,
-    `data_parallel.scatter_in_group`), stacked again (DiLoCo's groups, `pjax.parallel.outer`), and the loss summed
-    over everything."""
+                     cfg: LlamaConfig, group_size: int, scatter: bool = False) -> tuple[jax.Array, Any, dict]:
+    """The executor once per dp replica on [replicas, ...] parameters: each replica's gradients summed over its
+    expert group's ep and cp (`data_parallel.reduce_gradients`) and its group of `group_size` replicas
+    (`groups.group_sum`; with `scatter`, each replica's chunk of that sum, `data_parallel.scatter_in_group`),
+    stacked again (DiLoCo's groups, `pjax.parallel.outer`), the loss summed over everything, and the groups'
+    router metrics averaged."""
     data = data_parallel.replica_axes(current())
     in_group = data[1:]
 
     def reduce(g: Any) -> Any:
-        g = lax.psum(g, in_group) if in_group else g
+        g = data_parallel.reduce_gradients(g, cfg, False, axes=in_group)[0]
         return data_parallel.scatter_in_group(g, cfg, group_size) if scatter else groups.group_sum(g, group_size)
 
     run, table = executor(sched, stage, lockstep, reduce)
 
     def body(params, batch, table):
-        with fp8.replica_groups(group_size):
-            loss, grads, _ = run(jax.tree.map(lambda x: x[0], params), batch, table)
-        return loss, jax.tree.map(lambda g: g[None], grads)
+        with replica_groups.replica_groups(group_size):
+            loss, grads, router = run(jax.tree.map(lambda x: x[0], params), batch, table)
+        return loss, jax.tree.map(lambda g: g[None], grads), router
 
     specs = data_parallel.stacked_specs(data_parallel.data_specs(cfg, data, pipelined=True))
-    return jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)), out_specs=(P(), specs),
-                         axis_names={PP, *data})(stacked_params, batch, jnp.asarray(table))
+    return jax.shard_map(body, in_specs=(specs, data_parallel.batch_spec(data), P(None, PP)),
+                         out_specs=(P(), specs, P()), axis_names={PP, *data})(stacked_params, batch,
+                                                                            jnp.asarray(table))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +107,17 @@ class Pipelined:
         return loss, grads, router, residual
 
     def per_replica_loss_and_grads(self, stacked_params: Any, batch: Batch, group_size: int = 1,
-                                   scatter: bool = False) -> tuple[jax.Array, Any]:
-        """The global batch's mean loss, and each dp replica's mean gradient on its group's rows from its own
+                                   scatter: bool = False) -> tuple[jax.Array, Any, dict]:
+        """The global batch's mean loss, each dp replica's mean gradient on its group's rows from its own
         [replicas, ...] parameters (`data_parallel.per_replica`'s, through the pipeline; with `scatter`, its
-        chunk of the group's)."""
+        chunk of the group's), and the groups' mean router metrics."""
         lockstep = needs_lockstep()
         count = current().shape[DP] // group_size  # groups, each of group_size replicas
         stage = make_stage(self.spec, count / batch["labels"].size, data_manual=True)
         sched = self._table(batch["inputs"].shape[0], lockstep)
-        loss, grads = _run_per_replica(sched, stage, stacked_params, batch, lockstep, self.spec.cfg, group_size,
-                                       scatter)
-        return loss / count, grads
+        loss, grads, router = _run_per_replica(sched, stage, stacked_params, batch, lockstep, self.spec.cfg,
+                                               group_size, scatter)
+        return loss / count, grads, router
 
     def mean_loss(self, params: Any, batch: Batch) -> jax.Array:
         """Mean token loss (with MoE router losses) without gradients, through a forwards-only table."""
