@@ -25,11 +25,10 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin still makes compile-only GPUs
 
 
-def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int, attention: str
-            ) -> dict:
+def kernels_compiled(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int,
+                     attention: str) -> tuple:
+    """(trainer, optimized HLO text, compile seconds) of a layout compiled for compile-only GPUs of `kind`."""
     from pjax.config_io import load_config
-    from pjax.observe.hlo import async_overlap, collective_stats, collectives_by_axis
-    from pjax.observe.hlo_flops import fused_attention, gemm_census
     from pjax.plan import gpu_target
     from pjax.plan.compile import compile_planned
     from pjax.plan.layouts import Layout
@@ -38,17 +37,25 @@ def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_
     profile = gpu_target.planned_profile(PROFILES[kind], "gpu")  # cuDNN's attention where it compiles here
     profile = profile if attention == "cudnn" else dataclasses.replace(profile, attention=attention)
     start = time.perf_counter()
-    cfg, trainer, compiled = compile_planned(load_config(config, overrides), Layout.parse(layout_name), profile,
-                                             per_host, "gpu")
-    hlo = compiled.as_text()
+    _, trainer, compiled = compile_planned(load_config(config, overrides), Layout.parse(layout_name), profile,
+                                           per_host, "gpu")
+    return trainer, compiled.as_text(), round(time.perf_counter() - start, 1)
+
+
+def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int, attention: str
+            ) -> dict:
+    from pjax.observe.hlo import async_overlap, collective_stats, collectives_by_axis
+    from pjax.observe.hlo_flops import fused_attention, gemm_census
+    from pjax.plan.layouts import Layout
+
+    trainer, hlo, seconds = kernels_compiled(config, layout_name, overrides, kind, per_host, attention)
     return {"config": config, "layout": Layout.parse(layout_name).name, "devices": trainer.mesh.devices.size,
-            "kind": kind, "attention": cfg.train.attention, "fused_attention": fused_attention(hlo),
+            "kind": kind, "attention": trainer.tc.attention, "fused_attention": fused_attention(hlo),
             "gemms": gemm_census(hlo),
             "collectives": {k: v["count"] for k, v in collective_stats(hlo).items() if v["count"]},
             "by_axes": {axes: {"count": row["count"], "bytes": row["bytes"]}
                         for axes, row in collectives_by_axis(hlo, dict(trainer.mesh.shape), per_host).items()},
-            "overlap": async_overlap(hlo), "xla_options": bool(trainer.xla_options),
-            "compile_s": round(time.perf_counter() - start, 1)}
+            "overlap": async_overlap(hlo), "xla_options": bool(trainer.xla_options), "compile_s": seconds}
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 """The 4D device mesh, axes outermost to innermost: tp talks every layer (fastest links), dp once per step (slowest).
-Data parallelism is two physical axes: `ep`, the devices that split an MoE's experts among them, inside `dp`, the
-replicas of such a group (ARCHITECTURE.md, "Experts over ep, a split of dp")."""
+Data parallelism is three physical axes: `ep`, the devices that split an MoE's experts among them, inside `dp`, the
+replicas of such a group, inside `rp`, the replicas of a ZeRO shard group (hierarchical data parallelism,
+`train.zero_shard`: ZeRO shards over dp x ep and copies over rp; rp is 1 without it). ARCHITECTURE.md, "Experts
+over ep, a split of dp" and "HSDP: ZeRO within a shard group, copies across"."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,18 +14,21 @@ from jax.sharding import AxisType, Mesh
 
 from mesh.errors import ConfigError
 
-DP = "dp"  # the replicas of an expert group (all of data parallelism for a dense model)
+RP = "rp"  # the copies of a ZeRO shard group under train.zero_shard (1 without it)
+DP = "dp"  # the replicas of an expert group (all of data parallelism for a dense model), within a shard group
 EP = "ep"  # the devices of an expert group: they hold different tokens and different experts
 PP = "pp"
 CP = "cp"
 TP = "tp"
-AXES: tuple[str, ...] = (DP, EP, PP, CP, TP)
-DATA: tuple[str, ...] = (DP, EP)  # data parallelism and ZeRO span both
+AXES: tuple[str, ...] = (RP, DP, EP, PP, CP, TP)  # the physical axes
+KEYS: tuple[str, ...] = (DP, EP, PP, CP, TP)  # the mesh section's sizes (mesh.dp is all of data parallelism)
+DATA: tuple[str, ...] = (RP, DP, EP)  # data parallelism spans all three
+ZERO: tuple[str, ...] = (DP, EP)  # ZeRO shards over these, and copies over rp
 
 
 def data_size(mesh) -> int:
-    """How many data-parallel replicas a mesh (or abstract mesh) has: dp x ep."""
-    return 1 if mesh.empty else mesh.shape.get(DP, 1) * mesh.shape.get(EP, 1)
+    """How many data-parallel replicas a mesh (or abstract mesh) has: rp x dp x ep."""
+    return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in DATA)
 
 
 def current() -> jax.sharding.AbstractMesh:
@@ -74,20 +79,23 @@ class MeshConfig:
                               f"of the dp devices and copied over the rest; choose an ep that divides dp.")
         return self
 
-    def with_experts(self, num_experts: int, copies: int = 1) -> "MeshConfig":
-        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide and that
-        leaves at least `copies` whole copies of them (dp / ep; DiLoCo's groups need 2): all of dp where the
-        experts divide it and one copy will do. A dense model's stays 0, which builds an ep axis of 1."""
+    def with_experts(self, num_experts: int, copies: int = 1, zero_shard: int = 0) -> "MeshConfig":
+        """A copy with an unset `ep` (0) filled in: the largest divisor of dp that the experts divide, that leaves
+        at least `copies` whole copies of them (dp / ep; DiLoCo's groups need 2) and that divides ZeRO's shard
+        groups of `zero_shard` replicas (0: all of dp): all of dp where the experts divide it and nothing else
+        asks. A dense model's stays 0, which builds an ep axis of 1."""
         if self.ep or self.dp < 1 or not num_experts:
             return self
-        fits = [d for d in range(1, self.dp + 1) if not self.dp % d and not num_experts % d and self.dp // d >= copies]
+        group = zero_shard or self.dp
+        fits = [d for d in range(1, self.dp + 1)
+                if not self.dp % d and not num_experts % d and self.dp // d >= copies and not group % d]
         return dataclasses.replace(self, ep=max(fits, default=1))
 
     def model_copies(self, num_experts: int = 0, copies: int = 1) -> int:
         """How many data replicas hold a whole model each: dp / ep (an expert group is one), dp for a dense model;
         an unset ep as `with_experts(num_experts, copies)` fills it in. DiLoCo's groups and meta-learning's tasks
         are made of these."""
-        return self.with_experts(num_experts, copies).shape[0]
+        return self.dp // (self.with_experts(num_experts, copies).ep or 1)
 
     @classmethod
     def of(cls, mesh: Mesh) -> "MeshConfig":
@@ -95,10 +103,16 @@ class MeshConfig:
         return cls(dp=data_size(mesh), ep=mesh.shape[EP], **{name: mesh.shape[name] for name in (PP, CP, TP)})
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """The physical axes' sizes, in `AXES` order (an unset ep counts as 1)."""
+    def shape(self) -> tuple[int, ...]:
+        """The physical axes' sizes, in `AXES` order (an unset ep counts as 1; ZeRO over all of dp: rp 1)."""
+        return self.split(0)
+
+    def split(self, zero_shard: int) -> tuple[int, ...]:
+        """`shape` with ZeRO's state sharded over groups of `zero_shard` consecutive data replicas (0: all of
+        them) and copied over the dp / zero_shard groups: rp = dp / zero_shard, dp = zero_shard / ep."""
         ep = self.ep or 1
-        return (self.dp // ep, ep, self.pp, self.cp, self.tp)
+        shard = zero_shard or self.dp
+        return (self.dp // shard, shard // ep, ep, self.pp, self.cp, self.tp)
 
     @property
     def size(self) -> int:
@@ -106,18 +120,21 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, num_experts: int = 0,
-              copies: int = 1) -> Mesh:
+              copies: int = 1, zero_shard: int = 0) -> Mesh:
     """The mesh over `devices` (default: all), every axis Auto (ARCHITECTURE.md, "Auto mesh axes, not Explicit");
     an unset ep is filled in for a model of `num_experts` experts, `copies` of them at least
-    (`MeshConfig.with_experts`)."""
+    (`MeshConfig.with_experts`); ZeRO's shard groups of `zero_shard` data replicas (0: all of them)."""
     devices = list(jax.devices() if devices is None else devices)
-    cfg = cfg.resolve(len(devices)).with_experts(num_experts, copies)
-    return jax.make_mesh(cfg.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    cfg = cfg.resolve(len(devices)).with_experts(num_experts, copies, zero_shard)
+    return jax.make_mesh(cfg.split(zero_shard), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def mesh_summary(mesh: Mesh) -> str:
-    """One line such as 'mesh dp=2 pp=1 cp=1 tp=4 over 8 cpu devices' (dp all data replicas; ep shown when > 1)."""
-    ep = f" (ep={mesh.shape[EP]})" if mesh.shape[EP] > 1 else ""
-    sizes = f"dp={data_size(mesh)}{ep} " + " ".join(f"{name}={mesh.shape[name]}" for name in (PP, CP, TP))
+    """One line such as 'mesh dp=2 pp=1 cp=1 tp=4 over 8 cpu devices' (dp all data replicas; ep, and ZeRO's shard
+    groups, shown when they split it)."""
+    parts = ([f"ep={mesh.shape[EP]}"] if mesh.shape[EP] > 1 else []) + (
+        [f"ZeRO over {mesh.shape[DP] * mesh.shape[EP]}, {mesh.shape[RP]} copies"] if mesh.shape[RP] > 1 else [])
+    split = f" ({'; '.join(parts)})" if parts else ""
+    sizes = f"dp={data_size(mesh)}{split} " + " ".join(f"{name}={mesh.shape[name]}" for name in (PP, CP, TP))
     platform = mesh.devices.flat[0].platform
     return f"mesh {sizes} over {mesh.devices.size} {platform} devices"

@@ -2,12 +2,14 @@
 (ARCHITECTURE.md, "One table of logical rules")."""
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from mesh.mesh import CP, DATA, EP, PP, TP, current
+from mesh.mesh import CP, DATA, EP, PP, RP, TP, ZERO, current
 
 # Megatron's column/row/vocab-parallel TP falls out of splitting 'heads', 'kv_heads', 'mlp', 'vocab'.
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -28,8 +30,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "experts": EP,  # copied over dp's replicas of the expert group
 }
 
-# ZeRO: every LLaMA weight has exactly one 'embed' dimension, so one rule shards them all over dp (dp x ep).
-FSDP_OVERRIDES: dict[str, str | tuple[str, ...] | None] = {"embed": DATA}
+# ZeRO: every LLaMA weight has exactly one 'embed' dimension, so one rule shards them all over dp x ep (all of data
+# parallelism, or a shard group under train.zero_shard: copied over rp).
+FSDP_OVERRIDES: dict[str, str | tuple[str, ...] | None] = {"embed": ZERO}
 PIPELINE_OVERRIDES: dict[str, str | None] = {"layers": PP}
 
 
@@ -51,6 +54,11 @@ def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical names, bar manual axes (ARCHITECTURE.md, "Activations are pinned")."""
+    return _pinned(x, logical_to_spec(names))
+
+
+def _pinned(x: jax.Array, spec: P) -> jax.Array:
+    """`x` constrained to `spec` on the ambient mesh, its manual axes left out."""
     mesh = current()
     if mesh.empty:
         return x
@@ -60,12 +68,56 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in manual)
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
-    return jax.lax.with_sharding_constraint(x, P(*(keep(e) for e in logical_to_spec(names))))
+    return jax.lax.with_sharding_constraint(x, P(*(keep(e) for e in spec)))
+
+
+def by_shard_groups(x: jax.Array, tokens: str = "tokens") -> jax.Array:
+    """`x` ([tokens, embed], read from a weight ZeRO shards; `tokens` its rows' logical name) and its cotangent laid
+    out, where ZeRO's shard groups have copies (rp > 1: HSDP's ZeRO-3), as rows over rp and 'embed' over the rows'
+    other axes (the shard group's dp x ep, and cp, tp where they split tokens). The embedding's lookup then reaches
+    its rows by an all-to-all within each group, and its scatter-add sums each group's rows into that group's
+    shards, the groups meeting in one all-reduce over rp. Left to itself XLA goes between rows over all the data
+    axes and the weight's layout by replicating the whole tensor."""
+    spec = _group_spec(tokens)
+    return x if spec is None else _by_groups(x, spec)
+
+
+def in_shard_groups(x: jax.Array, tokens: str = "tokens") -> jax.Array:
+    """`by_shard_groups`'s layout, for a cotangent a hand-written backward hands a weight's scatter-add."""
+    spec = _group_spec(tokens)
+    return x if spec is None else _pinned(x, spec)
+
+
+def _group_spec(tokens: str) -> P | None:
+    if auto_size(current(), RP) == 1:
+        return None
+    return P(RP, tuple(a for a in RULES[tokens] if a != RP))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _by_groups(x: jax.Array, spec: P) -> jax.Array:
+    return _pinned(x, spec)
+
+
+def _by_groups_fwd(x, spec):
+    return _pinned(x, spec), None
+
+
+def _by_groups_bwd(spec, _, ct):
+    return (_pinned(ct, spec),)
+
+
+_by_groups.defvjp(_by_groups_fwd, _by_groups_bwd)
 
 
 def rows_axes(axes: Sequence[str]) -> tuple[str, ...] | None:
-    """Those of `axes` that split a batch's rows (dp, ep), as one spec or collective axis (None if neither)."""
+    """Those of `axes` that split a batch's rows (rp, dp, ep), as one spec or collective axis (None if none)."""
     return tuple(a for a in DATA if a in axes) or None
+
+
+def zero_axes(axes: Sequence[str]) -> tuple[str, ...] | None:
+    """Those of `axes` ZeRO shards over (dp, ep: not rp, whose groups hold copies), as one axis (None if none)."""
+    return tuple(a for a in ZERO if a in axes) or None
 
 
 def auto_size(mesh, axis: str) -> int:
@@ -78,8 +130,8 @@ def auto_size(mesh, axis: str) -> int:
 
 
 def auto_rows(mesh) -> int:
-    """How many ways a batch's rows are still split automatically: dp x ep's automatic part."""
-    return auto_size(mesh, DATA[0]) * auto_size(mesh, DATA[1])
+    """How many ways a batch's rows are still split automatically: rp x dp x ep's automatic part."""
+    return math.prod(auto_size(mesh, a) for a in DATA)
 
 
 def manual_size(mesh, axis: str) -> int:

@@ -8,8 +8,9 @@ from mesh.mesh import MeshConfig
 
 def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
                    hidden_size: int, intermediate_size: int, vocab_size: int, zero: int = 0,
-                   vocab_multiple: int = 1, num_experts: int = 0) -> None:
-    """Check the tp split (heads, kv-heads, MLP, vocabulary padded to `vocab_multiple`), pp (layers), ep (experts)."""
+                   vocab_multiple: int = 1, num_experts: int = 0, zero_shard: int = 0) -> None:
+    """Check the tp split (heads, kv-heads, MLP, vocabulary padded to `vocab_multiple`), pp (layers), ep (experts),
+    ZeRO's (the hidden size over dp, or over its shard groups of `zero_shard` replicas)."""
     if num_heads % num_kv_heads:
         raise ConfigError(
             f"model.num_attention_heads={num_heads} is not divisible by model.num_key_value_heads="
@@ -39,10 +40,12 @@ def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_
                           f"both {num_experts} and mesh.dp={mesh.dp}.")
     if zero not in (0, 1, 3):
         raise ConfigError(f"train.zero={zero} is invalid; choose 0 (replicated), 1 (shard optimizer state) or 3 (FSDP).")
-    if zero and mesh.dp > 1 and hidden_size % mesh.dp:
+    shard = zero_shard or mesh.dp
+    if zero and shard > 1 and hidden_size % shard:
+        over = f"train.zero_shard={zero_shard}" if zero_shard else f"mesh.dp={mesh.dp}"
         raise ConfigError(
             f"train.zero={zero} shards the hidden dimension over dp, but model.hidden_size={hidden_size} is not "
-            f"divisible by mesh.dp={mesh.dp}; change mesh.dp or use train.zero=0."
+            f"divisible by {over}; change {over.split('=')[0]} or use train.zero=0."
         )
 
 

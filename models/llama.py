@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from mesh.mesh import EP, current
-from mesh.rules import constrain, flatten_tokens, manual_size, unflatten_tokens
+from mesh.rules import by_shard_groups, constrain, flatten_tokens, manual_size, unflatten_tokens
 from models import deferred_grads, fp8
 from models.bias_balance import BIAS
 from models import sequence_parallel as seqpar
@@ -242,7 +242,7 @@ def embed(params: Params, tokens: jax.Array, cfg: LlamaConfig, dtype=jnp.float32
     if seqpar.active(sequence_parallel):
         return constrain(seqpar.lookup(params["embed"]["embedding"], ids, dtype), ("sp_tokens", "embed"))
     x = Embed(cfg).apply({"params": params["embed"]}, ids).astype(dtype)
-    return constrain(x, ("tokens", "embed"))
+    return constrain(by_shard_groups(x), ("tokens", "embed"))
 
 
 def decoder_layer(cfg: LlamaConfig, *, precision: Precision = Precision(), remat: str = "none",

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh import replica_groups
 from mesh.errors import ConfigError
-from mesh.mesh import CP, DP, EP, PP, current
+from mesh.mesh import CP, DP, EP, PP, RP, current
 from models import bias_balance, grouped_gemm
 from models.ragged_dispatch import ragged_experts, receive_rows
 
@@ -228,14 +228,14 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeCon
     router = Router(top_k, normalize, score)
     mesh = current()
     size = lambda a: 1 if mesh.empty else mesh.shape.get(a, 1)  # noqa: E731
-    if size(DP) * size(EP) == 1:
+    if size(RP) * size(DP) * size(EP) == 1:
         return _local_moe(x, p, router, config, None, gemms=gemms)
     num_experts = p["router"].shape[-1]
     if num_experts % size(EP):
         raise ConfigError(f"model.num_local_experts={num_experts} is not divisible by mesh.ep={size(EP)}; expert "
                           f"parallelism gives each ep device the same number of experts.")
     # Manual over cp too (experts are replicated over cp): no token dimension is left to the partitioner.
-    token_axes = tuple(a for a in (DP, EP, CP) if size(a) > 1)
+    token_axes = tuple(a for a in (RP, DP, EP, CP) if size(a) > 1)
     axis = EP if size(EP) > 1 else None
     local = lambda x, p: _local_moe(x, p, router, config, axis, token_axes, gemms)  # noqa: E731
     if set(token_axes) & set(mesh.manual_axes):

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.errors import ConfigError
 from mesh.mesh import TP, current
-from mesh.rules import auto_size, logical_to_spec, per_device
+from mesh.rules import auto_size, in_shard_groups, logical_to_spec, per_device
 from models.projection import PLAIN, Gemm, merge_over_tp, split_over_tp, weight_grads, weight_products
 
 TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",))
@@ -132,7 +132,7 @@ def _lookup_fwd(table, ids, dtype):
 def _lookup_bwd(dtype, res, g):
     table, ids = res
     _, take_vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0).astype(dtype), table)
-    (d_table,) = take_vjp(gather(g))
+    (d_table,) = take_vjp(in_shard_groups(gather(g)))  # HSDP: each group's rows into its own shards
     return d_table, None
 
 

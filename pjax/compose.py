@@ -29,6 +29,7 @@ class Feature(NamedTuple):
     overrides: tuple[str, ...]
     axes: tuple[str, ...] = ()
     replicas: bool = False  # needs dp >= 2: it shards over, reduces over or groups the data replicas
+    dp: int = 2  # the data replicas it needs when `replicas` (HSDP: 2 groups of 2)
 
 
 def _schedule(name: str, label: str, virtual: int = 1) -> Feature:
@@ -58,6 +59,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sp", "SP", "train.sequence_parallel", ("train.sequence_parallel=true",), ("tp",)),
     Feature("zero1", "ZeRO-1", "train.zero", ("train.zero=1",), replicas=True),
     Feature("zero3", "ZeRO-3", "train.zero", ("train.zero=3",), replicas=True),
+    Feature("hsdp", "HSDP", "train.zero", ("train.zero=3", "train.zero_shard=2"), replicas=True, dp=4),
     Feature("moe", "MoE", "model.num_local_experts", ("model.num_local_experts=4", "model.num_experts_per_tok=2"),
             replicas=True),
     _compression("bf16", "bf16 reduce"), _compression("int8", "int8 reduce"), _compression("powersgd", "PowerSGD"),
@@ -92,11 +94,11 @@ def pair_overrides(a: Feature, b: Feature) -> list[str]:
 
 
 def run_overrides(features: Sequence[Feature]) -> list[str]:
-    """The overrides of a run with all of `features` on: BASE, a mesh of 2 along each axis one needs (dp when
-    one needs data replicas), then the features' own."""
+    """The overrides of a run with all of `features` on: BASE, a mesh of 2 along each axis one needs (dp 2 when
+    one needs data replicas, 4 for HSDP's two groups of two), then the features' own."""
     axes = {axis for f in features for axis in f.axes}
     mesh = {axis: 2 if axis in axes else 1 for axis in ("pp", "cp", "tp")}
-    mesh["dp"] = 2 if any(f.replicas for f in features) else 1
+    mesh["dp"] = max((f.dp for f in features if f.replicas), default=1)
     return [*BASE, *(f"mesh.{axis}={size}" for axis, size in mesh.items()), *(o for f in features for o in f.overrides)]
 
 

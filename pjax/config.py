@@ -49,6 +49,7 @@ class TrainConfig:
     remat: str = "none"
     remat_names: tuple[str, ...] | None = None
     zero: int = 0
+    zero_shard: int = 0  # HSDP: ZeRO shards over groups of this many consecutive data replicas, copied across (0: all)
     sequence_parallel: bool = False
     scan_layers: bool = True
     attention: str = "auto"
@@ -96,6 +97,10 @@ class TrainConfig:
                      f"it applies only with train.remat=names (train.remat={self.remat}): set that, "
                      "or leave train.remat_names unset")
         require_choice("train.zero", self.zero, ZERO_STAGES)
+        require(isinstance(self.zero_shard, int) and not isinstance(self.zero_shard, bool) and self.zero_shard >= 0,
+                "train.zero_shard", self.zero_shard, "use an integer >= 1 that divides mesh.dp, or 0 for all of dp")
+        require(self.zero_shard == 0 or self.zero > 0, "train.zero_shard", self.zero_shard,
+                "it applies only with train.zero=1 or 3: set one, or leave train.zero_shard unset")
         require_choice("train.attention", self.attention, ATTENTIONS)
         require(self.loss_chunk >= 0, "train.loss_chunk", self.loss_chunk, "use an integer >= 0 (0 turns it off)")
         require_choice("train.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)

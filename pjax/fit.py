@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 
 from mesh.errors import ConfigError
-from mesh.mesh import AXES, MeshConfig
+from mesh.mesh import KEYS, MeshConfig
 from mesh.validate import fit_mesh
 from models.config import LlamaConfig
 from models.hf import read_hf_config
@@ -17,7 +17,7 @@ from pjax.config import Config
 
 def names_a_mesh(named: set[str]) -> bool:
     """Whether the user chose any mesh.* key (`config_io.named_keys`)."""
-    return any(f"mesh.{axis}" in named for axis in AXES)
+    return any(f"mesh.{axis}" in named for axis in KEYS)
 
 
 def adopt_hf_model(cfg: Config, named: set[str]) -> Config:

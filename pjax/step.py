@@ -185,6 +185,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
     validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg, moe)
+    data_parallel.check_shard_groups(mesh, tc)
     policy = precision.resolve(tc.dtype)
     inner = make_optimizer(tc, policy.optimizer_state, clipped_before=group_zero.sharded(tc, mesh.shape[DP]))
     optimizer = outer.outer_optimizer(tc) if tc.local_steps else inner
@@ -242,8 +243,10 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 
 def mesh_for(config: Config, devices: Any = None) -> Mesh:
     """The mesh a run's config asks for over `devices` (default: all): an unset mesh.ep filled in for its experts,
-    leaving DiLoCo the two copies of them it averages (`outer.copies_needed`)."""
-    return make_mesh(config.mesh, devices, config.model.num_local_experts, outer.copies_needed(config.train))
+    leaving DiLoCo the two copies of them it averages (`outer.copies_needed`); ZeRO's shard groups of
+    `train.zero_shard` data replicas."""
+    return make_mesh(config.mesh, devices, config.model.num_local_experts, outer.copies_needed(config.train),
+                     config.train.zero_shard)
 
 
 def trainer_for(mesh: Mesh, config: Config, tc: TrainConfig | None = None) -> Trainer:

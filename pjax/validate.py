@@ -16,7 +16,7 @@ from models.config import LlamaConfig
 from models.moe import MoeConfig
 from models.precision import PrecisionConfig
 from pjax.config import MetaConfig, TrainConfig
-from pjax.parallel import compression, meta, outer, streaming
+from pjax.parallel import compression, data_parallel, meta, outer, streaming
 from pjax.parallel.context import strategy as context_strategy
 from pjax.parallel.context.strategy import ContextConfig
 from pjax.parallel.pipeline import table as pipeline_table
@@ -36,16 +36,18 @@ class Run(NamedTuple):
     moe: MoeConfig = MoeConfig()
 
 
-def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int) -> None:
-    """A one-line ConfigError unless the model (experts included) splits over `mesh` with ZeRO stage `zero`."""
+def validate_layout(mesh: MeshConfig, cfg: LlamaConfig, zero: int, zero_shard: int = 0) -> None:
+    """A one-line ConfigError unless the model (experts included) splits over `mesh` with ZeRO stage `zero` over
+    groups of `zero_shard` data replicas (0: all)."""
     validate_model(mesh, num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                    num_kv_heads=cfg.num_key_value_heads, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, zero=zero,
-                   vocab_multiple=cfg.make_vocab_size_divisible_by, num_experts=cfg.num_local_experts)
+                   vocab_multiple=cfg.make_vocab_size_divisible_by, num_experts=cfg.num_local_experts,
+                   zero_shard=zero_shard)
 
 
 def model_splits(run: Run) -> None:
-    validate_layout(run.mesh, run.model, run.train.zero)
+    validate_layout(run.mesh, run.model, run.train.zero, run.train.zero_shard)
 
 
 def batch_splits(run: Run) -> None:
@@ -63,9 +65,9 @@ def accumulator_compiles(run: Run) -> None:
                           "precision.grad_accum=float32, or train on one device.")
 
 
-RULES = (model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run, context_strategy.check_run,
-         sequence_parallel.check_run, compression.check_run, outer.check_run, streaming.check_run,
-         meta.check_run)
+RULES = (data_parallel.check_run, model_splits, batch_splits, accumulator_compiles, pipeline_table.check_run,
+         context_strategy.check_run, sequence_parallel.check_run, compression.check_run, outer.check_run,
+         streaming.check_run, meta.check_run)
 
 
 def validate_run(mc: MeshConfig, cfg: LlamaConfig, tc: TrainConfig, pipeline: PipelineConfig = PipelineConfig(),

@@ -66,6 +66,8 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("ring", "fomaml", "remat_full", "loss_chunk"),
     ("all_gather", "maml", "remat_full", "loss_chunk"),
     ("all_gather", "fomaml"),
+    ("hsdp", "moe", "curriculum", "remat_full", "loss_chunk"),
+    ("ulysses", "hsdp", "remat_full"),
 )
 
 

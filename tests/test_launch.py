@@ -103,7 +103,8 @@ def test_the_kubernetes_job_names_pod_0_the_coordinator_and_each_pod_its_index(t
     service, job = yaml.safe_load_all((ROOT / "launch" / "k8s-indexed-job.yaml").read_text())
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert spec["completionMode"] == "Indexed" and pod["subdomain"] == service["metadata"]["name"]
     env = _faked(tmp_path)
     env.update({item["name"]: item["value"] for item in container["env"]})

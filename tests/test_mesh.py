@@ -1,4 +1,5 @@
-"""The 4D mesh: axis order, ep inside dp, dp=-1, logical rules, and every validation error's sentence."""
+"""The 4D mesh: axis order, ep inside dp, rp outside it (ZeRO's shard groups), dp=-1, logical rules, and every
+validation error's sentence."""
 import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
@@ -7,10 +8,10 @@ from mesh import (AXES, ConfigError, MeshConfig, logical_to_spec, make_mesh, mes
                   validate_model)
 
 
-def test_mesh_axes_are_dp_ep_pp_cp_tp_with_tp_innermost():
+def test_mesh_axes_are_rp_dp_ep_pp_cp_tp_with_tp_innermost():
     mesh = make_mesh(MeshConfig(dp=2, pp=1, cp=2, tp=2))
-    assert mesh.axis_names == AXES == ("dp", "ep", "pp", "cp", "tp")
-    assert dict(mesh.shape) == {"dp": 2, "ep": 1, "pp": 1, "cp": 2, "tp": 2}
+    assert mesh.axis_names == AXES == ("rp", "dp", "ep", "pp", "cp", "tp")
+    assert dict(mesh.shape) == {"rp": 1, "dp": 2, "ep": 1, "pp": 1, "cp": 2, "tp": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     ids = [[d.id for d in row] for row in mesh.devices.reshape(-1, 2)]
     # tp innermost: devices that differ only in their tp coordinate are neighbours.
@@ -19,12 +20,21 @@ def test_mesh_axes_are_dp_ep_pp_cp_tp_with_tp_innermost():
 
 def test_ep_splits_dp_innermost_so_data_order_is_unchanged():
     mesh = make_mesh(MeshConfig(dp=4, tp=2, ep=2))
-    assert dict(mesh.shape) == {"dp": 2, "ep": 2, "pp": 1, "cp": 1, "tp": 2}
+    assert dict(mesh.shape) == {"rp": 1, "dp": 2, "ep": 2, "pp": 1, "cp": 1, "tp": 2}
     # device d's data-replica index is dp * ep + its ep coordinate, as it was before ep split dp
     ids = mesh.devices.reshape(4, 2)
     assert [[d.id for d in row] for row in ids] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert MeshConfig.of(mesh) == MeshConfig(dp=4, tp=2, ep=2)
     assert mesh_summary(mesh).startswith("mesh dp=4 (ep=2) pp=1 cp=1 tp=2")
+
+
+def test_zero_shard_groups_split_dp_outermost_so_data_order_is_unchanged():
+    """HSDP: dp 8 in ZeRO groups of 4 (2 copies), an expert group of 2 inside each."""
+    mesh = make_mesh(MeshConfig(dp=8, ep=2), zero_shard=4)
+    assert dict(mesh.shape) == {"rp": 2, "dp": 2, "ep": 2, "pp": 1, "cp": 1, "tp": 1}
+    assert [d.id for d in mesh.devices.flat] == list(range(8))  # data index = (rp * dp + dp) * ep + ep
+    assert MeshConfig.of(mesh) == MeshConfig(dp=8, ep=2)
+    assert mesh_summary(mesh).startswith("mesh dp=8 (ep=2; ZeRO over 4, 2 copies) pp=1")
 
 
 def test_ep_defaults_to_the_largest_split_the_experts_allow():
@@ -49,8 +59,8 @@ def test_subset_of_devices():
 def test_rules_map_logical_names_to_mesh_axes():
     assert logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tp", None)
     assert logical_to_spec(("vocab", "embed")) == P("tp", None)
-    assert logical_to_spec(("tokens", "embed")) == P(("dp", "ep", "cp"), None)
-    assert logical_to_spec(("batch", "sequence")) == P(("dp", "ep"), "cp")
+    assert logical_to_spec(("tokens", "embed")) == P(("rp", "dp", "ep", "cp"), None)
+    assert logical_to_spec(("batch", "sequence")) == P(("rp", "dp", "ep"), "cp")
     assert logical_to_spec(("embed", "mlp"), param_rules(zero_sharded=True)) == P(("dp", "ep"), "tp")
     assert logical_to_spec(("experts", "embed", "mlp")) == P("ep", None, "tp")
     with pytest.raises(KeyError, match="no rule"):

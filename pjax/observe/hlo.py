@@ -164,11 +164,12 @@ def link_factor(kind: str, n: int) -> float:
 
 
 def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_host: int | None = None,
-                        scale: Callable[[str, str], float] | None = None) -> dict[str, dict[str, Any]]:
+                        scale: Callable[[str, str], float] | None = None, merge: bool = True
+                        ) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes', 'inter_host',
     'kinds', 'group' (the devices those axes span)} per device per step; hosts are consecutive blocks of
-    `devices_per_host` devices. An `ep` axis counts as part of dp (its devices are dp's innermost)."""
-    mesh_shape = _merge_ep(dict(mesh_shape))
+    `devices_per_host` devices. The `ep` and `rp` axes count as part of dp (they split it), unless not `merge`."""
+    mesh_shape = _merge_ep(dict(mesh_shape)) if merge else dict(mesh_shape)
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
 
@@ -198,11 +199,9 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
 
 
 def _merge_ep(shape: dict[str, int]) -> dict[str, int]:
-    """`shape` with ep folded into dp, its outer neighbour in the mesh (the dp of `MeshConfig`)."""
-    if "ep" not in shape:
-        return shape
-    ep = shape.pop("ep")
-    return {a: v * ep if a == "dp" else v for a, v in shape.items()}
+    """`shape` with ep and rp folded into dp, their neighbour in the mesh (the dp of `MeshConfig`)."""
+    folded = shape.pop("ep", 1) * shape.pop("rp", 1)
+    return {a: v * folded if a == "dp" else v for a, v in shape.items()}
 
 
 _WORK = ("fusion", "custom-call", "convolution", "dot")

@@ -11,9 +11,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax import lax
 
 from mesh import replica_groups, rules
-from mesh.mesh import CP, DATA, DP, EP, PP, TP, current, data_size
-from mesh.rules import logical_to_spec, param_rules, rows_axes, vary  # noqa: F401 (vary, rows_axes: this module's API)
+from mesh.mesh import CP, DATA, DP, EP, PP, RP, TP, current, data_size
+from mesh.rules import logical_to_spec, param_rules, rows_axes, vary, zero_axes  # noqa: F401 (this module's API)
 from models import llama
+from mesh.errors import ConfigError
 from models.config import LlamaConfig
 from pjax.parallel import feedback, groups, overlap
 
@@ -48,6 +49,40 @@ def opt_state_shardings(mesh: Mesh, cfg: LlamaConfig, zero: int, optimizer: opta
                                  transform_non_params=lambda _: replicated)
 
 
+def check_run(run: Any) -> None:
+    """One line where `train.zero_shard` (HSDP: ZeRO within groups of N data replicas, copied across) cannot split
+    this run."""
+    tc, mesh = run.train, run.mesh
+    n = tc.zero_shard
+    if not n or n == mesh.dp:
+        return
+    head = f"train.zero_shard={n}"
+    ep = mesh.with_experts(run.model.num_local_experts, zero_shard=n).ep or 1
+    if mesh.dp % n:
+        raise ConfigError(f"{head} groups consecutive data replicas for ZeRO, and mesh.dp={mesh.dp} does not split "
+                          f"into groups of {n}; use a divisor of {mesh.dp}, or 0 for all of dp.")
+    if n % ep:
+        raise ConfigError(f"{head} would cut the expert groups of mesh.ep={ep} (a ZeRO group holds whole ones); set "
+                          f"mesh.ep to a divisor of {n}, or train.zero_shard to a multiple of {ep} that divides "
+                          f"mesh.dp={mesh.dp}.")
+    refused = [(tc.local_steps > 0, f"train.local_steps={tc.local_steps} (DiLoCo)",
+                "train.diloco_groups (DiLoCo shards its groups' state within them)"),
+               (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
+                "train.grad_compression=none (its compressed reduce-scatter spans all of dp)")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{head} does not run with {what}; use {fix}, or train.zero_shard=0.")
+
+
+def check_shard_groups(mesh: Mesh, tc: Any) -> None:
+    """One line where a built mesh's ZeRO groups are not `train.zero_shard`'s (build it with `pjax.step.mesh_for`)."""
+    groups = mesh.shape[RP]
+    want = data_size(mesh) // tc.zero_shard if tc.zero_shard else 1
+    if groups != want:
+        raise ConfigError(f"train.zero_shard={tc.zero_shard} asks for {want} ZeRO group(s), and the mesh has {groups}; "
+                          f"build the mesh with pjax.step.mesh_for(config), which splits dp for it.")
+
+
 def can_reduce_once(mesh: Any, zero: int) -> bool:
     """Whether this step accumulates per data replica and reduces once (a pipeline: `pipeline.step._run`)."""
     cp = 1 if mesh.empty else mesh.shape.get(CP, 1)
@@ -60,7 +95,8 @@ def data_axes(mesh: Any) -> tuple[str, ...]:
 
 
 def batch_spec(axes: tuple[str, ...]) -> P:
-    """The [micro-batches, rows, tokens] batch split over the manual data `axes` (rows over dp x ep, tokens over cp)."""
+    """The [micro-batches, rows, tokens] batch split over the manual data `axes` (rows over rp x dp x ep, tokens
+    over cp)."""
     return P(None, rows_axes(axes), CP if CP in axes else None)
 
 
@@ -76,8 +112,9 @@ def zero_axis(names: tuple[str | None, ...]) -> int | None:
 
 
 def data_specs(cfg: LlamaConfig, axes: tuple[str, ...], split_dp: bool = False, pipelined: bool = False) -> Any:
-    """Each parameter's spec in a shard_map manual over the data `axes`; tp is left to the partitioner."""
-    rows = rows_axes(axes)
+    """Each parameter's spec in a shard_map manual over the data `axes` (ZeRO-1's `split_dp`: 'embed' over the ZeRO
+    axes, dp x ep); tp is left to the partitioner."""
+    rows = zero_axes(axes)
 
     def spec(names):
         entries = [PP if pipelined and name == "layers" else
@@ -107,7 +144,7 @@ def reduce_gradients(grads: Any, cfg: LlamaConfig, split_dp: bool, mode: str = "
         whole = [i for i in exact if zero_axis(names[i]) is None]
         exact = [i for i in exact if i not in whole] + whole
         reduced = _psum([_scatter_over_dp(leaves[i], names[i]) for i in exact[:len(exact) - len(whole)]],
-                        tuple(a for a in axes if a == CP)) + _psum([leaves[i] for i in whole], axes)
+                        tuple(a for a in axes if a in (RP, CP))) + _psum([leaves[i] for i in whole], axes)
     else:
         reduced = _psum([leaves[i] for i in exact], axes)
     if packed:
@@ -127,10 +164,10 @@ def _psum(xs: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
 
 
 def _scatter_over_dp(g: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Reduce-scatter one gradient over dp (dp x ep) by 'embed', manual over tp too (else XLA gathers it over tp
-    first)."""
+    """Reduce-scatter one gradient over ZeRO's axes (dp x ep; rp's copies are summed after) by 'embed', manual over
+    tp too (else XLA gathers it over tp first)."""
     tp_only = P(*(TP if entry == TP else None for entry in logical_to_spec(names)))
-    rows = rows_axes(current().manual_axes)
+    rows = zero_axes(current().manual_axes)
     scatter = lambda x: lax.psum_scatter(x, rows, scatter_dimension=names.index("embed"), tiled=True)  # noqa: E731
     return rules.per_device(scatter, tp_only, tp_only)(g)
 
@@ -141,7 +178,7 @@ def reduce_once(accumulate: Any, params: Any, batch: Any, cfg: LlamaConfig, zero
     `accumulate(params, batch) -> (loss_sum, token_count, grad_sum, router_metrics)` runs per device.
     With a compression `mode` and its feedback state `residual` (`feedback.shardings`), the new state comes fourth."""
     axes = data_axes(current())
-    split_dp = zero == 1 and rows_axes(axes) is not None
+    split_dp = zero == 1 and zero_axes(axes) is not None
 
     def body(params, batch, residual):
         loss, count, grads, router = accumulate(vary(params, axes), batch)

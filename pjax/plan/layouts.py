@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
 from mesh.errors import ConfigError
-from mesh.mesh import AXES, MeshConfig
+from mesh.mesh import AXES, KEYS, MeshConfig
 from models import llama
 from models.precision import Precision, bytes_per
 from pjax import compose
@@ -55,13 +55,13 @@ class Layout:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The sizes of `AXES` as this layout names them: dp all data replicas, ep those that split experts."""
+        """The sizes of `KEYS` as this layout names them: dp all data replicas, ep those that split experts."""
         return (self.dp, self.ep, self.pp, self.cp, self.tp)
 
     @property
     def name(self) -> str:
         """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8': the mesh, what differs from plain, the micro-batches."""
-        parts = [f"{axis}{size}" for axis, size in zip(AXES, self.sizes) if size > 1]
+        parts = [f"{axis}{size}" for axis, size in zip(KEYS, self.sizes) if size > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
@@ -75,7 +75,7 @@ class Layout:
         """The layout a `name` spells; ValueError otherwise."""
         fields: dict = {}
         for part in name.split("-"):
-            key = next((k for k in (*AXES, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
+            key = next((k for k in (*KEYS, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
             if key == "interleaved":
                 fields.update(schedule="interleaved", virtual_stages=int(part[len(key):]))
             elif key is not None:
@@ -94,7 +94,7 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give `pjax.train` this layout."""
-        keys = [f"mesh.{axis}={size}" for axis, size in zip(AXES, self.sizes) if axis != "ep" or size]
+        keys = [f"mesh.{axis}={size}" for axis, size in zip(KEYS, self.sizes) if axis != "ep" or size]
         keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
                  f"train.sequence_parallel={str(self.sequence_parallel).lower()}"]
         keys += ["train.scan_layers=true"] if self.remat == "full" else []

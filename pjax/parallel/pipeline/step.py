@@ -28,7 +28,7 @@ def _run(sched: ps.Schedule, stage: Stage, params: Any, batch: Batch, lockstep: 
     gradients once after the scan (ARCHITECTURE.md, "Gradients reduced once per step"); with a compression
     `mode` and its feedback state `residual`, the new state comes fourth."""
     data = data_parallel.data_axes(current()) if once else ()
-    split = zero == 1 and data_parallel.rows_axes(data) is not None
+    split = zero == 1 and data_parallel.zero_axes(data) is not None
     table = executor(sched, stage, lockstep)[1]
 
     def body(params, batch, table, residual):
