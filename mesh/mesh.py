@@ -48,8 +48,11 @@ class MeshConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 0
+    tp_across_hosts: bool = False  # accept a tp that crosses hosts (`mesh.hosts.check_tp`)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp_across_hosts, bool):
+            raise ConfigError(f"mesh.tp_across_hosts={self.tp_across_hosts!r} is invalid: use true or false.")
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 0:
             raise ConfigError(f"mesh.ep={self.ep!r} is invalid: use a positive integer that divides mesh.dp, "
                               f"or 0 (as many as the experts allow).")

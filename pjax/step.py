@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mesh import hosts
 from mesh.backend import on_target
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current, make_mesh
@@ -244,9 +245,11 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
 def mesh_for(config: Config, devices: Any = None) -> Mesh:
     """The mesh a run's config asks for over `devices` (default: all): an unset mesh.ep filled in for its experts,
     leaving DiLoCo the two copies of them it averages (`outer.copies_needed`); ZeRO's shard groups of
-    `train.zero_shard` data replicas."""
-    return make_mesh(config.mesh, devices, config.model.num_local_experts, outer.copies_needed(config.train),
+    `train.zero_shard` data replicas; a tp across hosts refused unless `mesh.tp_across_hosts`."""
+    mesh = make_mesh(config.mesh, devices, config.model.num_local_experts, outer.copies_needed(config.train),
                      config.train.zero_shard)
+    hosts.check_tp(mesh, config.mesh.tp_across_hosts)
+    return mesh
 
 
 def trainer_for(mesh: Mesh, config: Config, tc: TrainConfig | None = None) -> Trainer:

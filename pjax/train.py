@@ -170,6 +170,7 @@ def _report_start(cfg: Config, trainer: Any, state: Any, compiled: Any, curricul
                   say: Callable[..., None]) -> None:
     """What a run says before its first step: the mesh, pjax's XLA options (GPUs), the parameters' shardings, the
     memory and collectives report (`log.inspect`), the model's size and the tokens per step."""
+    from mesh.hosts import across_hosts_line
     from mesh.mesh import mesh_summary
     from models import llama
     from pjax import xla_options
@@ -177,7 +178,8 @@ def _report_start(cfg: Config, trainer: Any, state: Any, compiled: Any, curricul
     from pjax.plan.inspect import parameter_table, step_report
 
     tc, mc, mesh = cfg.train, cfg.model, trainer.mesh
-    say(mesh_summary(mesh))
+    crossing = across_hosts_line(mesh)
+    say(mesh_summary(mesh) + (f"; {crossing}" if crossing else ""))
     if xla_options.describe(trainer.xla_options):
         say(xla_options.describe(trainer.xla_options))
     say(parameter_table(state.params, llama.param_logical_axes(mc)))

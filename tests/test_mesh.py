@@ -158,3 +158,33 @@ def test_pipeline_cpu_threads_only_for_pipelines_and_never_over_the_user(monkeyp
     monkeypatch.delenv(THREAD_POOL_ENV)
     monkeypatch.setenv("NPROC", "3")
     assert pipeline_cpu_threads(MeshConfig(pp=4), 4) is None and THREAD_POOL_ENV not in os.environ
+
+
+def _on_hosts(shape: dict[str, int], per_host: int):
+    """A mesh-like view of consecutive devices on hosts of `per_host` (what `jax.make_mesh` lays out on a pod)."""
+    import types
+
+    import numpy as np
+
+    n = int(np.prod(list(shape.values())))
+    devices = np.array([types.SimpleNamespace(id=i, process_index=i // per_host, platform="gpu") for i in range(n)],
+                       dtype=object).reshape(tuple(shape.values()))
+    return types.SimpleNamespace(devices=devices, axis_names=tuple(shape), shape=dict(shape))
+
+
+def test_the_axes_that_cross_hosts_are_the_outer_ones_and_a_tp_across_hosts_is_one_line():
+    from mesh import hosts
+
+    sizes = lambda **kw: {"rp": 1, "dp": 1, "ep": 1, "pp": 1, "cp": 1, "tp": 1, **kw}  # noqa: E731
+    assert hosts.axes_across_hosts(_on_hosts(sizes(dp=4, tp=2), 4)) == ("dp",)
+    assert hosts.across_hosts_line(_on_hosts(sizes(dp=4, tp=2), 4)) == "across hosts: dp"
+    # 8 per host: tp 8 inside; pp 2 across with dp (the experts over ep 2, outside pp, across too)
+    wide = _on_hosts(sizes(dp=4, ep=2, pp=2, tp=8), 8)
+    assert hosts.axes_across_hosts(wide) == ("dp", "ep", "pp")
+    assert hosts.across_hosts_line(wide) == "across hosts: dp, ep, pp"
+    assert hosts.across_hosts_line(_on_hosts(sizes(rp=2, dp=4), 4)) == "across hosts: dp"  # HSDP: a group a host
+    assert hosts.across_hosts_line(_on_hosts(sizes(dp=8), 8)) is None  # one host
+    with pytest.raises(ConfigError, match="mesh.tp=8 spans hosts of 4 devices"):
+        hosts.check_tp(_on_hosts(sizes(tp=8), 4), allowed=False)
+    hosts.check_tp(_on_hosts(sizes(tp=8), 4), allowed=True)
+    hosts.check_tp(_on_hosts(sizes(dp=2, tp=4), 4), allowed=False)

@@ -241,5 +241,6 @@ def test_two_processes_started_by_slurm_train_like_one(tmp_path, single_process_
     outs = two_processes(tmp_path, "slurm", TWO_PROCESS_RUN,
                          lambda i: ([], {**srun, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}))
     assert "step 3:" in outs[0][0] and "step 3:" not in outs[1][0]  # two processes, not two lone runs
+    assert "tp=2 over 8 cpu devices; across hosts: dp" in outs[0][0]  # dp 4 x tp 2, 4 devices a process
     multi, one = metric_losses(tmp_path / "slurm"), single_process_losses
     assert len(multi) == 3 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)
