@@ -114,8 +114,23 @@ class MeshConfig:
         """`shape` with ZeRO's state sharded over groups of `zero_shard` consecutive data replicas (0: all of
         them) and copied over the dp / zero_shard groups: rp = dp / zero_shard, dp = zero_shard / ep."""
         ep = self.ep or 1
+        self.check_zero_shard(zero_shard)
         shard = zero_shard or self.dp
         return (self.dp // shard, shard // ep, ep, self.pp, self.cp, self.tp)
+
+    def check_zero_shard(self, zero_shard: int) -> None:
+        """One line unless ZeRO's shard groups of `zero_shard` consecutive replicas split dp, each holding whole
+        expert groups of ep."""
+        if not zero_shard or zero_shard == self.dp:
+            return
+        head, ep = f"train.zero_shard={zero_shard}", self.ep or 1
+        if self.dp % zero_shard:
+            raise ConfigError(f"{head} groups consecutive data replicas for ZeRO, and mesh.dp={self.dp} does not "
+                              f"split into groups of {zero_shard}; use a divisor of {self.dp}, or 0 for all of dp.")
+        if zero_shard % ep:
+            raise ConfigError(f"{head} would cut the expert groups of mesh.ep={ep} (a ZeRO group holds whole ones); "
+                              f"set mesh.ep to a divisor of {zero_shard}, or train.zero_shard to a multiple of {ep} "
+                              f"that divides mesh.dp={self.dp}.")
 
     @property
     def size(self) -> int:

@@ -56,15 +56,8 @@ def check_run(run: Any) -> None:
     n = tc.zero_shard
     if not n or n == mesh.dp:
         return
+    mesh.with_experts(run.model.num_local_experts, zero_shard=n).check_zero_shard(n)
     head = f"train.zero_shard={n}"
-    ep = mesh.with_experts(run.model.num_local_experts, zero_shard=n).ep or 1
-    if mesh.dp % n:
-        raise ConfigError(f"{head} groups consecutive data replicas for ZeRO, and mesh.dp={mesh.dp} does not split "
-                          f"into groups of {n}; use a divisor of {mesh.dp}, or 0 for all of dp.")
-    if n % ep:
-        raise ConfigError(f"{head} would cut the expert groups of mesh.ep={ep} (a ZeRO group holds whole ones); set "
-                          f"mesh.ep to a divisor of {n}, or train.zero_shard to a multiple of {ep} that divides "
-                          f"mesh.dp={mesh.dp}.")
     refused = [(tc.local_steps > 0, f"train.local_steps={tc.local_steps} (DiLoCo)",
                 "train.diloco_groups (DiLoCo shards its groups' state within them)"),
                (tc.grad_compression != "none", f"train.grad_compression={tc.grad_compression}",
