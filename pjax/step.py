@@ -183,10 +183,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
                   moe: MoeConfig | None = None, context: ContextConfig | None = None,
                   precision: PrecisionConfig = PrecisionConfig(), meta_cfg: MetaConfig = MetaConfig()) -> Trainer:
     """Validate the layout, then build sharded `init(rng)`, `step(state, batch)` and `grads(params, batch)`."""
-    mc = MeshConfig.of(mesh)
     pipeline, moe, context = pipeline or PipelineConfig(), moe or MoeConfig(), context or ContextConfig()
-    validate_run(mc, cfg, tc, pipeline, context, precision, meta_cfg, moe)
-    data_parallel.check_shard_groups(mesh, tc)
+    mc = _validated(mesh, cfg, tc, pipeline, context, precision, meta_cfg, moe)
     policy = precision.resolve(tc.dtype)
     inner = make_optimizer(tc, policy.optimizer_state, clipped_before=group_zero.sharded(tc, mesh.shape[DP]))
     optimizer = outer.outer_optimizer(tc) if tc.local_steps else inner
@@ -240,6 +238,14 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         diloco=diloco,
         learner=learner,
     )
+
+
+def _validated(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, *sections: Any) -> MeshConfig:
+    """The mesh's sizes, once the run's rules (`validate_run`) and its ZeRO groups accept the run."""
+    mc = MeshConfig.of(mesh)
+    validate_run(mc, cfg, tc, *sections)
+    data_parallel.check_shard_groups(mesh, tc)
+    return mc
 
 
 def mesh_for(config: Config, devices: Any = None) -> Mesh:
