@@ -2,11 +2,18 @@
 multi-host initialisation, forced CPU devices, XLA:CPU's thread pool size."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import socket
+import sys
+import threading
+from typing import Any, Iterator
 
 import jax
 
+from mesh import watchdog
 from mesh.errors import ConfigError, first_line, shown
 from mesh.mesh import MeshConfig
 
@@ -14,8 +21,10 @@ DEFAULT_CPU_DEVICES = 8  # what `mesh.dp=-1` fills when there is no accelerator
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> int:
-    """Join a multi-process run (explicit flags or a multi-task srun step), one process per host; the process count."""
+                     process_id: int | None = None, join_timeout: float = 300, peer_timeout: float = 30) -> int:
+    """Join a multi-process run (explicit flags or a multi-task srun step), one process per host; the process count.
+    Every process must arrive within `join_timeout` seconds; once joined, one silent for `peer_timeout` seconds
+    ends the run (`mesh.watchdog`)."""
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit:
         check_process_flags(coordinator, num_processes, process_id)
@@ -26,19 +35,72 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         coordinator, num_processes, process_id = slurm
     elif not explicit:
         return 1
+    watchdog.check_timeout(join_timeout, "--join_timeout")
+    watchdog.check_timeout(peer_timeout, "--peer_timeout")
+    if process_id == 0:
+        check_port_free(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{coordinator.rpartition(':')[2]}")
     # CPU-only multi-process runs need a collectives backend (CPU only, harmless on GPU hosts).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        # JAX's own SLURM detection would leave each process one GPU; pjax runs one per host.
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, cluster_detection_method="deactivate")
+        with join_deadline(join_timeout, coordinator, num_processes, process_id):
+            # JAX's SLURM detection would leave each process one GPU; pjax runs one per host. JAX's own timeouts
+            # end the process with a fatal log: pjax's (the deadline, the watchdog) come first, in one line.
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id, cluster_detection_method="deactivate",
+                                       initialization_timeout=int(join_timeout) + 60,
+                                       heartbeat_timeout_seconds=max(watchdog.JAX_HEARTBEAT_FLOOR_S,
+                                                                     int(3 * peer_timeout)))
     except Exception as e:
         fix = ("SLURM's environment named these: check that every task is in the same srun step and that the "
                "port is free (JAX_COORDINATOR_PORT picks another)" if slurm and not explicit else
                "start every process with the same --coordinator and --num_processes and its own --process_id")
         raise ConfigError(f"could not join the multi-process run at {coordinator} as process {process_id} of "
                           f"{num_processes} ({first_line(e)}); {fix}.") from None
+    watchdog.start(distributed_client(), process_id, num_processes, peer_timeout)
     return num_processes
+
+
+def distributed_client() -> Any:
+    """JAX's coordination-service client of this process (private to JAX; Orbax reads it the same way)."""
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+@contextlib.contextmanager
+def join_deadline(seconds: float, coordinator: str, count: int, index: int) -> Iterator[None]:
+    """One line and the end of this process when not every process has joined within `seconds`."""
+    def give_up() -> None:
+        print(f"error: process {index} of {count} waited {seconds:g} s at {coordinator} for the others to join; "
+              f"start all {count} processes with the same coordinator (a missing or crashed process, a wrong "
+              f"process count, or an address the others cannot reach), or raise --join_timeout.",
+              file=sys.stderr, flush=True)
+        os._exit(2)  # JAX's connect cannot be interrupted, and its own timeout aborts with a stack trace
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def check_port_free(bind_address: str) -> None:
+    """One line when the port process 0's coordination service binds is taken (its server would crash)."""
+    host, _, port = bind_address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a closed socket's port is free
+        try:
+            probe.bind((host, int(port)))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # e.g. no IPv6 here: the service reports its own failure
+            raise ConfigError(f"the coordinator's port {port} is already taken on this host ({bind_address}); "
+                              f"stop what holds it or choose another port (--coordinator host:PORT, or "
+                              f"JAX_COORDINATOR_PORT under SLURM).") from None
 
 
 SLURM_BASE_PORT, SLURM_PORTS = 61440, 4096  # JAX's rule: port = 61440 + SLURM_JOB_ID mod 4096

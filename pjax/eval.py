@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mesh import watchdog
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DATA, MeshConfig, data_size, make_mesh
@@ -221,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     init_distributed()
+    with watchdog.guarding():  # a lost process ends this one in one line (mesh/watchdog.py)
+        _evaluate_joined(args, cfg)
+
+
+def _evaluate_joined(args: argparse.Namespace, cfg: Any) -> None:
     if names_a_mesh(named_keys(args.config, args.overrides)):
         n = force_cpu_devices(cfg.mesh)
         pipeline_cpu_threads(cfg.mesh, n)

@@ -16,6 +16,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
+from mesh import watchdog
 from mesh.distributed import force_cpu_devices, init_distributed, pipeline_cpu_threads
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig
@@ -33,6 +34,10 @@ def parser() -> ArgumentParser:
     ap.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
     ap.add_argument("--num_processes", type=int, default=None, help="multi-host: number of processes")
     ap.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
+    ap.add_argument("--join_timeout", type=float, default=300,
+                    help="multi-host: seconds for every process to join before this one gives up (default 300)")
+    ap.add_argument("--peer_timeout", type=float, default=30,
+                    help="multi-host: seconds a process may stay silent before the others stop (default 30)")
     ap.add_argument("--no_progress", action="store_true", help="log lines instead of a progress bar")
     return ap
 
@@ -47,16 +52,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from jax.errors import JaxRuntimeError  # importing JAX starts no backend
-
-    from pjax.fit import adopt_hf_model, describe, fitted_mesh, names_a_mesh
+    from pjax.fit import adopt_hf_model, names_a_mesh
 
     cfg = load_config(args.config, args.overrides)
     named = named_keys(args.config, args.overrides)
     if cfg.train.init_from is not None:  # the model is the checkpoint's
         cfg = adopt_hf_model(cfg, named)
     fit = cfg.train.init_from is not None and not names_a_mesh(named)  # nor is the default mesh the user's
-    num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id)
+    num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id, args.join_timeout,
+                                     args.peer_timeout)
+    with watchdog.guarding():  # from here a lost process ends this one in one line (mesh/watchdog.py)
+        _train_joined(cfg, fit, num_processes, progress=not args.no_progress)
+
+
+def _train_joined(cfg: Config, fit: bool, num_processes: int, progress: bool) -> None:
+    """`train` once this process has joined the run: its devices forced, an HF model's mesh fitted, and the
+    allocator's own failure (past check_fits' estimate) in one line."""
+    from jax.errors import JaxRuntimeError  # importing JAX starts no backend
+
+    from pjax.fit import describe, fitted_mesh
+
     local = force_cpu_devices(MeshConfig() if fit else cfg.mesh, num_processes)
     pipeline_cpu_threads(cfg.mesh, local)
     devices = None
@@ -68,8 +83,8 @@ def _run(args: argparse.Namespace) -> None:
         if jax.process_index() == 0:
             print(describe(cfg.mesh, cfg.model))
     try:
-        train(cfg, progress=not args.no_progress, devices=devices)
-    except JaxRuntimeError as e:  # the allocator's own failure, past check_fits' estimate
+        train(cfg, progress=progress, devices=devices)
+    except JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         import jax

@@ -23,6 +23,7 @@ def joined(monkeypatch) -> list[dict]:
     calls: list[dict] = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(distributed.jax.config, "update", lambda *args: None)  # this process's backend is up
+    monkeypatch.setattr(distributed.watchdog, "start", lambda *args: None)  # nothing joined: nothing to watch
     return calls
 
 
@@ -37,8 +38,10 @@ def test_srun_step_joins_at_the_first_node_on_jaxs_port_over_every_local_device(
         monkeypatch.setenv(key, value)
     assert init_distributed() == 4
     # 61440 + 4242 mod 4096; "deactivate" keeps JAX from narrowing the process to GPU SLURM_LOCALID
+    # JAX's own timeouts (a fatal abort) fall after pjax's join deadline and watchdog (tests/test_processes.py)
     assert joined == [dict(coordinator_address="gpu017:61586", num_processes=4, process_id=3,
-                           cluster_detection_method="deactivate")]
+                           cluster_detection_method="deactivate", initialization_timeout=360,
+                           heartbeat_timeout_seconds=100)]
     monkeypatch.setenv("JAX_COORDINATOR_PORT", "12345")
     init_distributed()
     assert joined[-1]["coordinator_address"] == "gpu017:12345"

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import jax
 import pytest
@@ -173,74 +172,3 @@ def test_out_of_memory_at_run_time_is_one_line(monkeypatch, capsys):
     assert pjax.train.main(["mesh.dp=1", "mesh.tp=1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ran out of memory (RESOURCE_EXHAUSTED: Out of memory" in err, err
-
-
-def two_processes(tmp_path: Path, name: str, common: list[str], per_process: Callable[[int], tuple[list[str], dict]]
-                  ) -> list[tuple[str, str]]:
-    """`python -m pjax.train` as 2 processes on this machine (each forces its half of the mesh's CPU
-    devices, gloo between them); `per_process(i)` gives process i's extra arguments and environment.
-    Returns each one's (stdout, stderr) once both exited 0."""
-    env = {k: v for k, v in os.environ.items()  # none of the launcher's SLURM or JAX coordinator settings
-           if not k.startswith(("SLURM_", "JAX_COORDINATOR_")) and k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"  # XLA_FLAGS dropped: the trainer forces the device count itself
-    procs = [subprocess.Popen([sys.executable, "-m", "pjax.train", "--no_progress", *per_process(i)[0], *common,
-                               f"log.dir={tmp_path}/{name}", f"data.cache_dir={tmp_path}/cache{i}"],
-                              cwd=REPO, env={**env, **per_process(i)[1]}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:  # one failed process leaves the other waiting for it
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-    return outs
-
-
-TWO_PROCESS_RUN = ["train.steps=3", "log.every=1", "log.eval_every=0"]
-
-
-@pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory) -> list[float]:
-    """The losses of TWO_PROCESS_RUN in one process: what the SLURM start must give (the explicit multi-host
-    flags: tests/test_checkpoint.py, which resumes 2 processes' checkpoints in one and the other way round)."""
-    tmp_path = tmp_path_factory.mktemp("single")
-    single = run_cli(*TWO_PROCESS_RUN, tmp_path=tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    return metric_losses(tmp_path / "run")
-
-
-def metric_losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def free_slurm_port() -> int:
-    """A port of JAX's SLURM range (61440 + SLURM_JOB_ID mod 4096) free on the loopback address, at
-    random so that runs of this test side by side (other checkouts' suites) do not meet."""
-    import random
-    import socket
-
-    for port in random.sample(range(61440, 65536), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 61440-65535 on 127.0.0.1")
-
-
-def test_two_processes_started_by_slurm_train_like_one(tmp_path, single_process_losses):
-    """SLURM start-up on one machine: two tasks of a faked srun step (no multi-host flags) find the
-    coordinator as JAX's rule does (first node of SLURM_STEP_NODELIST, port from SLURM_JOB_ID) and
-    give the single-process losses."""
-    port = free_slurm_port()
-    srun = {"SLURM_JOB_ID": str(4096 * 7 + port - 61440), "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
-            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}  # JAX binds every interface otherwise
-    outs = two_processes(tmp_path, "slurm", TWO_PROCESS_RUN,
-                         lambda i: ([], {**srun, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}))
-    assert "step 3:" in outs[0][0] and "step 3:" not in outs[1][0]  # two processes, not two lone runs
-    assert "tp=2 over 8 cpu devices; across hosts: dp" in outs[0][0]  # dp 4 x tp 2, 4 devices a process
-    multi, one = metric_losses(tmp_path / "slurm"), single_process_losses
-    assert len(multi) == 3 and max(abs(a - b) for a, b in zip(multi, one)) <= 1e-6, (multi, one)

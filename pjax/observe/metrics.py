@@ -88,15 +88,19 @@ def memory_per_device(devices: list[jax.Device], estimate: tuple[int, int]) -> d
 
 
 class MetricsWriter:
-    """One JSON object per record in `<dir>/metrics.jsonl`, scalars mirrored to TensorBoard; process 0 only."""
+    """One JSON object per record in `<dir>/metrics.jsonl`, scalars mirrored to TensorBoard; process 0 only. A run
+    resumed at step `start` > 0 continues the file, dropping the records of the steps it trains again (those a
+    stopped run logged past its last checkpoint)."""
 
-    def __init__(self, log_dir: str, append: bool = False) -> None:
+    def __init__(self, log_dir: str, start: int = 0) -> None:
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self._file = self._tb = None
         if self.enabled:
             os.makedirs(log_dir, exist_ok=True)
-            self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+            if start > 0:
+                _keep_through(self.path, start)
+            self._file = open(self.path, "a" if start > 0 else "w", encoding="utf-8")
             from tensorboardX import SummaryWriter  # slow to import
 
             self._tb = SummaryWriter(log_dir)
@@ -115,3 +119,21 @@ class MetricsWriter:
         if self.enabled:
             self._file.close()
             self._tb.close()
+
+
+def _keep_through(path: str, step: int) -> None:
+    """Drop `path`'s records after `step` (a line that is no JSON record, e.g. one cut by a kill, goes too)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (ValueError, AttributeError):
+                continue
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

@@ -34,7 +34,7 @@ class RunReport:
         self.tokens_per_step = tc.batch_size * tc.seq_len
         self.cfg, self.ckpt, self.trainer, self.data, self.memory, self.start = cfg, ckpt, trainer, data, memory, start
         self.local = local_devices(trainer.mesh)
-        self.writer = MetricsWriter(cfg.log.dir, append=start > 0)  # a resumed run continues its metrics.jsonl
+        self.writer = MetricsWriter(cfg.log.dir, start)  # a resumed run continues its metrics.jsonl
         self.guard = DivergenceGuard(tc.on_nonfinite, tc.max_skipped, cfg.log.spike_sigma)
         self.bar = ProgressBar(tc.steps, mode=("bar" if progress else "lines") if jax.process_index() == 0 else "off",
                                initial=start)
