@@ -37,8 +37,10 @@ def kernels_compiled(config: str, layout_name: str, overrides: list[str], kind: 
     profile = gpu_target.planned_profile(PROFILES[kind], "gpu")  # cuDNN's attention where it compiles here
     profile = profile if attention == "cudnn" else dataclasses.replace(profile, attention=attention)
     start = time.perf_counter()
-    _, trainer, compiled = compile_planned(load_config(config, overrides), Layout.parse(layout_name), profile,
-                                           per_host, "gpu")
+    cfg = load_config(config, overrides)
+    layout = Layout.parse(layout_name)  # an override's HSDP group where the name gives none
+    layout = dataclasses.replace(layout, zero_shard=layout.zero_shard or cfg.train.zero_shard if layout.zero else 0)
+    _, trainer, compiled = compile_planned(cfg, layout, profile, per_host, "gpu")
     return trainer, compiled.as_text(), round(time.perf_counter() - start, 1)
 
 

@@ -2,11 +2,14 @@
 
     python benchmarks/hsdp.py --gpu                      # llama2-7b on 64 compile-only H100s, 8 per host
     python benchmarks/hsdp.py --cpu                      # debug on 8 CPU devices: step time, flat and HSDP
+    python benchmarks/hsdp.py --rank --config llama3-8b --layout dp32-tp2-zero3-m8 --shards 0,4   # the planner's view
 
 One JSON line per layout. `--gpu` compiles the step for compile-only GPUs (`gpu_kernels.kernels`, the planner's
 compile) and sums, per device and step, the bytes of the collectives whose groups span hosts (`inter_bytes`) and
 their ring link bytes (`inter_link_bytes`), beside those inside a host. `--cpu` times `--steps` steps after one
 warm-up (median seconds): the point is that nothing is lost, the CPU has no network between its "hosts".
+`--rank` gives the planner's prediction of each (`python -m pjax.plan --explain`'s figures: the step, its dp term,
+the dp collectives' link bytes inside and across hosts) on compile-only H100s.
 """
 from __future__ import annotations
 
@@ -40,6 +43,30 @@ def across_hosts(config: str, layout: str, shard: int, per_host: int) -> dict:
             "compile_s": seconds}
 
 
+def planned(config: str, layout: str, shard: int, per_host: int) -> dict:
+    """The planner's prediction for `layout` with ZeRO's groups of `shard`, compiled for compile-only H100s."""
+    import dataclasses
+
+    from pjax.config_io import load_config
+    from pjax.observe.hlo_flops import StepMatmuls
+    from pjax.plan.compile import compile_layout
+    from pjax.plan.estimate import across_link_bytes, predict
+    from pjax.plan.layouts import Layout, planned_config
+    from pjax.plan.profiles import PROFILES
+
+    cfg, h100 = load_config(config), PROFILES["h100"]
+    chosen = dataclasses.replace(Layout.parse(layout), zero_shard=shard)
+    result = compile_layout(cfg, chosen, h100, per_host, "gpu")
+    p = predict(planned_config(cfg, chosen, h100), chosen, h100, result["comm"], result["memory"]["total"], 0.75,
+                StepMatmuls.from_json(result["matmuls"]))
+    crossing = sum(across_link_bytes(row) for row in result["comm"].values())
+    inside = sum(row["link_bytes"] for row in result["comm"].values()) - crossing
+    return {"config": config, "layout": chosen.name, "step_ms": round(p.step_s * 1e3, 1),
+            "terms_ms": {k: round(v * 1e3, 1) for k, v in p.terms.items() if v}, "limit": p.limit, "fits": p.fits,
+            "memory_gib": round(p.memory_bytes / 2**30, 1), "link_bytes_inside": round(inside),
+            "link_bytes_across": round(crossing)}
+
+
 def step_time(shard: int, steps: int) -> dict:
     """debug at dp 8, ZeRO-3: the median step of `steps` after a warm-up."""
     import jax
@@ -66,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="bytes across hosts on compile-only H100s")
     ap.add_argument("--cpu", action="store_true", help="step time on 8 CPU devices")
+    ap.add_argument("--rank", action="store_true", help="the planner's prediction on compile-only H100s")
     ap.add_argument("--config", default="llama2-7b")
     ap.add_argument("--layout", default="dp64-zero3-remat-m4")
     ap.add_argument("--shards", default="0,8", help="train.zero_shard values (0: flat ZeRO)")
@@ -76,9 +104,11 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
         for shard in (0, 4, 2):
             print(json.dumps(step_time(shard, args.steps)), flush=True)
-    if args.gpu:
-        for shard in map(int, args.shards.split(",")):
+    for shard in map(int, args.shards.split(",")) if args.gpu or args.rank else ():
+        if args.gpu:
             print(json.dumps(across_hosts(args.config, args.layout, shard, args.devices_per_host)), flush=True)
+        if args.rank:
+            print(json.dumps(planned(args.config, args.layout, shard, args.devices_per_host)), flush=True)
 
 
 if __name__ == "__main__":

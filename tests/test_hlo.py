@@ -66,7 +66,8 @@ def test_collectives_by_axis_names_the_axes_and_counts_ring_link_bytes():
     assert by_axis["tp"]["count"] == 1 and by_axis["tp"]["bytes"] == 64
     assert by_axis["tp"]["link_bytes"] == 2 * 3 / 4 * 64 and not by_axis["tp"]["inter_host"]
     assert by_axis["dp"] == {"count": 1, "bytes": 64, "link_bytes": 64.0, "inter_host": True,
-                             "kinds": {"collective-permute": 1}, "group": 2}
+                             "inter_link_bytes": 64.0, "kinds": {"collective-permute": 1}, "group": 2}
+    assert by_axis["tp"]["inter_link_bytes"] == 0
     assert by_axis["dp+tp"]["link_bytes"] == 2 * 7 / 8 * 64 and by_axis["dp+tp"]["inter_host"]
     assert by_axis["tp"]["group"] == 4 and by_axis["dp+tp"]["group"] == 8
 

@@ -17,9 +17,9 @@ from pjax.plan.compile import Compiler
 from pjax.parallel.pipeline.schedules import one_f_one_b
 from pjax.parallel.pipeline.zero_bubble import zb_h1 as zb_h1_table
 from pjax.parallel.pipeline.zero_bubble_lockstep import zb_h1_lockstep
-from pjax.plan.estimate import analytic_memory, predict
+from pjax.plan.estimate import analytic_comm, analytic_memory, comm_seconds, predict, reduced_gradient_bytes
 from pjax.plan.pipeline_cost import pipeline_ratio, weight_share
-from pjax.plan.layouts import Layout
+from pjax.plan.layouts import Layout, layouts, state_bytes
 from pjax.plan.profiles import PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +106,36 @@ def test_roofline_adds_critical_traffic_and_hides_dp_traffic_where_the_profile_o
     assert gpu.tokens_per_s == pytest.approx(tokens / gpu.step_s)
     cpu = predict(config, layout, PROFILES["cpu"], {}, 10 * 2**30, 1.0)  # 8 fake devices share 24 GiB
     assert not cpu.fits and cpu.limit == "compute"
+
+
+def test_each_byte_goes_over_its_own_link_inside_a_host_or_across():
+    """A row of collectives whose ops partly cross hosts (HSDP's dp: the group's inside a host, the copies'
+    all-reduce across): its bytes inside at NVLink's rate, the rest at the network's."""
+    row = {"count": 0, "link_bytes": 500e9, "inter_host": True, "inter_link_bytes": 50e9}
+    assert comm_seconds(row, PROFILES["h100"], 64) == pytest.approx(450e9 / 450e9 + 50e9 / 50e9)
+    # a row without the split (an older compile's) sends all its bytes over the slower link it reaches
+    assert comm_seconds({"count": 0, "link_bytes": 50e9, "inter_host": True}, PROFILES["h100"], 64) == pytest.approx(1)
+
+
+def test_hsdp_keeps_zero_inside_hosts_and_sends_a_shard_of_the_gradient_across():
+    """llama2-7b on 64 H100s, 8 per host: groups of 8 keep ZeRO-3's gathers and reduce-scatters on NVLink and
+    all-reduce 1/8 of the gradient across hosts (a ring of 8); flat ZeRO-3 sends everything across. The search
+    offers both, and each HSDP device holds 8 times flat ZeRO-3's state."""
+    config = load_config("llama2-7b")
+    flat, hsdp = Layout(dp=64, zero=3, remat="full", grad_accum=4), Layout.parse("dp64-zero3-shard8-remat-m4")
+    assert hsdp == Layout(dp=64, zero=3, remat="full", grad_accum=4, zero_shard=8) and "train.zero_shard=8" in \
+        hsdp.overrides()
+    params = reduced_gradient_bytes(config, flat)
+    rows = {layout: analytic_comm(config, layout, 2, 8)["dp"] for layout in (flat, hsdp)}
+    assert rows[flat]["inter_link_bytes"] == rows[flat]["link_bytes"] == pytest.approx(3 * 4 * params * 63 / 64)
+    assert rows[hsdp]["inter_link_bytes"] == pytest.approx(params / 8 * 2 * 7 / 8)
+    assert rows[hsdp]["link_bytes"] - rows[hsdp]["inter_link_bytes"] == pytest.approx(3 * 4 * params * 7 / 8)
+    h100 = PROFILES["h100"]
+    assert comm_seconds(rows[hsdp], h100, 64) < comm_seconds(rows[flat], h100, 64) / 5
+    assert state_bytes(config, hsdp)["params"] == pytest.approx(8 * state_bytes(config, flat)["params"], rel=1e-3)
+    found = layouts(config, 64, 8, zeros=(3,), remats=("full",))
+    assert {l.zero_shard for l in found if (l.dp, l.grad_accum) == (64, 4)} == {0, 8}
+    assert all(l.zero_shard in (0, 8 // (l.pp * l.cp * l.tp)) for l in found)  # a host's replicas per group
 
 
 def test_compute_runs_the_compiled_step_s_matmul_flops_but_a_lockstep_pipeline_s():

@@ -167,8 +167,10 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
                         scale: Callable[[str, str], float] | None = None, merge: bool = True
                         ) -> dict[str, dict[str, Any]]:
     """Per set of mesh axes an op spans ('tp', 'dp+cp', ...): {'count', 'bytes', 'link_bytes', 'inter_host',
-    'kinds', 'group' (the devices those axes span)} per device per step; hosts are consecutive blocks of
-    `devices_per_host` devices. The `ep` and `rp` axes count as part of dp (they split it), unless not `merge`."""
+    'inter_link_bytes', 'kinds', 'group' (the devices those axes span)} per device per step; hosts are consecutive
+    blocks of `devices_per_host` devices, 'inter_host' says whether any op's group spans them and
+    'inter_link_bytes' the link bytes of those ops. The `ep` and `rp` axes count as part of dp (they split it),
+    unless not `merge`."""
     mesh_shape = _merge_ep(dict(mesh_shape)) if merge else dict(mesh_shape)
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     n_dev, per_host = math.prod(sizes), devices_per_host or math.prod(sizes)
@@ -188,12 +190,14 @@ def collectives_by_axis(hlo_text: str, mesh_shape: dict[str, int], devices_per_h
             continue
         kind, axes, size, inter = label
         group = math.prod(mesh_shape[a] for a in axes.split("+") if a in mesh_shape)  # the axes' devices
-        row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False, "kinds": {},
-                                    "group": group})
+        row = out.setdefault(axes, {"count": 0, "bytes": 0, "link_bytes": 0.0, "inter_host": False,
+                                    "inter_link_bytes": 0.0, "kinds": {}, "group": group})
+        link = stats["bytes"] * link_factor(kind, size)
         row["count"] += stats["count"]
         row["bytes"] += stats["bytes"]
-        row["link_bytes"] += stats["bytes"] * link_factor(kind, size)
+        row["link_bytes"] += link
         row["inter_host"] |= inter
+        row["inter_link_bytes"] += link if inter else 0.0
         row["kinds"][kind] = row["kinds"].get(kind, 0) + stats["count"]
     return out
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pjax.observe.hlo_flops import StepMatmuls
 from pjax.plan.curves import LAYER_PRODUCTS, forward_and_backward, layer_matmuls, micro_batch
-from pjax.plan.estimate import DP_AXES, Prediction, compute_model, link_model, per_device
+from pjax.plan.estimate import DP_AXES, Prediction, across_link_bytes, compute_model, link_model, per_device
 from pjax.plan.layouts import Layout
 from pjax.plan.pipeline_cost import pipeline_factor, pipeline_ratio, weight_share
 from pjax.plan.profiles import Profile, host_share
@@ -61,10 +61,16 @@ def breakdown(config: Any, layout: Layout, profile: Profile, comm: dict[str, dic
 
 
 def _link(row: dict[str, Any], profile: Profile, devices: int) -> str:
-    """How `estimate.comm_seconds` charged one row of collectives."""
-    latency, per_byte, source = link_model(row, profile, devices)
-    return (f"{row['count']:g} ops x {latency * 1e6:,.1f} us + {row['link_bytes'] / 1e6:,.2f} MB at "
-            f"{1 / per_byte / 1e9:,.2f} GB/s ({source})")
+    """How `estimate.comm_seconds` charged one row of collectives: its ops' latency, then its link bytes inside a
+    host and across hosts, each at its link's rate."""
+    latency = link_model(row, profile, devices, row["inter_host"])[0]
+    across = across_link_bytes(row)
+    parts = [f"{row['count']:g} ops x {latency * 1e6:,.1f} us"]
+    for nbytes, crossing in ((row["link_bytes"] - across, False), (across, True)):
+        if nbytes or (not crossing and not across):
+            _, per_byte, source = link_model(row, profile, devices, crossing)
+            parts.append(f"{nbytes / 1e6:,.2f} MB at {1 / per_byte / 1e9:,.2f} GB/s ({source})")
+    return " + ".join(parts)
 
 
 def _matmul_table(curves: Any, config: Any, layout: Layout) -> str:

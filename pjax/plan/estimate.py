@@ -20,7 +20,9 @@ from pjax.plan.pipeline_cost import pipeline_factor, pipeline_ratio, weight_shar
 from pjax.plan.profiles import Profile, host_share
 from pjax.plan.stream_cost import stream_seconds
 
-DP_AXES = ("dp", "dp+cp")  # the traffic XLA can overlap with compute
+# The traffic XLA can overlap with compute: the gradient's reduction and ZeRO's gathers (HSDP's sum over its copies
+# and tp, of the vocabulary-split weights, is a dp+tp row).
+DP_AXES = ("dp", "dp+cp", "dp+tp")
 WORK = ("compute", "stream", "bubble")  # the terms that are not collectives
 
 
@@ -52,11 +54,17 @@ def usable_bytes(profile: Profile, devices: int, mem_fraction: float) -> int:
 
 
 def _spans_hosts(layout: Layout, axes: str, per_host: int) -> bool:
-    """Whether a group over `axes` reaches past a host of `per_host` consecutive devices, tp innermost."""
-    sizes = {"dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "tp": layout.tp}
+    """Whether a group over `axes` reaches past a host of `per_host` consecutive devices, tp innermost ('dp' of
+    an HSDP layout: its shard group's replicas)."""
+    sizes = {"dp": layout.zero_shard or layout.dp, "pp": layout.pp, "cp": layout.cp, "tp": layout.tp}
     names = list(sizes)
     outer = min(names.index(a) for a in axes.split("+"))
     return sizes[names[outer]] * math.prod(sizes[a] for a in names[outer + 1:]) > per_host
+
+
+def _copies_span_hosts(layout: Layout, per_host: int) -> bool:
+    """Whether an HSDP layout's all-reduce over rp (its shard groups' copies) reaches past a host."""
+    return layout.dp * layout.pp * layout.cp * layout.tp > per_host
 
 
 def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[str, float]:
@@ -72,10 +80,12 @@ def minimum_bytes(config: Config, layout: Layout, act_bytes: int = 4) -> dict[st
     params, shared = reduced_gradient_bytes(config, layout), shared_bytes(config, layout)
     out = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
     zero = 0 if tc.local_steps else layout.zero  # DiLoCo's ZeRO splits its group's ring in halves: the same bytes
+    shard = layout.zero_shard or dp  # HSDP: ZeRO within groups of `shard`, then its shard summed over the copies
+    copies = params / shard if shard < dp else 0.0
     if dp * cp > 1 and zero >= 3 and dp > 1:
-        out["dp"] = k * params / dp + 2 * k * params
+        out["dp"] = k * params / shard + 2 * k * params + copies
     elif dp * cp > 1:  # the gradient sum in train.grad_compression's payload; ZeRO-1's fp32 parameter gather
-        out["dp"] = params * _payload(config, dp) + (params / dp if zero == 1 and dp > 1 else 0)
+        out["dp"] = params * _payload(config, dp) + (params / shard if zero == 1 and dp > 1 else 0) + copies
     if tp > 1 and layout.sequence_parallel:
         out["tp"] = k * ((6 * layers + 3 / pp) * act + (4 * layers + 2 / pp) * act / tp)
     elif tp > 1:
@@ -148,14 +158,21 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
     payload = minimum_bytes(config, layout, act_bytes)
     ring = lambda n: 2 * (n - 1) / n  # all-reduce link bytes per payload byte
     rows: dict[str, tuple[int, float]] = {}
+    across: dict[str, float] = {}  # a row's link bytes that cross hosts, where not all or none of them
     if dp * cp > 1:
-        n, params = dp * cp, reduced_gradient_bytes(config, layout)
+        shard = layout.zero_shard or dp  # HSDP: ZeRO within groups of `shard` replicas, copies over rp
+        n, params, key = shard * cp, reduced_gradient_bytes(config, layout), "dp+cp" if cp > 1 else "dp"
         if layout.zero >= 3 and dp > 1:
-            rows["dp+cp" if cp > 1 else "dp"] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
+            rows[key] = (k * (layers * 9 + 3) + 2 * k * layers, 3 * k * params * (n - 1) / n)
         else:  # a reduce-scatter and an all-gather of the gradient in the compression's payload (ZeRO-1:
             # the gather is of the fp32 parameters)
             gather = 1.0 if layout.zero == 1 and dp > 1 else _payload(config, dp)
-            rows["dp+cp" if cp > 1 else "dp"] = (layers * 9 + 3, params * (n - 1) / n * (_payload(config, dp) + gather))
+            rows[key] = (layers * 9 + 3, params * (n - 1) / n * (_payload(config, dp) + gather))
+        if shard < dp:  # each group's shard of the reduced gradient, all-reduced over the copies once a step
+            group_link = rows[key][1] if _spans_hosts(layout, key, per_host) else 0.0
+            copies = params / shard * ring(dp // shard)
+            across[key] = group_link + (copies if _copies_span_hosts(layout, per_host) else 0.0)
+            rows[key] = (rows[key][0] + layers * 9 + 3, rows[key][1] + copies)
     if tp > 1 and layout.sequence_parallel:
         act = payload["tp"] / k / ((6 * layers + 3 / pp) + (4 * layers + 2 / pp) / tp)
         rows["tp"] = (round(k * (10 * layers + 5 / pp)), k * (10 * layers + 5 / pp) * act * (tp - 1) / tp)
@@ -170,8 +187,12 @@ def analytic_comm(config: Config, layout: Layout, act_bytes: int, per_host: int)
         sends = (payload["pp"] - shared) * pp / (pp * layout.virtual_stages - 1) * layout.virtual_stages
         rows["pp"] = (4 * (k * layout.virtual_stages + pp - 1) + 1, sends + shared * ring(pp))
     sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
-    return {axes: {"count": count, "link_bytes": link, "inter_host": _spans_hosts(layout, axes, per_host),
-                   "group": math.prod(sizes[a] for a in axes.split("+"))} for axes, (count, link) in rows.items()}
+    out = {}
+    for axes, (count, link) in rows.items():
+        crossing = across.get(axes, link if _spans_hosts(layout, axes, per_host) else 0.0)
+        out[axes] = {"count": count, "link_bytes": link, "inter_host": crossing > 0, "inter_link_bytes": crossing,
+                     "group": math.prod(sizes[a] for a in axes.split("+"))}
+    return out
 
 
 # Bytes XLA keeps per activation element without remat, fitted to compiled steps (an order of magnitude).
@@ -214,21 +235,30 @@ def analytic_memory(config: Config, layout: Layout, act_bytes: int, attention: s
     return state_bytes(config, layout)["total"] + batch + saved + logits
 
 
-def link_model(row: dict[str, Any], profile: Profile, devices: int) -> tuple[float, float, str]:
-    """(seconds per op, seconds per link byte, where they come from) for one row of collectives: within a
-    host the fit to a calibration's collectives in the group size nearest the row's, when the profile has
-    one, else the profile's link."""
+def across_link_bytes(row: dict[str, Any]) -> float:
+    """The link bytes of a row's collectives whose groups span hosts (all of them, in a row that predates the
+    split, where any does)."""
+    return row.get("inter_link_bytes", row["link_bytes"] if row["inter_host"] else 0.0)
+
+
+def link_model(row: dict[str, Any], profile: Profile, devices: int, across: bool) -> tuple[float, float, str]:
+    """(seconds per op, seconds per link byte, where they come from) for one row's collectives inside a host or
+    `across` hosts: inside, the fit to a calibration's collectives in the group size nearest the row's, when the
+    profile has one, else the profile's link."""
     fit = profile.curves.link_for(row.get("group")) if profile.curves is not None else None
-    if fit is not None and not row["inter_host"]:
+    if fit is not None and not across:
         return (*fit[1], f"fitted to the calibration's collectives in groups of {fit[0]}")
-    bw = (profile.inter_host_bw if row["inter_host"] else profile.intra_host_bw) / host_share(profile, devices)
-    return profile.latency_s, 1.0 / bw, "between hosts" if row["inter_host"] else "within a host"
+    bw = (profile.inter_host_bw if across else profile.intra_host_bw) / host_share(profile, devices)
+    return profile.latency_s, 1.0 / bw, "between hosts" if across else "within a host"
 
 
 def comm_seconds(row: dict[str, Any], profile: Profile, devices: int) -> float:
-    """One row of collectives: latency per op + link bytes over the link the group uses (`link_model`)."""
-    latency, per_byte, _ = link_model(row, profile, devices)
-    return row["count"] * latency + row["link_bytes"] * per_byte
+    """One row of collectives: latency per op (the slower link's, where any op crosses hosts) + its link bytes
+    inside a host and across hosts, each over its own link (`link_model`)."""
+    across = across_link_bytes(row)
+    latency = link_model(row, profile, devices, row["inter_host"])[0]
+    inside, across_s = link_model(row, profile, devices, False)[1], link_model(row, profile, devices, True)[1]
+    return row["count"] * latency + (row["link_bytes"] - across) * inside + across * across_s
 
 
 def executed_per_model_flop(layout: Layout, model_flops: float, dot_flops: float | None) -> tuple[float, str]:

@@ -62,7 +62,8 @@ def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> S
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
     """Per-device memory of the compiled step and its collectives per mesh axes (`comm`: from its HLO if None)."""
     layout = Layout(data_size(mesh), *(mesh.shape[a] for a in ("pp", "cp", "tp")), zero=config.train.zero,
-                    sequence_parallel=config.train.sequence_parallel, ep=mesh.shape["ep"])
+                    sequence_parallel=config.train.sequence_parallel, ep=mesh.shape["ep"],
+                    zero_shard=config.train.zero_shard)
     state = state_bytes(config, layout)
     m = compiled.memory_analysis()
     need = step_memory_bytes(compiled)
@@ -77,13 +78,14 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
     ]
     if comm is None:
         comm = step_collectives(config, dict(mesh.shape), compiled.as_text(), devices_per_host)
-    rows = [("mesh axes", "ops per step", "bytes per device", "ring link bytes", "crosses hosts", "kinds")]
+    rows = [("mesh axes", "ops per step", "bytes per device", "link bytes inside a host", "across hosts", "kinds")]
     for axes, row in sorted(comm.items(), key=lambda kv: -kv[1]["link_bytes"]):
         kinds = ", ".join(f"{k} x{_count(n)}" for k, n in sorted(row["kinds"].items()))
-        rows.append((axes, _count(row["count"]), readable_bytes(row["bytes"]), readable_bytes(row["link_bytes"]),
-                     "yes" if row["inter_host"] else "no", kinds))
+        across = row["inter_link_bytes"]
+        rows.append((axes, _count(row["count"]), readable_bytes(row["bytes"]),
+                     readable_bytes(row["link_bytes"] - across), readable_bytes(across), kinds))
     if len(rows) == 1:
-        rows.append(("(none)", "0", "0", "0", "-", "-"))
+        rows.append(("(none)", "0", "0", "0", "0", "-"))
     return "\n\n".join([_table(memory), _table(rows)])
 
 

@@ -1,6 +1,6 @@
-"""The planner's search space: the layouts a model and batch divide into on N devices (tp inside one
-host), kept only when pjax's own validators accept them, and the exact training state each holds per
-device, from shard shapes on an `AbstractMesh` (no devices needed)."""
+"""The planner's search space: the layouts a model and batch divide into on N devices (tp inside one host;
+ZeRO flat or in HSDP groups of a host's replicas), kept only when pjax's own validators accept them, and the
+exact training state each holds per device, from shard shapes on an `AbstractMesh` (no devices needed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +48,7 @@ class Layout:
     sequence_parallel: bool = False
     context: str = "ring"
     ep: int = 0  # of dp's devices, how many split the experts (0: `MeshConfig.with_experts`'s default)
+    zero_shard: int = 0  # HSDP: ZeRO within groups of this many data replicas, copied across them (0: all of dp)
 
     @property
     def mesh(self) -> MeshConfig:
@@ -60,9 +61,11 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8': the mesh, what differs from plain, the micro-batches."""
+        """E.g. 'dp2-pp2-tp2-zero1-remat-interleaved2-m8' or 'dp64-zero3-shard8-m4': the mesh, what differs from
+        plain, the micro-batches."""
         parts = [f"{axis}{size}" for axis, size in zip(KEYS, self.sizes) if size > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
+        parts += [f"shard{self.zero_shard}"] if self.zero_shard else []
         parts += [] if self.remat == "none" else ["remat" if self.remat == "full" else f"remat_{self.remat}"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += [self.context] if self.cp > 1 and self.context != "ring" else []
@@ -75,11 +78,12 @@ class Layout:
         """The layout a `name` spells; ValueError otherwise."""
         fields: dict = {}
         for part in name.split("-"):
-            key = next((k for k in (*KEYS, "zero", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)), None)
+            key = next((k for k in (*KEYS, "zero", "shard", "m", "interleaved") if re.fullmatch(rf"{k}\d+", part)),
+                       None)
             if key == "interleaved":
                 fields.update(schedule="interleaved", virtual_stages=int(part[len(key):]))
             elif key is not None:
-                fields[{"m": "grad_accum"}.get(key, key)] = int(part[len(key):])
+                fields[{"m": "grad_accum", "shard": "zero_shard"}.get(key, key)] = int(part[len(key):])
             elif part in CONTEXT_STRATEGIES:
                 fields["context"] = part
             elif part.startswith("remat_"):
@@ -95,7 +99,8 @@ class Layout:
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give `pjax.train` this layout."""
         keys = [f"mesh.{axis}={size}" for axis, size in zip(KEYS, self.sizes) if axis != "ep" or size]
-        keys += [f"train.zero={self.zero}", f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
+        keys += [f"train.zero={self.zero}"] + ([f"train.zero_shard={self.zero_shard}"] if self.zero_shard else [])
+        keys += [f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
                  f"train.sequence_parallel={str(self.sequence_parallel).lower()}"]
         keys += ["train.scan_layers=true"] if self.remat == "full" else []
         if self.pp > 1:
@@ -117,7 +122,8 @@ def apply(config: Config, layout: Layout) -> Config:
     recomputation with its forward and saves no memory."""
     scan = config.train.scan_layers or layout.remat == "full"
     names = config.train.remat_names if layout.remat == "names" else None
-    train = dataclasses.replace(config.train, zero=layout.zero, remat=layout.remat, remat_names=names,
+    train = dataclasses.replace(config.train, zero=layout.zero, zero_shard=layout.zero_shard, remat=layout.remat,
+                                remat_names=names,
                                 grad_accum=layout.grad_accum, scan_layers=scan,
                                 sequence_parallel=layout.sequence_parallel)
     pipeline = dataclasses.replace(config.pipeline, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
@@ -164,6 +170,14 @@ def expert_splits(config: Config, dp: int) -> list[int]:
     return [e for e in range(1, dp + 1) if not dp % e and not experts % e]
 
 
+def shard_groups(config: Config, dp: int, inner: int, devices_per_host: int) -> list[int]:
+    """train.zero_shard values to try under ZeRO: 0 (all of dp), the config's, and the group whose replicas of
+    `inner` devices each fill one host, so that its ZeRO collectives stay on the host's links and only the
+    copies' all-reduce crosses hosts (what the validators refuse, e.g. a group that splits an expert group, goes)."""
+    groups = {0, config.train.zero_shard} | ({devices_per_host // inner} if devices_per_host % inner == 0 else set())
+    return sorted(g for g in groups if g == 0 or 2 <= g < dp and dp % g == 0)
+
+
 def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[int, ...] = ZEROS,
             remats: tuple[str, ...] = REMATS) -> list[Layout]:
     """Every layout of `config` on `devices` devices that pjax accepts. cp > 1 keeps context.strategy: the
@@ -178,18 +192,20 @@ def layouts(config: Config, devices: int, devices_per_host: int, zeros: tuple[in
                 expert_splits(config, dp)):
             if zero and dp == 1:  # the same program as zero=0
                 continue
-            layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy, ep)
-            try:
-                check(config, layout)
-            except ConfigError:
-                continue
-            found.append(layout)
+            for shard in shard_groups(config, dp, pp * cp * tp, devices_per_host) if zero else [0]:
+                layout = Layout(dp, pp, cp, tp, zero, remat, schedule, v, accum, sp, config.context.strategy, ep,
+                                shard)
+                try:
+                    check(config, layout)
+                except ConfigError:
+                    continue
+                found.append(layout)
     return found
 
 
 def abstract_mesh(layout: Layout) -> AbstractMesh:
     """The layout's mesh without devices."""
-    return AbstractMesh(layout.mesh.shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return AbstractMesh(layout.mesh.split(layout.zero_shard), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
@@ -198,13 +214,13 @@ def state_bytes(config: Config, layout: Layout) -> dict[str, int]:
     p = config.precision.resolve(config.train.dtype)
     ep = layout.mesh.with_experts(config.model.num_local_experts).ep
     return dict(_state_bytes(config.model, layout.dp, layout.pp, layout.cp, layout.tp, layout.zero,
-                             bytes_per(p.grad_accum), bytes_per(p.optimizer_state), ep))
+                             bytes_per(p.grad_accum), bytes_per(p.optimizer_state), ep, layout.zero_shard))
 
 
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(cfg, dp: int, pp: int, cp: int, tp: int, zero: int, grad_bytes: int = 4, moment_bytes: int = 4,
-                 ep: int = 0) -> tuple:
-    layout = Layout(dp, pp, cp, tp, zero, ep=ep)
+                 ep: int = 0, zero_shard: int = 0) -> tuple:
+    layout = Layout(dp, pp, cp, tp, zero, ep=ep, zero_shard=zero_shard)
     mesh = abstract_mesh(layout)
     shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     per_device = lambda shardings: sum(
