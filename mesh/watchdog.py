@@ -7,8 +7,8 @@ thread, and reads everyone's beats: a process whose beat has not moved for `time
 watcher then prints one line naming it and ends this process at once (a checkpoint in flight is not committed;
 the last committed one is where the next start resumes). Process 0 holds the store and JAX's coordination
 service: when it is lost, JAX's clients abort the others at once with their own fatal log, which no Python code
-can intercept. A process that ends on purpose says so first ("done"), so the others do not count it lost while
-they finish."""
+can intercept. A process that ends says how first: having done its work (the others do not count it lost while
+they finish theirs), or on an error of its own, which stops the others at once, each naming it."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from mesh.errors import ConfigError
 
 PREFIX = "pjax/beat/"
-DONE, STOPPED = "done", "stopped"  # a process that ended on purpose, or on a loss
+DONE, FAILED, STOPPED = "done", "failed", "stopped"  # ended its work, ended on its own error, ended on a loss
 EXIT_LOST = 1
 JAX_HEARTBEAT_FLOOR_S = 100  # JAX's own default: its detection (a fatal abort) must come after ours
 
@@ -54,19 +54,21 @@ class Watchdog:
                 continue
             for j, (value, since) in seen.items():
                 got = values.get(f"{PREFIX}{j}", "")
-                if got in (DONE, STOPPED):
+                if got in (DONE, STOPPED) or self._stop.is_set():
                     continue
-                if got != value:
+                if got == FAILED:
+                    self.lose(j, "stopped on an error of its own (its log says which)")
+                elif got != value:
                     seen[j] = (got, now)
-                elif now - since > self.timeout and not self._stop.is_set():
-                    self.lose(j, "its beat stopped")
+                elif now - since > self.timeout:
+                    self.lose(j, f"was lost: its beat stopped for {self.timeout:g} s (killed, crashed or cut off)")
 
-    def finish(self) -> None:
-        """This process ends on purpose: tell the others, stop watching."""
+    def finish(self, failed: bool = False) -> None:
+        """This process ends, its work done or `failed`: tell the others, stop watching."""
         self._stop.set()
         self._thread.join()
         with contextlib.suppress(Exception):  # a store already gone has no one left to tell
-            self.client.key_value_set(f"{PREFIX}{self.index}", DONE, allow_overwrite=True)
+            self.client.key_value_set(f"{PREFIX}{self.index}", FAILED if failed else DONE, allow_overwrite=True)
 
     def settle(self) -> None:
         """After a collective failed here: wait for the watcher to name a lost process (it ends the process);
@@ -75,21 +77,27 @@ class Watchdog:
 
     def lose(self, process: int, why: str) -> None:
         """The one line for a lost process, then the end of this one, skipping the exit handlers: JAX's would wait
-        at a shutdown barrier the lost process never reaches. Process 0 goes last: the others' JAX clients abort
-        with a fatal log the moment its coordination service goes."""
-        print(f"error: lost process {process} of {self.count}: {why} for {self.timeout:g} s (killed, crashed "
-              f"or cut off); this process stops too. Start every process again: a run with checkpoint.dir resumes "
-              f"from its last committed checkpoint.", file=sys.stderr, flush=True)
+        at a shutdown barrier the lost process never reaches. Process 0 goes last (`last_out`)."""
+        print(f"error: process {process} of {self.count} {why}; this process stops too. Start every "
+              f"process again: a run with checkpoint.dir resumes from its last committed checkpoint.",
+              file=sys.stderr, flush=True)
         sys.stdout.flush()
         with contextlib.suppress(Exception):
             self.client.key_value_set(f"{PREFIX}{self.index}", STOPPED, allow_overwrite=True)
-            deadline = time.monotonic() + 2 * self.interval + 1
-            while self.index == 0 and time.monotonic() < deadline:
-                values = dict(self.client.key_value_dir_get(PREFIX))
-                if all(values.get(f"{PREFIX}{j}") in (DONE, STOPPED) for j in range(1, self.count) if j != process):
-                    break
-                time.sleep(0.1)
+        self.last_out(process)
         os._exit(EXIT_LOST)
+
+    def last_out(self, lost: int | None = None) -> None:
+        """Process 0 (the coordination service's) waits, a few beats at most, until every other process but the
+        `lost` one has ended: the others' JAX clients abort with a fatal log the moment its service goes."""
+        deadline = time.monotonic() + 2 * self.interval + 1
+        while self.index == 0 and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                values = dict(self.client.key_value_dir_get(PREFIX))
+                if all(values.get(f"{PREFIX}{j}") in (DONE, FAILED, STOPPED) for j in range(1, self.count)
+                       if j != lost):
+                    return
+            time.sleep(0.1)
 
 
 _current: Watchdog | None = None
@@ -105,9 +113,12 @@ def start(client: Any, index: int, count: int, timeout: float) -> Watchdog:
 @contextlib.contextmanager
 def guarding() -> Iterator[None]:
     """Around a multi-process run's work: an error that may be a lost peer's waits for the watcher's verdict
-    before it surfaces; any end of the work (a one-line ConfigError included) tells the others it was on purpose."""
+    before it surfaces; the end of the work tells the others how it ended (an error of this process's own, a
+    one-line ConfigError included, stops them)."""
+    failed = True
     try:
         yield
+        failed = False
     except ConfigError:
         raise
     except Exception as e:
@@ -116,7 +127,18 @@ def guarding() -> Iterator[None]:
         raise
     finally:
         if _current is not None:
-            _current.finish()
+            _current.finish(failed)
+
+
+def exit_now(code: int) -> None:
+    """End a process of a multi-process run whose error is said (the others stop on it) without JAX's shutdown
+    barrier, which would wait for them; a lone process just returns."""
+    if _current is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _current.last_out()
+    os._exit(code)
 
 
 def check_timeout(seconds: float, flag: str) -> None:

@@ -48,7 +48,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_main(lambda: _run(args))
+    code = run_main(lambda: _run(args))
+    if code:
+        watchdog.exit_now(code)  # in a multi-process run: the others stop on this error, JAX's barrier would wait
+    return code
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -44,10 +44,11 @@ def free_port(low: int = 1024, high: int = 65536) -> int:
     raise RuntimeError(f"no free port in {low}-{high - 1} on 127.0.0.1")
 
 
-def start(tmp: Path, name: str, count: int, args: list[str], srun=None, of: int | None = None
-          ) -> list[subprocess.Popen]:
+def start(tmp: Path, name: str, count: int, args: list[str], srun=None, of: int | None = None,
+          own=lambda i: []) -> list[subprocess.Popen]:
     """`count` processes of `python -m pjax.train`, as tasks of a faked srun step (`srun(i)`: task i's environment)
-    or with the multi-host flags for a run of `of` (default `count`) processes; output in tmp/name.{i}.out, .err."""
+    or with the multi-host flags for a run of `of` (default `count`) processes, process i's `own(i)` overrides
+    last; output in tmp/name.{i}.out, .err."""
     port = free_port()
     procs = []
     for i in range(count):
@@ -55,7 +56,7 @@ def start(tmp: Path, name: str, count: int, args: list[str], srun=None, of: int 
                                  "--process_id", str(i)]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pjax.train", "--no_progress", *flags, *args, f"log.dir={tmp}/{name}",
-             f"data.cache_dir={tmp}/cache{i}"], cwd=REPO, env=process_env(srun(i) if srun else None),
+             f"data.cache_dir={tmp}/cache{i}", *own(i)], cwd=REPO, env=process_env(srun(i) if srun else None),
             stdout=open(tmp / f"{name}.{i}.out", "w"), stderr=open(tmp / f"{name}.{i}.err", "w")))
     return procs
 
@@ -138,10 +139,10 @@ def test_a_lost_process_stops_the_run_in_one_line_and_its_checkpoint_resumes_any
     assert codes == [1, 1, -9, 1], codes
     for i in (0, 1, 3):
         err = output(tmp_path, "four", i, "err")
-        assert err.startswith("error: lost process 2 of 4: its beat stopped for 10 s") and err.count("\n") == 1, err
+        assert err.startswith("error: process 2 of 4 was lost: its beat stopped for 10 s") and err.count("\n") == 1, err
     steps = sorted(int(p.name) for p in (tmp_path / "four_ckpt").iterdir() if p.name.isdigit())
     last = steps[-1]
-    assert last >= 6, steps  # the save at step 6 began after step 4's had committed
+    assert last >= 4, steps  # step 7 ran: the save at step 6 began, after step 4's had committed
     four = logged_losses(tmp_path / "four")
     assert close({s: four[s] for s in range(3, last + 1)}, reference, range(3, last + 1)) <= GLOO_TOLERANCE
 
@@ -154,9 +155,10 @@ def test_a_lost_process_stops_the_run_in_one_line_and_its_checkpoint_resumes_any
     assert max(abs(a - b) for a, b in zip(alone, reference[last:])) <= GLOO_TOLERANCE and len(alone) == 12 - last
 
 
-def test_a_taken_port_or_a_missing_process_is_one_line_in_bounded_time(tmp_path):
+def test_a_taken_port_a_missing_process_or_one_process_s_error_is_one_line_in_bounded_time(tmp_path):
     """Process 0 finds its coordinator port taken before its server would crash; 2 of 3 processes give up after
-    --join_timeout."""
+    --join_timeout; an error of process 0's own (its data.cache_dir) stops the other 3, each naming it, and
+    process 0, which holds the coordination service, leaves last."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -173,3 +175,10 @@ def test_a_taken_port_or_a_missing_process_is_one_line_in_bounded_time(tmp_path)
     for i in range(2):
         err = output(tmp_path, "missing", i, "err")
         assert err.startswith(f"error: process {i} of 3 waited 3 s at 127.0.0.1:") and err.count("\n") == 1, err
+    procs = start(tmp_path, "failing", PROCESSES, ["--peer_timeout", "10"],
+                  own=lambda i: [] if i else ["data.cache_dir=/proc/no-such-dir"])  # no directory can be made there
+    assert wait(procs, timeout=120) == [2, 1, 1, 1]
+    assert output(tmp_path, "failing", 0, "err").startswith("error: data.cache_dir=/proc/no-such-dir is not a writable")
+    for i in range(1, PROCESSES):
+        err = output(tmp_path, "failing", i, "err")
+        assert err.startswith("error: process 0 of 4 stopped on an error of its own") and err.count("\n") == 1, err
