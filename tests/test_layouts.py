@@ -37,6 +37,7 @@ def test_listed_layouts_are_exactly_those_pjax_accepts_and_their_overrides_give_
         again = load_config("llama2-7b", layout.overrides())
         assert again.mesh == layout.mesh and again.train.zero == layout.zero and again.train.remat == layout.remat
         assert again.train.grad_accum == layout.grad_accum and Layout.parse(layout.name) == layout
+        assert again.train.zero_shard == layout.zero_shard
     # heads 9 / kv-heads 3 (SmolLM2-135M): no tp of 2, 4 or 8
     assert {layout.tp for layout in layouts(load_config("smollm-135m"), 8, 8)} == {1}
 

@@ -61,6 +61,15 @@ def start(tmp: Path, name: str, count: int, args: list[str], srun=None, of: int 
     return procs
 
 
+def srun_step(count: int):
+    """Task i's environment in a faked srun step of `count` tasks on this machine: the coordinator at JAX's SLURM
+    port for the job id (a free one, bound on the loopback address)."""
+    port = free_port(61440)
+    step = {"SLURM_JOB_ID": str(4096 * 7 + port - 61440), "SLURM_NTASKS": str(count),
+            "SLURM_STEP_NODELIST": "127.0.0.1", "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}
+    return lambda i: {**step, "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"}
+
+
 def wait(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
     """Each process's exit status (the rest killed if one overruns)."""
     deadline = time.monotonic() + timeout
@@ -102,11 +111,7 @@ def test_srun_step_of_four_tasks_trains_dp_tp_like_one_process(tmp_path):
     """Four tasks of a faked srun step (no multi-host flags) find the coordinator by JAX's rule (first node of
     SLURM_STEP_NODELIST, port from SLURM_JOB_ID), place tp inside each 2-device host and dp across them, and
     give the losses of one process with 8 devices."""
-    port = free_port(61440)
-    srun = {"SLURM_JOB_ID": str(4096 * 7 + port - 61440), "SLURM_NTASKS": str(PROCESSES),
-            "SLURM_STEP_NODELIST": "127.0.0.1", "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}
-    procs = start(tmp_path, "slurm", PROCESSES, [*DP_TP, *LOGGED],
-                  lambda i: {**srun, "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"})
+    procs = start(tmp_path, "slurm", PROCESSES, [*DP_TP, *LOGGED], srun_step(PROCESSES))
     assert wait(procs) == [0] * PROCESSES, output(tmp_path, "slurm", 0, "err")[-2000:]
     first = output(tmp_path, "slurm", 0)
     assert "step 3:" in first and all("step 3:" not in output(tmp_path, "slurm", i) for i in range(1, PROCESSES))
@@ -121,13 +126,13 @@ CHAIN = ["mesh.dp=4", "mesh.pp=2", "mesh.tp=1", "train.zero=1", "train.zero_shar
 
 
 def test_a_lost_process_stops_the_run_in_one_line_and_its_checkpoint_resumes_anywhere(tmp_path):
-    """One process writes a checkpoint; 4 processes (dp x pp with HSDP) resume it until process 2 is SIGKILLed;
-    the other 3 stop within 60 s with one line naming it; the last checkpoint the 4 committed resumes on 2
-    processes and on 1, and every run's losses are the uninterrupted single process's."""
+    """One process writes a checkpoint; 4 tasks of an srun step (dp x pp with HSDP) resume it until task 2 is
+    SIGKILLed; the other 3 stop within 60 s with one line naming it; the last checkpoint the 4 committed resumes on
+    2 tasks and on 1 process, and every run's losses are the uninterrupted single process's."""
     reference = one_process(tmp_path, "reference", [*CHAIN, f"checkpoint.dir={tmp_path}/reference_ckpt"])
     shutil.copytree(tmp_path / "reference_ckpt" / "2", tmp_path / "four_ckpt" / "2")
     procs = start(tmp_path, "four", PROCESSES, [*CHAIN, *LOGGED, f"checkpoint.dir={tmp_path}/four_ckpt",
-                                                "--peer_timeout", "10"])
+                                                "--peer_timeout", "10"], srun_step(PROCESSES))
     deadline = time.monotonic() + 300
     while "step 7:" not in output(tmp_path, "four", 0) and time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), output(tmp_path, "four", 0, "err")[-2000:]
@@ -147,7 +152,8 @@ def test_a_lost_process_stops_the_run_in_one_line_and_its_checkpoint_resumes_any
     assert close({s: four[s] for s in range(3, last + 1)}, reference, range(3, last + 1)) <= GLOO_TOLERANCE
 
     shutil.copytree(tmp_path / "four_ckpt", tmp_path / "one_ckpt")
-    assert wait(start(tmp_path, "four", 2, [*CHAIN, *LOGGED, f"checkpoint.dir={tmp_path}/four_ckpt"])) == [0, 0]
+    assert wait(start(tmp_path, "four", 2, [*CHAIN, *LOGGED, f"checkpoint.dir={tmp_path}/four_ckpt"],
+                      srun_step(2))) == [0, 0]
     resumed = logged_losses(tmp_path / "four")  # the records past `last` the stopped run logged are dropped
     assert close({s: resumed[s] for s in range(last + 1, 13)}, reference, range(last + 1, 13)) <= GLOO_TOLERANCE
     assert sorted(resumed) == list(range(3, 13))

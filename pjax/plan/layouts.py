@@ -99,7 +99,8 @@ class Layout:
     def overrides(self) -> list[str]:
         """The `key=value` overrides that give `pjax.train` this layout."""
         keys = [f"mesh.{axis}={size}" for axis, size in zip(KEYS, self.sizes) if axis != "ep" or size]
-        keys += [f"train.zero={self.zero}"] + ([f"train.zero_shard={self.zero_shard}"] if self.zero_shard else [])
+        # under ZeRO its group always: a config's own train.zero_shard must not survive a flat layout
+        keys += [f"train.zero={self.zero}"] + ([f"train.zero_shard={self.zero_shard}"] if self.zero else [])
         keys += [f"train.remat={self.remat}", f"train.grad_accum={self.grad_accum}",
                  f"train.sequence_parallel={str(self.sequence_parallel).lower()}"]
         keys += ["train.scan_layers=true"] if self.remat == "full" else []
