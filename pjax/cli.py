@@ -9,7 +9,7 @@ import tempfile
 from typing import Any, Callable
 
 from mesh.errors import ConfigError, cut
-from pjax.platforms import start_platforms
+from pjax.platforms import missing_gpu, start_platforms
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -22,8 +22,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_main(body: Callable[[], Any]) -> int:
     """Run `body`; a ConfigError or uncaught file-system error becomes one `error:` line and exit status 2.
-    JAX starts on the CPU where its CUDA plugin is installed and no GPU can be (`pjax.platforms`)."""
+    JAX starts on the CPU where its CUDA plugin is installed and no GPU can be, and not at all where GPUs should be
+    and their driver cannot load (`pjax.platforms`)."""
     start_platforms()
+    missing = missing_gpu()
+    if missing:
+        return fail(missing)
     try:
         body()
     except ConfigError as e:

@@ -194,10 +194,11 @@ def _report_start(cfg: Config, trainer: Any, state: Any, compiled: Any, curricul
     from pjax import xla_options
     from pjax.observe.report import local_devices
     from pjax.plan.inspect import parameter_table, step_report
+    from pjax.platforms import fallback_note
 
     tc, mc, mesh = cfg.train, cfg.model, trainer.mesh
     crossing = across_hosts_line(mesh)
-    say(mesh_summary(mesh) + (f"; {crossing}" if crossing else ""))
+    say(mesh_summary(mesh) + (f"; {crossing}" if crossing else "") + fallback_note())
     if xla_options.describe(trainer.xla_options):
         say(xla_options.describe(trainer.xla_options))
     say(parameter_table(state.params, llama.param_logical_axes(mc)))

@@ -1,5 +1,6 @@
 """Which platforms an entry point starts JAX on (pjax/platforms.py): the user's JAX_PLATFORMS as set, else the CPU
-where JAX's CUDA plugin is installed and no NVIDIA driver is, so that no plugin traceback precedes pjax's output."""
+where JAX's CUDA plugin is installed and no NVIDIA driver is, so that no plugin traceback precedes pjax's output
+(said in one line), and one error line where GPUs should be and their driver cannot load."""
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ def test_cpu_only_where_the_cuda_plugin_finds_no_driver(monkeypatch, driver, plu
     monkeypatch.setattr(platforms, "nvidia_driver", lambda: driver)
     monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: plugin)
     environ = {"PATH": "/bin"}
-    assert platforms.start_platforms(environ) == expected
+    assert platforms.start_platforms(environ, dev=str(REPO / "no-dev")) == expected
     assert environ.get("JAX_PLATFORMS") == expected
 
 
@@ -28,6 +29,60 @@ def test_a_jax_platforms_the_user_sets_is_kept(monkeypatch, chosen):
     monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: True)
     environ = {"JAX_PLATFORMS": chosen}
     assert platforms.start_platforms(environ) is None and environ == {"JAX_PLATFORMS": chosen}
+
+
+def test_what_says_gpus_should_be_here(tmp_path):
+    """A visible-devices list (CUDA's, the NVIDIA container runtime's), SLURM's GPUs, or NVIDIA's device files; the
+    values that hide every GPU on purpose say nothing."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()  # the control file alone: no GPU
+    assert platforms.gpus_expected({}, str(dev)) is None
+    for env, said in [({"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+                      ({"NVIDIA_VISIBLE_DEVICES": "all"}, "NVIDIA_VISIBLE_DEVICES=all"),
+                      ({"SLURM_JOB_GPUS": "0,1,2,3"}, "SLURM_JOB_GPUS=0,1,2,3"),
+                      ({"SLURM_GPUS_ON_NODE": "8"}, "SLURM_GPUS_ON_NODE=8")]:
+        assert platforms.gpus_expected(env, str(dev)) == said
+    for env in ({"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}, {"NVIDIA_VISIBLE_DEVICES": "void"},
+                {"SLURM_GPUS_ON_NODE": "0"}):
+        assert platforms.gpus_expected(env, str(dev)) is None, env
+    (dev / "nvidia0").touch()
+    assert platforms.gpus_expected({}, str(dev)) == f"{dev}/nvidia0 exists"
+
+
+def test_gpus_expected_and_no_driver_is_one_error_line_unless_the_cpu_is_asked_for(monkeypatch, tmp_path):
+    monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(platforms, "driver_error", lambda: "libcuda.so.1: cannot open shared object file")
+    environ = {"CUDA_VISIBLE_DEVICES": "0"}
+    assert platforms.start_platforms(environ, str(tmp_path)) is None and "JAX_PLATFORMS" not in environ
+    said = platforms.missing_gpu(environ, str(tmp_path))
+    assert said == ("this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but the NVIDIA driver cannot be loaded "
+                    "(libcuda.so.1: cannot open shared object file); fix the driver or the container's GPU access, "
+                    "or set JAX_PLATFORMS=cpu to run on the CPU on purpose.")
+    assert platforms.missing_gpu({**environ, "JAX_PLATFORMS": "cpu"}, str(tmp_path)) is None
+    assert platforms.missing_gpu({}, str(tmp_path)) is None  # no sign of GPUs: the CPU, said in a note
+    monkeypatch.setattr(platforms, "driver_error", lambda: None)
+    assert platforms.missing_gpu(environ, str(tmp_path)) is None
+
+
+def test_train_on_a_gpu_node_without_its_driver_stops_in_one_line():
+    """`python -m pjax.train` as a GPU job starts it where the driver is missing (the CUDA plugin installed, no
+    JAX_PLATFORMS): one line before JAX starts, not a run on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-m", "pjax.train", "train.steps=1"], cwd=REPO,
+                          env={**env, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but the NVIDIA driver "
+                                  "cannot be loaded (libcuda.so.1: cannot open shared object file"), proc.stderr
+
+
+def test_a_run_on_the_cpu_pjax_chose_says_so_in_its_start_up_line(monkeypatch):
+    monkeypatch.setattr(platforms, "nvidia_driver", lambda: False)
+    monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: True)
+    environ: dict = {}
+    assert platforms.start_platforms(environ, dev=str(REPO / "no-dev")) == "cpu"
+    assert "this host has no NVIDIA driver: the CPU" in platforms.fallback_note(environ)
+    assert platforms.fallback_note({"JAX_PLATFORMS": "cpu"}) == ""  # the user's choice: nothing to say
 
 
 def test_calibrate_starts_without_a_plugin_traceback(tmp_path):

@@ -35,7 +35,7 @@ from pjax.plan.measurements import (Job, attention_job, bandwidth_job, collectiv
 from pjax.plan.pipeline_cost import measure_pipeline
 from pjax.plan.profiles import of_kind
 from pjax.plan.stream_cost import measure_stream
-from pjax.platforms import start_platforms
+from pjax.platforms import missing_gpu, start_platforms
 
 # (rows, contraction, columns) per platform: a CPU's peak is ~1000x below an H100's, so its grid is smaller.
 _GRIDS = {
@@ -199,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     start_platforms()  # the CPU where JAX's CUDA plugin finds no GPU: no plugin traceback before the figures
+    if missing_gpu():
+        sys.exit(f"error: {missing_gpu()}")
     args = parser().parse_args()
     only = tuple(args.only.split(",")) if args.only else SECTIONS
     if not set(only) <= set(SECTIONS) or (args.config and not {"matmul", *STEPS} & set(only)):

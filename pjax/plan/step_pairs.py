@@ -128,9 +128,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     """`_serve`'s process: one layout's step on `--devices` forced CPU devices, timed once per line of stdin."""
-    from pjax.platforms import start_platforms
+    from pjax.platforms import missing_gpu, start_platforms
 
     start_platforms()  # run by hand too: no CUDA plugin traceback where it finds no GPU
+    if missing_gpu():
+        sys.exit(f"error: {missing_gpu()}")
     args = parser().parse_args()
     from mesh.distributed import pipeline_cpu_threads
     from mesh.errors import ConfigError
