@@ -1,5 +1,6 @@
 """pjax's own XLA:GPU options, set on every step it compiles for GPUs (`pjax.train` and the planner's compiles
-for compile-only GPUs alike), as per-compile options, on top of the user's XLA_FLAGS: a flag the user sets wins.
+for compile-only GPUs alike), as per-compile options, on top of the user's XLA_FLAGS: a flag the user sets wins,
+over pjax's option of that name and of its family (`FAMILIES`).
 `train.xla_options=false` leaves XLA's defaults. Why each: ARCHITECTURE.md, "pjax's XLA:GPU options"."""
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ GPU_OPTIONS: dict[str, bool | int] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_highest_priority_async_stream": True,
     # A collective inside a loop (ZeRO-3's per-layer all-gathers, sequence parallelism's gathers) is started one
-    # iteration ahead, and loops are unrolled by two so that the schedule can cross iterations.
+    # iteration ahead. Loops are left as XLA's while-loop unrolling mode leaves them: forcing double buffering
+    # unrolled every loop with a known trip count, collectives or none, and overlapped no more (benchmarks/log/
+    # gpu_kernels.md, "Double buffering").
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
-    "xla_gpu_enable_while_loop_double_buffering": True,
     # Small collectives combined into fewer, larger ones up to these sizes (MaxText's GPU values): a large
     # model's stacked weights stay one collective each, which the scheduler can overlap with other tensors' work.
     "xla_gpu_all_reduce_combine_threshold_bytes": 128 * MIB,
@@ -34,10 +36,32 @@ GPU_OPTIONS: dict[str, bool | int] = {
 }
 
 
+# The flags that steer what each of pjax's options steers: a user's flag of a family wins over pjax's whole family.
+FAMILIES: dict[str, str] = {
+    "xla_gpu_enable_latency_hiding_scheduler": r"xla_gpu_enable_latency_hiding_scheduler|xla_gpu_lhs_\w+|"
+                                               r"xla_gpu_pgle_\w+",
+    "xla_gpu_enable_highest_priority_async_stream": r"xla_gpu_enable_highest_priority_async_stream",
+    "xla_gpu_enable_pipelined_all_gather": r"xla_gpu_enable_pipelined_(all_gather|collectives)",
+    "xla_gpu_enable_pipelined_reduce_scatter": r"xla_gpu_enable_pipelined_(reduce_scatter|collectives)",
+    "xla_gpu_enable_pipelined_all_reduce": r"xla_gpu_enable_pipelined_(all_reduce|collectives)",
+    "xla_gpu_all_reduce_combine_threshold_bytes": r"xla_gpu_all_reduce_combine_threshold_bytes",
+    "xla_gpu_all_gather_combine_threshold_bytes": r"xla_gpu_all_gather_combine_threshold_bytes",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": r"xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "xla_gpu_enable_triton_gemm": r"xla_gpu_enable_triton_gemm|xla_gpu_triton_gemm_\w+|xla_gpu_cublas_fallback",
+}
+
+
 def user_flags(flags: str | None = None) -> set[str]:
     """The option names the user's XLA_FLAGS set (`--name` or `--name=value`)."""
     flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
     return set(re.findall(r"--(xla_\w+)", flags))
+
+
+def overridden(flags: str | None = None) -> set[str]:
+    """pjax's options the user's XLA_FLAGS steer: set by name, or through a flag of the option's family."""
+    named = user_flags(flags)
+    return {option for option in (*GPU_OPTIONS, IN_FLIGHT)
+            if any(re.fullmatch(FAMILIES.get(option, re.escape(option)), flag) for flag in named)}
 
 
 # XLA:CPU has no fp8 dot: it converts the fp8 operands to f32, and with excess precision allowed its simplifier
@@ -62,7 +86,7 @@ def step_options(enabled: bool, device: Any = None, fp8: bool = False, in_flight
     if not enabled or target_backend() != "gpu":
         return {}
     wanted = {**GPU_OPTIONS, IN_FLIGHT: in_flight} if in_flight > 1 else GPU_OPTIONS
-    mine = {k: v for k, v in wanted.items() if k not in user_flags()}
+    mine = {k: v for k, v in wanted.items() if k not in overridden()}
     return _known(tuple(sorted(mine.items())), device) if device is not None else mine
 
 
@@ -93,6 +117,6 @@ def describe(options: dict[str, Any]) -> str | None:
     if not options or target_backend() != "gpu":
         return None
     flags = " ".join(f"--{k}={str(v).lower()}" for k, v in options.items())
-    kept = sorted(user_flags() & set(GPU_OPTIONS))
-    own = f"; XLA_FLAGS sets {', '.join(kept)}" if kept else ""
+    kept = sorted(overridden() & set(GPU_OPTIONS))
+    own = f"; XLA_FLAGS steers {', '.join(kept)}" if kept else ""
     return f"XLA:GPU options (pjax's, added to XLA_FLAGS{own}; train.xla_options=false leaves XLA's defaults): {flags}"

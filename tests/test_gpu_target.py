@@ -15,7 +15,7 @@ from mesh.errors import ConfigError
 from mesh.mesh import make_mesh
 from pjax import cudnn_fallback, xla_options
 from pjax.config_io import load_config
-from pjax.observe.hlo import async_overlap, async_spans
+from pjax.observe.hlo import async_overlap, async_spans, walk
 from pjax.observe.hlo_flops import StepMatmuls, fused_attention, gemm_sites, scoped_gemm_flops
 from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
@@ -45,6 +45,19 @@ def gpu_compile(config: str, overrides: list[str], layout: str, devices_per_host
     `pjax.train` compile it (`compile_planned`: every config section, pjax's XLA options, the cuDNN guard, whose
     fallback would leave train.attention=chunked in the config)."""
     return compile_planned(load_config(config, overrides), Layout.parse(layout), CUDNN_H100, devices_per_host, "gpu")
+
+
+def per_step(hlo_text: str, marker: str) -> float:
+    """How many times per step the compiled step runs the instructions whose line holds `marker`: each loop body's
+    as often as its known trip count says (not the text's count, which a loop's unrolling changes)."""
+    found: dict[str, int] = {}
+
+    def on_instr(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
+        if marker in line:
+            found[comp] = found.get(comp, 0) + 1
+
+    runs = walk(hlo_text, on_instr)
+    return sum(n * runs.get(comp, 0) for comp, n in found.items())
 
 
 LAYOUT = Layout.parse("dp4-tp2-zero1")
@@ -182,13 +195,13 @@ def test_dropless_experts_go_by_ragged_all_to_all_to_grouped_gemm_kernels(receiv
     cap = [] if receive_factor is None else [f"moe.receive_factor={receive_factor}"]
     config, _, step = gpu_compile("mixtral-tiny", ["precision.preset=bf16", *cap], "dp8")
     text = step.as_text()
-    layers = config.model.num_hidden_layers
-    assert text.count("ragged-all-to-all-start(") == 4 * layers
+    runs = config.model.num_hidden_layers * config.train.grad_accum  # each layer, each micro-batch
+    assert per_step(text, "ragged-all-to-all-start(") == 4 * runs
     for line in text.splitlines():
         if re.search(r"= \S+ all-to-all(-start)?\(", line):
             assert not re.search(r"\b(bf16|f32|f16)\[", line.split("all-to-all")[0]), line
-    kernels = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu' in line]
-    assert len(kernels) == 9 * layers, len(kernels)
+    assert per_step(text, 'custom_call_target="mosaic_gpu') == 9 * runs
+    layers = config.model.num_hidden_layers
     assert scoped_gemm_flops(text, "experts", grouped=False) == scoped_gemm_flops(text, "router")  # no XLA GEMM
     tc, mc = config.train, config.model
     routed = 9 * layers * tc.batch_size * tc.seq_len // 8 * mc.num_experts_per_tok * 2 * mc.hidden_size \
@@ -204,10 +217,11 @@ def test_experts_over_ep_exchange_within_their_group_and_reduce_over_its_copies(
     from pjax.observe.hlo import device_groups
 
     config, _, step = gpu_compile("mixtral-tiny", ["precision.preset=bf16", "mesh.ep=4"], "dp8-ep4")
+    assert per_step(step.as_text(), "ragged-all-to-all-start(") == 4 * config.model.num_hidden_layers \
+        * config.train.grad_accum
     text = step.as_text().splitlines()
     ragged = [line for line in text if "ragged-all-to-all-start(" in line]
-    assert len(ragged) == 4 * config.model.num_hidden_layers
-    assert all(device_groups(line, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]] for line in ragged)
+    assert ragged and all(device_groups(line, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]] for line in ragged)
     mc = config.model
     experts = mc.num_hidden_layers * 2 * 3 * mc.hidden_size * mc.intermediate_size
     copies = [line for line in text if re.search(r"all-reduce(-start)?\(", line)
@@ -275,10 +289,31 @@ def test_a_flag_the_user_sets_wins_and_the_key_turns_them_off(monkeypatch):
         assert xla_options.step_options(False) == {}
         line = xla_options.describe(mine)
     assert xla_options.step_options(True) == {}  # XLA:CPU: none
-    assert len(line.splitlines()) == 1 and "XLA_FLAGS sets xla_gpu_enable_triton_gemm" in line
+    assert len(line.splitlines()) == 1 and "XLA_FLAGS steers xla_gpu_enable_triton_gemm" in line
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in line and "train.xla_options=false" in line
     with pytest.raises(ConfigError, match="train.xla_options"):
         load_config("debug", ["train.xla_options=maybe"])
+
+
+def test_a_users_flag_wins_over_pjax_s_whole_family_of_options(monkeypatch):
+    """Not only a flag of the same name: Triton's GEMM flags steer pjax's cuBLAS choice, the pipelined-collectives
+    switch steers all three pipelined kinds, the latency-hiding scheduler's own flags steer the scheduler."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_triton_gemm_any=true --xla_gpu_enable_pipelined_collectives=false "
+                                    "--xla_gpu_lhs_enable_gpu_async_tracker=true")
+    with building_for("gpu"):
+        mine = xla_options.step_options(True)
+    assert not {"xla_gpu_enable_triton_gemm", "xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_latency_hiding_"
+                "scheduler", "xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_enable_pipelined_all_reduce"} & set(mine)
+    assert mine["xla_gpu_all_gather_combine_threshold_bytes"] == 128 * 2**20  # another family: pjax's
+
+
+def test_pjax_s_options_unroll_no_loop_without_a_collective():
+    """One compile-only GPU, the layers scanned (a loop with no collective): the step pjax compiles is within 1.2x
+    of XLA's defaults in size (forced double buffering made it 1.6x: every loop unrolled by two)."""
+    overrides = ["train.scan_layers=true", "train.remat=none", "train.batch_size=4", "train.grad_accum=2"]
+    size = {on: len(gpu_compile("debug", [*overrides, f"train.xla_options={str(on).lower()}"], "1")[2].as_text())
+            for on in (True, False)}
+    assert size[True] <= 1.2 * size[False], size
 
 
 def test_the_planner_compiles_every_section_and_explains_kernels(capsys):
