@@ -31,15 +31,14 @@ def kernels_compiled(config: str, layout_name: str, overrides: list[str], kind: 
     from pjax.config_io import load_config
     from pjax.plan import gpu_target
     from pjax.plan.compile import compile_planned
-    from pjax.plan.layouts import Layout
+    from pjax.plan.layouts import Layout, with_config_shard
     from pjax.plan.profiles import PROFILES
 
     profile = gpu_target.planned_profile(PROFILES[kind], "gpu")  # cuDNN's attention where it compiles here
     profile = profile if attention == "cudnn" else dataclasses.replace(profile, attention=attention)
     start = time.perf_counter()
     cfg = load_config(config, overrides)
-    layout = Layout.parse(layout_name)  # an override's HSDP group where the name gives none
-    layout = dataclasses.replace(layout, zero_shard=layout.zero_shard or cfg.train.zero_shard if layout.zero else 0)
+    layout = with_config_shard(Layout.parse(layout_name), cfg)  # an override's HSDP group where the name gives none
     _, trainer, compiled = compile_planned(cfg, layout, profile, per_host, "gpu")
     return trainer, compiled.as_text(), round(time.perf_counter() - start, 1)
 

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from mesh import watchdog
 from mesh.errors import ConfigError, cut
 from pjax.platforms import missing_gpu, start_platforms
 
@@ -28,6 +29,14 @@ def run_main(body: Callable[[], Any]) -> int:
     missing = missing_gpu()
     if missing:
         return fail(missing)
+    code = _one_line_errors(body)
+    if code:
+        watchdog.exit_now(code)  # in a multi-process run: the others stop on this error, JAX's barrier would wait
+    return code
+
+
+def _one_line_errors(body: Callable[[], Any]) -> int:
+    """`body`'s exit status: 0, or 2 after the one `error:` line of a mistake it raised."""
     try:
         body()
     except ConfigError as e:

@@ -216,10 +216,7 @@ def _devices(n: int) -> list[jax.Device]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    code = run_main(lambda: _main(args))
-    if code:
-        watchdog.exit_now(code)  # in a multi-process run: the others stop on this error, JAX's barrier would wait
-    return code
+    return run_main(lambda: _main(args))
 
 
 def _main(args: argparse.Namespace) -> None:

@@ -48,10 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    code = run_main(lambda: _run(args))
-    if code:
-        watchdog.exit_now(code)  # in a multi-process run: the others stop on this error, JAX's barrier would wait
-    return code
+    return run_main(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> None:

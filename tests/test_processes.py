@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 
 from pjax.config_io import load_config
+from test_checkpoint import committed_steps
 from pjax.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +146,7 @@ def test_a_lost_process_stops_the_run_in_one_line_and_its_checkpoint_resumes_any
     for i in (0, 1, 3):
         err = output(tmp_path, "four", i, "err")
         assert err.startswith("error: process 2 of 4 was lost: its beat stopped for 10 s") and err.count("\n") == 1, err
-    steps = sorted(int(p.name) for p in (tmp_path / "four_ckpt").iterdir() if p.name.isdigit())
+    steps = committed_steps(tmp_path / "four_ckpt")
     last = steps[-1]
     assert last >= 4, steps  # step 7 ran: the save at step 6 began, after step 4's had committed
     four = logged_losses(tmp_path / "four")

@@ -91,7 +91,7 @@ def _run(args: Any) -> None:
     profile = PROFILES[args.device_kind]
     if args.calibration:
         profile = dataclasses.replace(profile, curves=_curves(args.calibration, args.device_kind))
-    layout = _layout(args.explain, config.train.zero_shard) if args.explain else None
+    layout = _layout(args.explain, config) if args.explain else None
     hosts = args.hosts or math.ceil(args.devices / profile.devices_per_host)
     if hosts < 1 or args.devices % hosts:
         raise ConfigError(f"--hosts {hosts} does not divide --devices {args.devices}; every host has the same devices.")
@@ -151,15 +151,14 @@ def _this_machine(args: Any) -> Any:
     return Curves(record)
 
 
-def _layout(name: str, zero_shard: int) -> Any:
+def _layout(name: str, config: Any) -> Any:
     """The layout `name` spells; one that names no HSDP group under ZeRO takes an override's train.zero_shard."""
-    from pjax.plan.layouts import Layout
+    from pjax.plan.layouts import Layout, with_config_shard
 
     try:
-        layout = Layout.parse(name)
+        return with_config_shard(Layout.parse(name), config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(layout, zero_shard=zero_shard) if layout.zero and not layout.zero_shard else layout
 
 
 def _progress(total: int):

@@ -109,6 +109,13 @@ class Layout:
         return keys + ([f"context.strategy={self.context}"] if self.cp > 1 else [])
 
 
+def with_config_shard(layout: Layout, config: Config) -> Layout:
+    """`layout` with the config's train.zero_shard where it runs ZeRO and its name gives no HSDP group (a name the
+    user wrote, with an override for the group)."""
+    return dataclasses.replace(layout, zero_shard=config.train.zero_shard) if layout.zero and not layout.zero_shard \
+        else layout
+
+
 def mesh_shapes(devices: int, devices_per_host: int) -> Iterator[tuple[int, int, int, int]]:
     """Every (dp, pp, cp, tp) with dp * pp * cp * tp = devices and tp <= devices_per_host."""
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
