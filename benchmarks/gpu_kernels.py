@@ -8,11 +8,11 @@
 One JSON line per layout (the planner's layout names, `pjax.plan.layouts.Layout`): the attention kernel
 (`chunked` where `pjax.cudnn_fallback` had to step in), cuDNN's fused attention calls per step, GEMMs per step
 by operand dtype with their FLOPs (`hlo_flops.gemm_census`), collectives per step by kind
-(`hlo.collective_stats`) and by mesh axes with their bytes per device (`hlo.collectives_by_axis`; a pipeline's
-per-tick ones once per tick), how many of their places have compute scheduled inside (`hlo.async_overlap`),
-and the compile's seconds. Each
-layout is compiled the way the planner and `pjax.train` compile it (`pjax.plan.compile.compile_planned`); no
-autotuning happens on compile-only GPUs, so this is what runs, not how fast.
+(`hlo.collective_stats`) and by mesh axes with their bytes per device (`hlo.collectives_by_axis`), how many of
+their places have compute scheduled inside (`hlo.async_overlap`), and the compile's seconds. A pipeline's tick
+parts count as often as its table runs them on an average device. Each layout is compiled the way the planner
+and `pjax.train` compile it (`pjax.plan.compile.compile_planned`); no autotuning happens on compile-only GPUs,
+so this is what runs, not how fast.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin still makes com
 
 def kernels_compiled(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int,
                      attention: str) -> tuple:
-    """(trainer, optimized HLO text, compile seconds) of a layout compiled for compile-only GPUs of `kind`."""
+    """(config as compiled, trainer, optimized HLO text, compile seconds) of a layout compiled for compile-only
+    GPUs of `kind`."""
     from pjax.config_io import load_config
     from pjax.plan import gpu_target
     from pjax.plan.compile import compile_planned
@@ -39,23 +40,28 @@ def kernels_compiled(config: str, layout_name: str, overrides: list[str], kind: 
     start = time.perf_counter()
     cfg = load_config(config, overrides)
     layout = with_config_shard(Layout.parse(layout_name), cfg)  # an override's HSDP group where the name gives none
-    _, trainer, compiled = compile_planned(cfg, layout, profile, per_host, "gpu")
-    return trainer, compiled.as_text(), round(time.perf_counter() - start, 1)
+    compiled_cfg, trainer, compiled = compile_planned(cfg, layout, profile, per_host, "gpu")
+    return compiled_cfg, trainer, compiled.as_text(), round(time.perf_counter() - start, 1)
 
 
 def kernels(config: str, layout_name: str, overrides: list[str], kind: str, per_host: int, attention: str
             ) -> dict:
-    from pjax.observe.hlo import async_overlap, collective_stats, collectives_by_axis
+    from pjax.observe.hlo import async_overlap, collective_stats
     from pjax.observe.hlo_flops import fused_attention, gemm_census
+    from pjax.parallel.pipeline.table import tick_runs
+    from pjax.plan.inspect import step_collectives, step_part_runs
     from pjax.plan.layouts import Layout
 
-    trainer, hlo, seconds = kernels_compiled(config, layout_name, overrides, kind, per_host, attention)
+    cfg, trainer, hlo, seconds = kernels_compiled(config, layout_name, overrides, kind, per_host, attention)
+    # A pipeline's tick parts counted as often as its table runs them on an average device, not once per tick.
+    parts, mesh_shape = step_part_runs(cfg), dict(trainer.mesh.shape)
+    scale = tick_runs(cfg.pipeline, cfg.mesh.pp, cfg.train.grad_accum, cfg.mesh.cp > 1) if parts else (lambda k, l: 1)
     return {"config": config, "layout": Layout.parse(layout_name).name, "devices": trainer.mesh.devices.size,
-            "kind": kind, "attention": trainer.tc.attention, "fused_attention": fused_attention(hlo),
-            "gemms": gemm_census(hlo),
-            "collectives": {k: v["count"] for k, v in collective_stats(hlo).items() if v["count"]},
+            "kind": kind, "attention": trainer.tc.attention, "fused_attention": fused_attention(hlo, parts),
+            "gemms": gemm_census(hlo, parts),
+            "collectives": {k: v["count"] for k, v in collective_stats(hlo, scale=scale).items() if v["count"]},
             "by_axes": {axes: {"count": row["count"], "bytes": row["bytes"]}
-                        for axes, row in collectives_by_axis(hlo, dict(trainer.mesh.shape), per_host).items()},
+                        for axes, row in step_collectives(cfg, mesh_shape, hlo, per_host).items()},
             "overlap": async_overlap(hlo), "xla_options": bool(trainer.xla_options), "compile_s": seconds}
 
 

@@ -30,7 +30,7 @@ def across_hosts(config: str, layout: str, shard: int, per_host: int) -> dict:
     from pjax.observe.hlo import collectives_by_axis
 
     overrides = [f"train.zero_shard={shard}"] if shard else []
-    trainer, hlo, seconds = kernels_compiled(config, layout, overrides, "h100", per_host, "cudnn")
+    _, trainer, hlo, seconds = kernels_compiled(config, layout, overrides, "h100", per_host, "cudnn")
     rows = collectives_by_axis(hlo, dict(trainer.mesh.shape), per_host, merge=False)
     inter = [row for row in rows.values() if row["inter_host"]]
     intra = [row for row in rows.values() if not row["inter_host"]]

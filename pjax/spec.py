@@ -116,13 +116,19 @@ def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], A
     grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
 
     def micro_step(carry, micro):
-        loss_acc, count_acc, grads_acc = carry
+        totals, grads_acc = carry
+        # The micro-batch waits for the last one's totals, a loop-carried array that is not a scalar: else XLA:GPU's
+        # collective pipeliner may hoist the next micro-batch's whole forward into this iteration to feed an
+        # all-gather (sequence parallelism's before the head), and run it again for its residuals (ARCHITECTURE.md,
+        # "One forward per micro-batch").
+        micro, totals = jax.lax.optimization_barrier((micro, totals))
         (loss, (count, router)), grads = grad_fn(params, micro)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, pin(grads))
-        return (loss_acc + loss, count_acc + count, grads_acc), router
+        return (totals + jnp.stack([loss, count]).astype(totals.dtype), grads_acc), router
 
     # zeros_like keeps the parameters' varying-ness inside a shard_map (scan carries must match).
     zeros = pin(jax.tree.map(lambda p: jnp.zeros_like(p, spec.precision.grad_accum), params))
-    scalar = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
-    (loss, count, grads), router = jax.lax.scan(micro_step, (scalar, scalar, zeros), batch)
+    totals = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=(2,))  # (loss, token count)
+    (totals, grads), router = jax.lax.scan(micro_step, (totals, zeros), batch)
+    loss, count = totals[0], totals[1]
     return loss, count, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), router)

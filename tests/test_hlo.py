@@ -172,3 +172,68 @@ def test_matmul_shapes_fold_a_batch_into_rows_and_cudnn_attention_is_flagged():
     assert StepMatmuls.from_json(matmuls.as_json()) == matmuls
     fmha = hlo.replace("ENTRY", '%a = f32[1] custom-call(), custom_call_target="__cudnn$fmhaSoftmax"\nENTRY', 1)
     assert StepMatmuls.from_hlo(fmha).fused_attention
+
+
+# A loop as XLA:GPU's collective pipeliner leaves it (cut down from debug's dp4 x tp2 ZeRO-1 SP step, 4 micro-batches,
+# compiled for 8 compile-only H100s): one iteration peeled, the condition `i < 3` fused, no `known_trip_count`; the
+# induction variable starts at a copied constant 0 and steps by one inside a fusion. `bound` is what `i` is compared
+# with: a constant, or a loop-carried value that no reading can resolve.
+def _rotated_loop(bound: str) -> str:
+    return """HloModule jit_train_step, is_scheduled=true
+
+%fused_compare (param_0.4: s32[], param_1.1: s32[]) -> pred[] {
+  %param_0.4 = s32[] parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %constant_3 = s32[] constant(3)
+  ROOT %compare.3 = pred[] compare(%param_0.4, %BOUND), direction=LT
+}
+
+%cond (cond_param: (s32[], f32[8], s32[])) -> pred[] {
+  %cond_param = (s32[], f32[8]{0}, s32[]) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%cond_param), index=0
+  %gte.2 = s32[] get-tuple-element(%cond_param), index=2
+  ROOT %loop_compare_fusion = pred[] fusion(%gte.0, %gte.2), kind=kLoop, calls=%fused_compare
+}
+
+%fused_add (param_0.9: s32[]) -> s32[] {
+  %param_0.9 = s32[] parameter(0)
+  %constant_1 = s32[] constant(1)
+  ROOT %add.1 = s32[] add(%param_0.9, %constant_1)
+}
+
+%body (param.116: (s32[], f32[8], s32[])) -> (s32[], f32[8], s32[]) {
+  %param.116 = (s32[], f32[8]{0}, s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%param.116), index=0
+  %x = f32[8]{0} get-tuple-element(%param.116), index=1
+  %n = s32[] get-tuple-element(%param.116), index=2
+  %all-reduce-start = f32[8]{0} all-reduce-start(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+  %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)
+  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  ROOT %tuple.186 = (s32[], f32[8]{0}, s32[]) tuple(%next, %all-reduce-done, %n)
+}
+
+ENTRY %main (p: f32[8], q: s32[]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %q = s32[] parameter(1)
+  %constant_0 = s32[] constant(0)
+  %copy.713 = s32[] copy(%constant_0)
+  %tuple.184 = (s32[], f32[8]{0}, s32[]) tuple(%copy.713, %p, %q)
+  %while.416 = (s32[], f32[8]{0}, s32[]) while(%tuple.184), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}
+  ROOT %out = f32[8]{0} get-tuple-element(%while.416), index=1
+}
+""".replace("%BOUND", bound)
+
+
+def test_a_loop_the_collective_pipeliner_rotated_counts_its_iterations_from_its_condition():
+    from pjax.observe import hlo_loops
+    from pjax.observe.hlo import walk
+
+    rotated = _rotated_loop("%constant_3")
+    assert "known_trip_count" not in rotated
+    rest = next(line for line in rotated.splitlines() if " while(" in line).split(" while(", 1)[1]
+    assert hlo_loops.trip_count(rotated, "main", rest) == 3
+    assert walk(rotated, lambda *a: None)["body"] == 3
+    assert collective_stats(rotated)["all-reduce"] == {"count": 3, "bytes": 3 * 8 * 4}
+    # A bound carried by the loop cannot be read: the body counts once, as before.
+    assert hlo_loops.trip_count(_rotated_loop("%param_1.1"), "main", rest) is None
+    assert walk(_rotated_loop("%param_1.1"), lambda *a: None)["body"] == 1

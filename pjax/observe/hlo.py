@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pjax.observe import hlo_loops
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -65,8 +67,9 @@ def callees(rest: str) -> list[str]:
 
 def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]) -> dict[str, int]:
     """Each instruction to `on_instr(computation, name, result shape, opcode, rest, line)`; returns how many
-    times each computation runs per run of the entry: a while loop's body `known_trip_count` times, each
-    conditional branch once per call (an upper bound)."""
+    times each computation runs per run of the entry: a while loop's body `known_trip_count` times (or as
+    `hlo_loops.trip_count` reads its condition, where XLA gives none), each conditional branch once per call
+    (an upper bound)."""
     entry, current = None, None
     calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for line in hlo_text.splitlines():
@@ -80,8 +83,11 @@ def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]
             continue
         name, result, opcode, rest = m.groups()
         on_instr(current, name, result, opcode, rest, line)
-        trip = _TRIP.search(rest) if opcode == "while" else None  # a while's callees: its body and condition
-        calls[current].extend((callee, int(trip.group(1)) if trip else 1) for callee in callees(rest))
+        trips = 1  # a while's callees, its body and condition, run as often as its trip count says
+        if opcode == "while":
+            known = _TRIP.search(rest)
+            trips = int(known.group(1)) if known else hlo_loops.trip_count(hlo_text, current, rest) or 1
+        calls[current].extend((callee, trips) for callee in callees(rest))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     runs: dict[str, int] = collections.defaultdict(int)

@@ -145,18 +145,26 @@ def _gemm_kinds(hlo_text: str, on_gemm: Callable[[str, str, Product, str], None]
     return walk(hlo_text, visit)
 
 
-def gemm_census(hlo_text: str) -> dict[str, dict[str, float]]:
+def gemm_census(hlo_text: str, part_runs: Callable[[str], float | None] | None = None
+                ) -> dict[str, dict[str, float]]:
     """A compiled program's matmuls by operand dtype ('fp8', 'bf16', 'fp32', ...): {'gemms': runs per run of
-    the program, 'flops'}, each dot or cuBLAS GEMM counted as often as the loops around it run (`walk`).
+    the program, 'flops'}, each dot or cuBLAS GEMM counted as often as the loops around it run (`walk`) and, with
+    `part_runs` (a pipeline's), as often per tick as its tick part runs (a GEMM outside every part: once per tick).
     cuDNN's fused attention is in no GEMM."""
     own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    runs = _gemm_kinds(hlo_text, lambda comp, kind, product, _: own[comp].update([(kind, product)]))
+
+    def weight(op_name: str) -> float:
+        found = part_runs(f'op_name="{op_name}"') if part_runs else None
+        return 1.0 if found is None else found
+
+    runs = _gemm_kinds(hlo_text, lambda comp, kind, product, op_name: own[comp].update([(kind, product,
+                                                                                         weight(op_name))]))
     census: dict[str, dict[str, float]] = {}
     for comp, times in runs.items():
-        for (kind, (m, k, n)), count in own.get(comp, {}).items():
+        for (kind, (m, k, n), w), count in own.get(comp, {}).items():
             row = census.setdefault(kind, {"gemms": 0.0, "flops": 0.0})
-            row["gemms"] += count * times
-            row["flops"] += 2.0 * m * k * n * count * times
+            row["gemms"] += count * times * w
+            row["flops"] += 2.0 * m * k * n * count * times * w
     return census
 
 
@@ -179,20 +187,28 @@ def gemm_sites(hlo_text: str) -> list[tuple[str, str]]:
     return sites
 
 
-def fused_attention(hlo_text: str) -> dict[str, float]:
+def fused_attention(hlo_text: str, part_runs: Callable[[str], float | None] | None = None) -> dict[str, float]:
     """cuDNN's fused attention calls per run of a compiled program, each counted as often as the loops around it
-    run (`walk`): {'forward', 'backward'}."""
+    run (`walk`) and, with `part_runs` (a pipeline's), as often per tick as its tick part runs on an average
+    device (`dot_products`): {'forward', 'backward'}."""
     own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    scoped: dict[str, list[float]] = collections.defaultdict(list)
+    parent: dict[str, str] = {}
 
     def visit(comp: str, name: str, result: str, opcode: str, rest: str, line: str) -> None:
+        weight = part_runs(line) if part_runs else 1
+        if part_runs and weight is not None:
+            scoped[comp].append(weight)
+        for callee in callees(rest):
+            parent.setdefault(callee, comp)
         call = re.search(r'custom_call_target="__cudnn\$fmha\w*?(Backward)?"', rest) if opcode == "custom-call" else None
         if call:
-            own[comp]["backward" if call.group(1) else "forward"] += 1
+            own[comp]["backward" if call.group(1) else "forward", weight] += 1
 
     out = {"forward": 0.0, "backward": 0.0}
     for comp, runs in walk(hlo_text, visit).items():
-        for direction, count in own.get(comp, {}).items():
-            out[direction] += count * runs
+        for (direction, weight), count in own.get(comp, {}).items():
+            out[direction] += count * runs * (weight if weight is not None else _enclosing(comp, scoped, parent))
     return out
 
 

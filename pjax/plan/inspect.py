@@ -4,7 +4,7 @@ run's own)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -52,6 +52,12 @@ def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, 
     return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)
 
 
+def step_part_runs(config: Config) -> Callable[[str], float | None] | None:
+    """A pipelined step's tick parts' runs per tick (`pipeline.table.part_runs`); None where pp = 1."""
+    pp, cp = config.mesh.pp, config.mesh.cp
+    return part_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
+
+
 def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> StepMatmuls:
     """The matmuls of a compiled step per device, a pipeline's tick parts counted as often as its table runs them."""
     pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
@@ -91,14 +97,15 @@ def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int,
 
 def kernel_report(config: Config, hlo_text: str) -> str:
     """The compiled step's attention kernel and its GEMMs by operand dtype: runs per step and share of the
-    GEMM FLOPs (a pipeline's tick parts counted on every tick: an upper bound on its runs)."""
-    fused = fused_attention(hlo_text)
+    GEMM FLOPs (a pipeline's tick parts counted as often as its table runs them on an average device)."""
+    weights = step_part_runs(config)
+    fused = fused_attention(hlo_text, weights)
     if fused["forward"] or fused["backward"]:
         attention = (f"cuDNN's fused attention ({_count(fused['forward'])} forward and {_count(fused['backward'])} "
                      f"backward calls per step)")
     else:
         attention = f"{config.train.attention} (no fused attention kernel in the program)"
-    census = gemm_census(hlo_text)
+    census = gemm_census(hlo_text, weights)
     total = sum(row["flops"] for row in census.values()) or 1.0
     gemms = ", ".join(f"{k} {_count(census[k]['gemms'])} ({100 * census[k]['flops'] / total:.1f}% of the FLOPs)"
                       for k in sorted(census, key=kind_order)) or "none"
