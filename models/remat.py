@@ -21,6 +21,10 @@ NAMES: dict[str, str] = {
 }
 # The down projection's output has no name: the backward never reads it.
 
+# cuDNN's attention residuals besides q, k and v (its output and log-sum-exp, `attention.keeping_residuals`): every
+# policy but `full` keeps them, so that none recomputes the fused kernel's forward in the backward.
+ATTENTION = "cudnn_attention"
+
 # Narrow tensors kept, the wide [N, F] gate/up outputs recomputed: no q/k/v or o matmul is re-run.
 DEFAULT_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -35,12 +39,25 @@ POLICIES: dict[str, Any] = {
 
 
 def policy(remat: str, names: Sequence[str] = DEFAULT_NAMES) -> Any:
-    """The `jax.checkpoint` policy of `remat` (None for 'none'); `names` are what 'names' keeps."""
+    """The `jax.checkpoint` policy of `remat` (None for 'none'); `names` are what 'names' keeps. Every policy
+    but 'full' also keeps cuDNN's attention residuals (`ATTENTION`)."""
     if remat not in POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(POLICIES)}")
     unknown = [n for n in names if n not in NAMES]
     if unknown:
         raise ValueError(f"unknown remat names {unknown}; choose from {list(NAMES)}")
     if remat == "names":
-        return jax.checkpoint_policies.save_only_these_names(*names)
-    return POLICIES[remat]
+        return jax.checkpoint_policies.save_only_these_names(*names, ATTENTION)
+    if remat in ("none", "full"):
+        return POLICIES[remat]
+    return _keeping_attention(POLICIES[remat])
+
+
+def _keeping_attention(base: Any) -> Any:
+    """`base`, and cuDNN's attention residuals saved on the device (`save_from_both_policies` takes booleans
+    only, and the offload policy answers `Offloadable` or `Recompute`)."""
+    keep = jax.checkpoint_policies.save_only_these_names(ATTENTION)
+
+    def keeping(prim: Any, *args: Any, **params: Any) -> Any:
+        return True if keep(prim, *args, **params) else base(prim, *args, **params)
+    return keeping

@@ -21,7 +21,7 @@ from pjax.plan import __main__ as plan_cli
 from pjax.plan import gpu_target
 from pjax.plan.compile import compile_layout, compile_planned
 from pjax.plan.estimate import predict, reduced_gradient_bytes
-from pjax.plan.inspect import step_collectives
+from pjax.plan.inspect import step_collectives, step_part_runs
 from pjax.plan.layouts import Layout, planned_config
 from pjax.plan.profiles import PROFILES
 from pjax.step import trainer_for
@@ -82,14 +82,17 @@ def test_the_step_is_compiled_by_xla_gpu_for_the_kind_s_devices(compiled):
     assert "all-reduce-start" not in compiled["cpu"][2].as_text()
 
 
-# Every layout family pjax ships, each the smallest that proves it: (config, overrides, layout, devices per host,
-# fused attention calls per step forward and backward: layers x micro-batches, a pipeline's parts on every tick).
+# Every layout family pjax ships, each the smallest that proves it: (config, overrides, layout, devices per host).
+# Sequence parallelism with micro-batches: XLA:GPU's collective pipeliner ran each micro-batch's forward twice
+# there (pjax/spec.py's barrier) and, under ZeRO-3, left the micro-batch loop without a known trip count
+# (tests/test_hlo.py reads such a loop).
 FAMILIES = {
     "dp8": ("debug", SMALL, "dp8", 8),
     "dp8-zero1": ("debug", SMALL, "dp8-zero1", 8),
     "dp8-zero3": ("debug", SMALL, "dp8-zero3", 8),
     "dp2-tp4": ("debug", SMALL, "dp2-tp4", 8),
-    "dp2-tp4-sp": ("debug", SMALL, "dp2-tp4-sp", 8),
+    "dp2-tp4-sp": ("debug", SMALL, "dp2-tp4-sp-m2", 8),
+    "dp4-tp2-zero3-sp": ("debug", SMALL, "dp4-tp2-zero3-sp-m2", 8),
     "dp4-pp2-1f1b": ("debug", SMALL, "dp4-pp2-m4", 8),
     "dp4-pp2-zb_h1": ("debug", SMALL, "dp4-pp2-zb_h1-m4", 8),
     "dp4-pp2-interleaved": ("debug", SMALL, "dp4-pp2-interleaved2-m4", 8),
@@ -101,18 +104,45 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cudnn_attention_compiles_in_every_layout_family(family):
-    """Forward and backward of every layer run cuDNN's fused attention, with no fallback: inside a data-parallel
-    or pipeline region the attention runs manual over every mesh axis (models/attention.py)."""
+    """Forward and backward of every layer run cuDNN's fused attention, with no fallback (inside a data-parallel
+    or pipeline region the attention runs manual over every mesh axis: models/attention.py), and each runs once
+    per layer and micro-batch on a device: a stage's layers in a pipeline, its tick parts counted as often as its
+    table runs them (`inspect.step_part_runs`)."""
     config, overrides, layout, per_host = FAMILIES[family]
     cfg, trainer, step = gpu_compile(config, overrides, layout, per_host)
     assert cfg.train.attention == "cudnn"  # no fallback to chunked
-    calls = fused_attention(step.as_text())
-    layers, micro = trainer.cfg.num_hidden_layers, trainer.tc.grad_accum
-    if trainer.pipeline is None:  # each layer of each micro-batch once, forward and backward
-        assert calls == {"forward": layers * micro, "backward": layers * micro}, calls
-    else:  # a stage's layers on each of its ticks' parts: at least its layers x micro-batches
-        stage_layers = layers // trainer.mesh.shape["pp"]
-        assert min(calls.values()) >= stage_layers * micro, calls
+    calls = fused_attention(step.as_text(), step_part_runs(cfg))
+    layers = trainer.cfg.num_hidden_layers // trainer.mesh.shape["pp"]
+    assert calls == {"forward": layers * trainer.tc.grad_accum, "backward": layers * trainer.tc.grad_accum}, calls
+
+
+# Every shipped remat policy on one GPU, and two in regions manual over some axes (dp's, a pipeline's).
+REMATS = {"1-" + (f"remat_{r}-" if r != "full" else "remat-") + "m2": 2 if r == "full" else 1
+          for r in ("dots", "dots_no_batch", "names", "offload", "full")}
+REMATS |= {"dp8-zero1-remat_names-m2": 1, "dp4-pp2-remat_dots_no_batch-m4": 1}
+
+
+@pytest.mark.parametrize("layout", REMATS)
+def test_no_remat_policy_but_full_runs_cudnn_s_forward_again(layout):
+    """cuDNN's output and log-sum-exp are tagged (`attention.keeping_residuals`), so every policy but `full` keeps
+    them: each layer's forward runs once per micro-batch (untagged, the backward ran it again under all of them);
+    `full` recomputes the whole layer, cuDNN's call once more."""
+    cfg, trainer, step = gpu_compile("debug", SMALL + ["train.batch_size=32"], layout)
+    assert cfg.train.attention == "cudnn" and cfg.train.remat != "none"
+    calls = fused_attention(step.as_text(), step_part_runs(cfg))
+    per_step = trainer.cfg.num_hidden_layers // trainer.mesh.shape["pp"] * trainer.tc.grad_accum
+    assert calls == {"forward": REMATS[layout] * per_step, "backward": per_step}, calls
+
+
+def test_a_head_dim_cudnn_does_not_take_here_runs_chunked_not_unfused():
+    """A head dim of 256 (cuDNN's limit on Hopper, as JAX reads it only where its backend is that GPU: 128 on this
+    host) compiles the chunked attention: no cuDNN call, its per-chunk einsum, and none of jax.nn's unfused
+    form (`BTNH,BSNH->BNTS`: every query's scores against every key)."""
+    cfg, trainer, step = gpu_compile("debug", SMALL + ["model.head_dim=256", "train.seq_len=1024"], "1")
+    assert cfg.train.attention == "cudnn"
+    hlo = step.as_text()
+    assert fused_attention(hlo) == {"forward": 0, "backward": 0}
+    assert "bckgd,bskd->bkgcs" in hlo and "BTNH,BSNH->BNTS" not in hlo
 
 
 def test_ring_and_all_gather_keep_their_own_kernel_and_say_so():
