@@ -1,5 +1,5 @@
 """fp8 GEMMs for the layer's projections and experts: operands in e4m3, the output's cotangent in e5m2, each with
-one per-tensor scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs"). A tensor
+one per-tensor power-of-two scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs"). A tensor
 a manual region splits over devices (rows over dp, tokens over cp or over tp under sequence parallelism) takes its
 amax over all of its blocks, so every layout scales as one device does."""
 from __future__ import annotations
@@ -38,10 +38,13 @@ def whole_amax(x: jax.Array, copies: tuple[str, ...] = ()) -> jax.Array:
 
 
 def scale_of(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> jax.Array:
-    """The per-tensor scale that maps x's largest magnitude (`amax`, by default `whole_amax(x)`) onto fp8's
-    largest finite value (1 for zeros)."""
+    """The per-tensor scale of x: the least power of two that maps x's largest magnitude (`amax`, by default
+    `whole_amax(x)`) within fp8's largest finite value (1 for zeros). A power of two is exact in every dtype, so
+    quantizing divides and dequantizing multiplies by the same number, and neither rounds."""
     amax = whole_amax(x) if amax is None else amax
-    return amax / _largest(fp8) + (amax <= 0).astype(_F32)
+    ratio = amax / _largest(fp8) + (amax <= 0).astype(_F32)
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(ratio), exponent - (mantissa == 0.5).astype(exponent.dtype))
 
 
 def quantize(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -70,9 +73,9 @@ def round_trip(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
 
 
 def _scaled(product, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """`product` of two fp8 arrays accumulated in fp32, times their scales' product, in `dtype`: the dot reads
-    fp8 operands, so XLA:GPU runs it as an fp8 GEMM (cuBLASLt's, with its output scale fused)."""
-    return (product(a, b, _F32) * scale).astype(dtype)
+    """`product` of two fp8 arrays written in `dtype`, times their scales' product (a power of two: exact): the dot
+    reads fp8 operands, so XLA:GPU runs it as one fp8 GEMM (cuBLASLt's, the scale fused, writing `dtype`)."""
+    return product(a, b, dtype) * scale.astype(dtype)
 
 
 def _typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ parallelism) and experts over dp tracking one device's."""
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 
 import jax
@@ -30,14 +31,19 @@ FP8 = PrecisionConfig(preset="fp8")
 GRAD_NORM_RTOL = 1e-4  # test_fp8_scales_are_per_tensor_on_every_layout says why
 
 
-def test_the_scale_is_the_current_amax_over_the_format_maximum():
+def test_the_scale_is_the_least_power_of_two_that_fits_the_current_amax():
     x = jnp.array([[0.5, -3.0], [1.25, 2.0]], jnp.float32)
     q, scale = fp8.quantize(x, fp8.E4M3)
-    assert q.dtype == fp8.E4M3 and float(scale) == pytest.approx(3.0 / 448)
-    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448  # the largest magnitude lands on e4m3's max
+    assert q.dtype == fp8.E4M3 and float(scale) == 2.0 ** -7  # 3 / 448 = 2^-7.2, rounded up to a power of two
+    # The largest magnitude lands in e4m3's top binade: 3 / 2^-7 = 384, exact, and dequantizing gives x back.
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 384
+    np.testing.assert_array_equal(fp8.dequantize(q, scale, jnp.float32), x)
     _, s5 = fp8.quantize(x, fp8.E5M2)
-    assert float(s5) == pytest.approx(3.0 / 57344)
+    assert float(s5) == 2.0 ** -14  # 3 / 57344 = 2^-14.2
     assert float(fp8.scale_of(jnp.zeros(3), fp8.E4M3)) == 1.0
+    for amax in (448.0, 449.0, 2.0 ** -100):  # a power of two exactly at the maximum, just past it, tiny
+        scale = float(fp8.scale_of(jnp.zeros(1), fp8.E4M3, jnp.float32(amax)))
+        assert math.log2(scale).is_integer() and 224 < amax / scale <= 448, (amax, scale)
 
 
 def test_round_trip_error_is_e4m3s_and_e5m2s():
@@ -214,7 +220,8 @@ def test_a_dense_weights_amax_is_exchanged_over_its_tp_blocks_only():
         return fp8.quantize_weight(copy)[1].reshape(1, 1)
 
     jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("dp", "tp")))
-    np.testing.assert_allclose(np.asarray(jitted(w)) * float(jnp.finfo(fp8.E4M3).max), [[8.0, 8.0]] * 2, rtol=1e-6)
+    # amax 8 over both blocks: 8 / 448 = 2^-5.8, so 2^-5 (the first block's own 6 would give 2^-6)
+    np.testing.assert_array_equal(np.asarray(jitted(w)), [[2.0 ** -5] * 2] * 2)
     text = jitted.lower(w).as_text()
     groups = re.findall(r"all_reduce.*?replica_groups = dense<(\[\[.*?\]\])>", text, re.S)
     assert groups == ["[[0, 1], [2, 3]]"], groups  # the tp pairs of a dp2 x tp2 mesh, once
@@ -223,7 +230,10 @@ def test_a_dense_weights_amax_is_exchanged_over_its_tp_blocks_only():
 def test_weights_that_share_an_input_take_one_scale():
     """q, k and v (gate and up) as one fp8 tensor: their products equal one GEMM of the merged weights'."""
     ks = jax.random.split(jax.random.key(2), 3)
-    x, wa, wb = jax.random.normal(ks[0], (8, 16)), jax.random.normal(ks[1], (16, 4)), 8 * jax.random.normal(ks[2], (16, 6))
+    # wb 2^10 times wa: under one scale wa's values fall among e4m3's subnormals (a power-of-two scale only
+    # shifts exponents, so a closer pair would quantize alike under either scale).
+    x, wa = jax.random.normal(ks[0], (8, 16)), jax.random.normal(ks[1], (16, 4))
+    wb = 1024 * jax.random.normal(ks[2], (16, 6))
     ya, yb = plain_projection(x, [wa, wb], fp8.GEMM)
     merged = fp8.matmul(x, jnp.concatenate([wa, wb], axis=1))
     np.testing.assert_array_equal(jnp.concatenate([ya, yb], axis=1), merged)

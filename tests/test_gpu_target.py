@@ -203,6 +203,16 @@ def test_fp8_runs_each_projection_s_three_gemms_in_fp8(layout):
     assert "fp8" not in rest  # attention scores and the output layer stay in the compute dtype
 
 
+def test_fp8_gemms_write_the_compute_dtype_with_their_scale_fused():
+    """cuBLASLt's fp8 GEMMs (forward, dX and dW of every projection) write bf16, the dtype the layer computes in,
+    their power-of-two scale an operand of the call: no fp32 product followed by a scale and convert pass."""
+    _, _, step = gpu_compile("debug", ["precision.preset=fp8"] + SMALL[1:], "1")
+    calls = [line for line in step.as_text().splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
+    outputs = [re.search(r"= \((\w+)\[", line).group(1) for line in calls]
+    assert len(outputs) == 3 * len(SITES) and set(outputs) == {"bf16"}, outputs
+    assert all(len(re.search(r"custom-call\(([^)]*)\)", line).group(1).split(",")) >= 3 for line in calls)  # + scales
+
+
 def test_fp8_runs_the_experts_gemms_in_fp8_and_the_router_not():
     for routing in ("dropless", "capacity"):
         _, _, step = gpu_compile("mixtral-tiny", ["precision.preset=fp8", f"moe.routing={routing}"], "1")
