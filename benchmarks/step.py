@@ -6,8 +6,10 @@
     python benchmarks/step.py --config smollm-135m --layouts dp8 --aot   # compile only: memory, no timing
 
 Each layout runs in its own process with exactly as many (forced CPU) devices as its mesh, so
-layouts do not share one device pool. Output: one JSON object per layout on stdout (a JSON array
-at the end), `--plot PNG` for a bar chart.
+layouts do not share one device pool; its whole stderr is passed on. Output: one JSON object per layout on
+stdout (a JSON array at the end): compile and step time, memory, cuDNN attention calls and each GEMM operand
+kind's share of the FLOPs read from the compiled step, pjax's XLA options and XLA_FLAGS; `--plot PNG` for a
+bar chart.
 Layout names: `1` (one device) or `-`-joined parts such as `dp2-tp2`, `dp8-zero3`, `pp2`, `cp2`,
 `pp2-remat` (remat='full' under the layer scan).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,10 +56,12 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
         "analytic_state_mb": round(analytic / 2**20, 2),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
+    hlo = compiled.as_text()
     if hlo_count:
-        result["hlo_count"] = {hlo_count: compiled.as_text().count(hlo_count)}
+        result["hlo_count"] = {hlo_count: hlo.count(hlo_count)}
+    result.update(kernels(hlo), xla_options=trainer.xla_options or {}, xla_flags=os.environ.get("XLA_FLAGS") or None)
     # each matmul shape the compiled step runs, and how often: the planner's calibrated compute replays them
-    result["dot_products"] = [[*shape, runs] for shape, runs in dot_products(compiled.as_text()).items()]
+    result["dot_products"] = [[*shape, runs] for shape, runs in dot_products(hlo).items()]
     if aot:
         return result
     batch = random_batch(trainer)
@@ -82,18 +87,33 @@ def run_one(config: str, layout: str, steps: int, warmup: int, aot: bool, overri
     return result
 
 
+def kernels(hlo_text: str) -> dict:
+    """What the compiled step runs, read from its program with each loop's trip count (`pjax.observe.hlo.walk`):
+    cuDNN's fused attention calls per step, and each GEMM operand kind's share of the GEMM FLOPs."""
+    from pjax.observe.hlo_flops import fused_attention, gemm_census
+
+    census = gemm_census(hlo_text)
+    total = sum(row["flops"] for row in census.values()) or 1.0
+    return {"cudnn_attention": fused_attention(hlo_text),
+            "gemm_flop_share": {kind: round(row["flops"] / total, 4) for kind, row in census.items()}}
+
+
 def run_layout(config: str, layout: str, steps: int, warmup: int, aot: bool, overrides: list[str],
                hlo_count: str | None = None) -> dict:
     """`run_one` for one layout in a process of its own, with that layout's devices and XLA:CPU's
     buffers on huge pages as `pjax.train` runs them (pjax/malloc.py): its result, or
-    {'layout', 'error'} with the process's last line of stderr."""
+    {'layout', 'error'} with the process's last line of stderr (all of which goes on to this one's)."""
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    env.pop("XLA_FLAGS", None)
+    # The layout forces its own CPU device count; a user's other XLA flags stay, and the result records them.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
     env.update(huge_pages_env(env))
     cmd = [sys.executable, __file__, "--one", layout, "--config", config, "--steps", str(steps),
            "--warmup", str(warmup), *(["--aot"] if aot else []), *(["--hlo-count", hlo_count] if hlo_count else []),
            *overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr)
     if proc.returncode:
         return {"layout": layout, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])

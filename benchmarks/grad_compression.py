@@ -1,7 +1,7 @@
 """Compressed gradient reduction (`train.grad_compression`): bytes on the wire, convergence, and a time model.
 
-    python benchmarks/compression.py --plot benchmarks/plots/compression.png
-    python benchmarks/compression.py --parts bytes --layouts dp8,dp8-zero1,dp2-tp4,dp2-pp2-tp2
+    python benchmarks/grad_compression.py --plot benchmarks/plots/compression.png
+    python benchmarks/grad_compression.py --parts bytes --layouts dp8,dp8-zero1,dp2-tp4,dp2-pp2-tp2
 
 1. Bytes: each layout's step compiled from shapes on 8 forced CPU devices per mode, the collectives read from
    the HLO: what one device sends per step by kind, each op's bytes times a ring algorithm's share for its
@@ -150,8 +150,8 @@ def _diloco_bytes(built: dict, scale: Any, local_steps: int) -> dict:
 
 def converge(config: str, steps: int, eval_every: int, dp: int, mode: str, overrides: list[str]) -> dict:
     """One training run in a process of its own (its own forced devices), the held-out losses by step."""
-    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import compression; "
-            f"print(json.dumps(compression._train({config!r}, {steps}, {eval_every}, {dp}, {mode!r}, {overrides!r})))")
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import grad_compression; "
+            f"print(json.dumps(grad_compression._train({config!r}, {steps}, {eval_every}, {dp}, {mode!r}, {overrides!r})))")
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={dp}"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
