@@ -17,6 +17,7 @@ from mesh.mesh import CP, DP, EP, PP, RP
 from models.projection import PLAIN, Gemm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+WEIGHT_SCOPE = "fp8_weight"
 _F32 = jnp.float32
 
 
@@ -59,7 +60,8 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`quantize(w, E4M3)` for a dense weight. A GEMM reads a dense weight whole but for tp's blocks, so where a
     manual region types it varying over dp or cp (cast for its gradient's sake, `mesh.rules.vary`, or DiLoCo's
     copies in a group) its blocks there are copies: its amax is exchanged over tp's blocks only."""
-    return quantize(w, E4M3, whole_amax(w, copies=(RP, DP, EP, CP)))
+    with jax.named_scope(WEIGHT_SCOPE):  # how often a step quantizes its weights, read from the compiled program
+        return quantize(w, E4M3, whole_amax(w, copies=(RP, DP, EP, CP)))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -14,36 +14,30 @@ from mesh.backend import target_backend
 MIB = 2 ** 20
 
 GPU_OPTIONS: dict[str, bool | int] = {
-    # Overlap: the latency-hiding scheduler starts each asynchronous collective early and waits for it late, with
-    # collectives on the highest-priority stream so that compute kernels do not delay them.
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_highest_priority_async_stream": True,
     # A collective inside a loop (ZeRO-3's per-layer all-gathers, sequence parallelism's gathers) is started one
-    # iteration ahead. Loops are left as XLA's while-loop unrolling mode leaves them: forcing double buffering
-    # unrolled every loop with a known trip count, collectives or none, and overlapped no more (benchmarks/log/
-    # gpu_kernels.md, "Double buffering").
+    # iteration ahead, and a loop's all-reduces are finished after it. Loops are left as XLA's while-loop
+    # unrolling mode leaves them: forcing double buffering unrolled every loop with a known trip count,
+    # collectives or none, and overlapped no more (benchmarks/log/gpu_kernels.md, "Double buffering"). XLA's
+    # own defaults cover what pjax also set until 2026-12-07 (the latency-hiding scheduler, collectives on the
+    # highest-priority stream, pipelined reduce-scatters): leaving each out compiled the same programs
+    # (benchmarks/log/gpu_kernels.md, "pjax's XLA options, one at a time").
     "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     # Small collectives combined into fewer, larger ones up to these sizes (MaxText's GPU values): a large
     # model's stacked weights stay one collective each, which the scheduler can overlap with other tensors' work.
     "xla_gpu_all_reduce_combine_threshold_bytes": 128 * MIB,
     "xla_gpu_all_gather_combine_threshold_bytes": 128 * MIB,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 64 * MIB,
-    # GEMMs as cuBLAS(Lt) calls, not Triton fusions: with Triton's, an fp8 operand's quantize-dequantize is
-    # compiled away and no fp8 GEMM runs (models/fp8.py); cuBLASLt runs fp8 x fp8 with its scales fused.
+    # GEMMs as cuBLAS(Lt) calls, not Triton fusions, as MaxText's and JAX-Toolbox's H100 recipes set: half the
+    # fusions to compile; whether it is faster in bf16 is for a GPU visit's control run to show.
     "xla_gpu_enable_triton_gemm": False,
 }
 
 
 # The flags that steer what each of pjax's options steers: a user's flag of a family wins over pjax's whole family.
 FAMILIES: dict[str, str] = {
-    "xla_gpu_enable_latency_hiding_scheduler": r"xla_gpu_enable_latency_hiding_scheduler|xla_gpu_lhs_\w+|"
-                                               r"xla_gpu_pgle_\w+",
-    "xla_gpu_enable_highest_priority_async_stream": r"xla_gpu_enable_highest_priority_async_stream",
-    "xla_gpu_enable_pipelined_all_gather": r"xla_gpu_enable_pipelined_(all_gather|collectives)",
-    "xla_gpu_enable_pipelined_reduce_scatter": r"xla_gpu_enable_pipelined_(reduce_scatter|collectives)",
-    "xla_gpu_enable_pipelined_all_reduce": r"xla_gpu_enable_pipelined_(all_reduce|collectives)",
+    "xla_gpu_enable_pipelined_all_gather": r"xla_gpu_enable_pipelined_(all_gather|collectives)|xla_gpu_pipeline_all_gather",
+    "xla_gpu_enable_pipelined_all_reduce": r"xla_gpu_enable_pipelined_(all_reduce|collectives)|xla_gpu_pipeline_all_reduce",
     "xla_gpu_all_reduce_combine_threshold_bytes": r"xla_gpu_all_reduce_combine_threshold_bytes",
     "xla_gpu_all_gather_combine_threshold_bytes": r"xla_gpu_all_gather_combine_threshold_bytes",
     "xla_gpu_reduce_scatter_combine_threshold_bytes": r"xla_gpu_reduce_scatter_combine_threshold_bytes",

@@ -325,26 +325,27 @@ def test_a_flag_the_user_sets_wins_and_the_key_turns_them_off(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true")
     with building_for("gpu"):
         mine = xla_options.step_options(True)
-        assert "xla_gpu_enable_triton_gemm" not in mine and mine["xla_gpu_enable_latency_hiding_scheduler"]
+        assert "xla_gpu_enable_triton_gemm" not in mine and mine["xla_gpu_enable_pipelined_all_gather"]
         assert xla_options.step_options(False) == {}
         line = xla_options.describe(mine)
     assert xla_options.step_options(True) == {}  # XLA:CPU: none
     assert len(line.splitlines()) == 1 and "XLA_FLAGS steers xla_gpu_enable_triton_gemm" in line
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in line and "train.xla_options=false" in line
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in line and "train.xla_options=false" in line
     with pytest.raises(ConfigError, match="train.xla_options"):
         load_config("debug", ["train.xla_options=maybe"])
 
 
 def test_a_users_flag_wins_over_pjax_s_whole_family_of_options(monkeypatch):
     """Not only a flag of the same name: Triton's GEMM flags steer pjax's cuBLAS choice, the pipelined-collectives
-    switch steers all three pipelined kinds, the latency-hiding scheduler's own flags steer the scheduler."""
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_triton_gemm_any=true --xla_gpu_enable_pipelined_collectives=false "
-                                    "--xla_gpu_lhs_enable_gpu_async_tracker=true")
+    switch (and a later XLA's `xla_gpu_pipeline_*` modes) steer both pipelined kinds."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_triton_gemm_any=true --xla_gpu_enable_pipelined_collectives=false")
     with building_for("gpu"):
         mine = xla_options.step_options(True)
-    assert not {"xla_gpu_enable_triton_gemm", "xla_gpu_enable_pipelined_all_gather", "xla_gpu_enable_latency_hiding_"
-                "scheduler", "xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_enable_pipelined_all_reduce"} & set(mine)
+    assert not {"xla_gpu_enable_triton_gemm", "xla_gpu_enable_pipelined_all_gather",
+                "xla_gpu_enable_pipelined_all_reduce"} & set(mine)
     assert mine["xla_gpu_all_gather_combine_threshold_bytes"] == 128 * 2**20  # another family: pjax's
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_pipeline_all_gather=off")
+    assert xla_options.overridden() == {"xla_gpu_enable_pipelined_all_gather"}
 
 
 def test_pjax_s_options_unroll_no_loop_without_a_collective():
