@@ -12,8 +12,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pjax.observe import hlo_loops
-
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -85,6 +83,8 @@ def walk(hlo_text: str, on_instr: Callable[[str, str, str, str, str, str], None]
         on_instr(current, name, result, opcode, rest, line)
         trips = 1  # a while's callees, its body and condition, run as often as its trip count says
         if opcode == "while":
+            from pjax.observe import hlo_loops  # it reads this module's patterns
+
             known = _TRIP.search(rest)
             trips = int(known.group(1)) if known else hlo_loops.trip_count(hlo_text, current, rest) or 1
         calls[current].extend((callee, trips) for callee in callees(rest))

@@ -12,8 +12,7 @@ import functools
 import math
 import re
 
-_COMP_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
-_INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+from pjax.observe.hlo import _COMP_HEADER, _INSTR
 _INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}')
 _CONDITION = re.compile(r"condition=%([\w.\-]+)")
 _BODY = re.compile(r"body=%([\w.\-]+)")
@@ -55,9 +54,9 @@ class _Module:
             m = _INSTR.match(line) if current else None
             if not m:
                 continue
-            root, name, _, opcode, rest = m.groups()
+            name, _, opcode, rest = m.groups()
             self.instrs[current][name] = _Instr(opcode, rest)
-            if root:
+            if line.lstrip().startswith("ROOT "):
                 self.roots[current] = name
             if opcode == "parameter":
                 self.params[current][int(rest.split(")")[0])] = name

@@ -52,17 +52,17 @@ def step_collectives(config: Config, mesh_shape: dict[str, int], hlo_text: str, 
     return collectives_by_axis(hlo_text, mesh_shape, devices_per_host, scale)
 
 
-def step_part_runs(config: Config) -> Callable[[str], float | None] | None:
-    """A pipelined step's tick parts' runs per tick (`pipeline.table.part_runs`); None where pp = 1."""
-    pp, cp = config.mesh.pp, config.mesh.cp
+def step_part_runs(config: Config, mesh_shape: dict[str, int] | None = None) -> Callable[[str], float | None] | None:
+    """A pipelined step's tick parts' runs per tick (`pipeline.table.part_runs`), on `mesh_shape` (default: the
+    config's mesh); None where pp = 1."""
+    shape = mesh_shape or {"pp": config.mesh.pp, "cp": config.mesh.cp}
+    pp, cp = shape.get("pp", 1), shape.get("cp", 1)
     return part_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
 
 
 def step_matmuls(config: Config, mesh_shape: dict[str, int], hlo_text: str) -> StepMatmuls:
     """The matmuls of a compiled step per device, a pipeline's tick parts counted as often as its table runs them."""
-    pp, cp = mesh_shape.get("pp", 1), mesh_shape.get("cp", 1)
-    weights = part_runs(config.pipeline, pp, config.train.grad_accum, cp > 1) if pp > 1 else None
-    return StepMatmuls.from_hlo(hlo_text, weights)
+    return StepMatmuls.from_hlo(hlo_text, step_part_runs(config, mesh_shape))
 
 
 def step_report(config: Config, mesh: Any, compiled: Any, devices_per_host: int, comm: dict | None = None) -> str:
