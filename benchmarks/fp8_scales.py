@@ -1,13 +1,12 @@
-"""fp8's amax over the whole tensor (pjax's) against per-device scales over dp: loss and collectives.
+"""fp8's per-device scales over the data axes (pjax's) against an amax over the whole tensor: loss and collectives.
 
     python benchmarks/fp8_scales.py --part loss        # debug model, dp 2 on 2 CPU devices, 200 steps
     python benchmarks/fp8_scales.py --part collectives # SmolLM-1.7B dp8 ZeRO-1 on 8 compile-only H100s
 
-`models/fp8.py` takes each activation's and cotangent's amax over every device that holds a block of it (a
-`pmax` over dp where a data-parallel region splits rows), so every layout scales as one device does. Where each
-device's GEMMs read only its own rows the math also allows a scale per device, with no exchange. `per-device`
-here is that variant, made by leaving the data axes (dp, ep, rp) out of `fp8.whole_amax`'s exchange for this
-process only; nothing in pjax changes. Prints one JSON line per run.
+`models/fp8.py` takes each activation's and cotangent's amax over one data replica's block (over cp's and tp's
+token blocks, never over rp, dp or ep): each replica's GEMMs read only its own rows, as one device's
+micro-batches do. `whole` here is the variant pjax shipped before, one amax over every device that holds a block
+(a `pmax` over the data axes too), patched in for this process only. Prints one JSON line per run.
 """
 from __future__ import annotations
 
@@ -22,19 +21,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 @contextlib.contextmanager
 def scales(kind: str):
-    """`whole` (pjax's) or `per-device`: the data axes left out of activations' and cotangents' amax exchange."""
-    from mesh.mesh import DP, EP, RP
+    """`per-device` (pjax's) or `whole`: the data axes put back into activations' and cotangents' amax exchange."""
+    import jax
+    from jax import lax
+
     from models import fp8
 
-    if kind == "whole":
+    if kind == "per-device":
         yield
         return
     original = fp8.whole_amax
 
-    def per_device(x, copies=()):
-        return original(x, copies=(*copies, DP, EP, RP))
+    def whole(x, copies=()):
+        if copies:  # a dense weight: its blocks over the data axes are copies, as pjax has them
+            return original(x, copies)
+        amax = original(x)
+        data = tuple(ax for ax in fp8.BATCH_AXES if ax in jax.typeof(x).manual_axis_type.varying)
+        return lax.pmax(amax, data) if data else amax
 
-    fp8.whole_amax = per_device
+    fp8.whole_amax = whole
     try:
         yield
     finally:
@@ -86,11 +91,11 @@ def main() -> None:
         import jax
 
         jax.config.update("jax_num_cpu_devices", args.dp)
-        runs = [("whole", "bf16"), ("whole", "fp8"), ("per-device", "fp8")]
+        runs = [("per-device", "bf16"), ("per-device", "fp8"), ("whole", "fp8")]
         for kind, preset in runs:
             print(json.dumps(loss(kind, preset, args.steps, args.dp)), flush=True)
     else:
-        for kind in ("whole", "per-device"):
+        for kind in ("per-device", "whole"):
             print(json.dumps(collectives(kind, args.layout)), flush=True)
 
 

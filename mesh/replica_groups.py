@@ -1,7 +1,7 @@
 """Where the dp replicas train models of their own (DiLoCo's groups, meta-learning's tasks): inside
 `replica_groups(size)`, a statistic of a tensor split over dp is taken over its group of `size` consecutive dp
-replicas only, never over all of dp. Two statistics read it: fp8's amax (`models/fp8.py`) and an MoE layer's
-router statistics (`models/moe.py`), whose balancing loss would otherwise couple the groups through its gradient.
+replicas only, never over all of dp. An MoE layer's router statistics read it (`models/moe.py`), whose balancing
+loss would otherwise couple the groups through its gradient; fp8's amax takes none over dp at all.
 
 `lax.psum` and `lax.pmax` take no `axis_index_groups` in a shard_map (jax 0.10.2), so a group's reduction is an
 all-gather over dp of the (small) statistic and a reduction of the group's slice of it: every replica of a group

@@ -1,7 +1,8 @@
 """fp8 GEMMs for the layer's projections and experts: operands in e4m3, the output's cotangent in e5m2, each with
-one per-tensor power-of-two scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs"). A tensor
-a manual region splits over devices (rows over dp, tokens over cp or over tp under sequence parallelism) takes its
-amax over all of its blocks, so every layout scales as one device does."""
+one per-tensor power-of-two scale from its current amax, handed to the dot as fp8 arrays (ARCHITECTURE.md, "fp8 GEMMs").
+A scale belongs to one data replica's block of a tensor: where a manual region splits a sequence's tokens over
+devices (cp, or tp under sequence parallelism) the amax is taken over those blocks, never over the batch axes, so a
+layout with n data replicas scales as one device running n times the micro-batches does."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mesh import replica_groups
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP, RP
 from models.projection import PLAIN, Gemm
@@ -28,14 +28,19 @@ def _largest(fp8: jnp.dtype) -> float:
     return float(jnp.finfo(fp8).max)
 
 
+BATCH_AXES = (RP, DP, EP)  # the axes that split a batch's rows (mesh/mesh.py)
+
+
 def whole_amax(x: jax.Array, copies: tuple[str, ...] = ()) -> jax.Array:
-    """x's largest magnitude over the whole tensor: over the devices whose blocks of it a manual region holds
-    (the axes x varies over; an automatic axis's split XLA reduces itself). Not over pp: its devices hold other
-    layers, and a layer's tensors are one device's; over dp only within a group of `mesh.replica_groups`; not over
-    `copies`, manual axes along which x's blocks are known to be alike."""
-    amax = jnp.max(jnp.abs(x)).astype(_F32)
-    split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax != PP and ax not in copies))
-    return replica_groups.pmax(amax, split)
+    """x's largest magnitude over one data replica's block of it: over the devices whose blocks of it a manual
+    region holds (the axes x varies over; an automatic axis's split XLA reduces itself) but the batch axes, where
+    each replica's rows are a micro-batch of their own and its GEMMs read only them; not over pp (its devices hold
+    other layers); not over `copies`, manual axes along which x's blocks are known to be alike. A constant to
+    autodiff: a scale is no function of x to differentiate (MAML's second derivative would reach the pmax)."""
+    amax = lax.stop_gradient(jnp.max(jnp.abs(x)).astype(_F32))
+    skip = {PP, *BATCH_AXES, *copies}
+    split = tuple(sorted(ax for ax in jax.typeof(x).manual_axis_type.varying if ax not in skip))
+    return lax.pmax(amax, split) if split else amax
 
 
 def scale_of(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> jax.Array:
@@ -58,10 +63,10 @@ def quantize(x: jax.Array, fp8: jnp.dtype, amax: jax.Array | None = None) -> tup
 
 def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`quantize(w, E4M3)` for a dense weight. A GEMM reads a dense weight whole but for tp's blocks, so where a
-    manual region types it varying over dp or cp (cast for its gradient's sake, `mesh.rules.vary`, or DiLoCo's
-    copies in a group) its blocks there are copies: its amax is exchanged over tp's blocks only."""
+    manual region types it varying over cp (cast for its gradient's sake, `mesh.rules.vary`) its blocks there are
+    copies: its amax is exchanged over tp's blocks only."""
     with jax.named_scope(WEIGHT_SCOPE):  # how often a step quantizes its weights, read from the compiled program
-        return quantize(w, E4M3, whole_amax(w, copies=(RP, DP, EP, CP)))
+        return quantize(w, E4M3, whole_amax(w, copies=(CP,)))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -155,7 +160,7 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _einsum_fwd(subscripts, x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts: split over dp
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts over ep: each device's own
     product = lambda a, b, out: jnp.einsum(subscripts, a, b, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
 
@@ -184,7 +189,7 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _ragged_fwd(x, w, group_sizes):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts: split over dp
+    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts over ep: each device's own
     product = lambda a, b, out: lax.ragged_dot(a, b, group_sizes, preferred_element_type=out)  # noqa: E731
     return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
 
