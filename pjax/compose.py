@@ -8,6 +8,7 @@ proven, and by which test, the tests say themselves (`pytest.mark.proves`); `tes
 that every composing pair has one and writes the matrix into README.md.
 
     python -m pjax.compose zb_h1 ring      # composes, or the line that refuses it
+    python -m pjax.compose ring maml fp8   # any set of features
     python -m pjax.compose                 # every pair
 """
 from __future__ import annotations
@@ -132,10 +133,16 @@ def refusal(overrides: Sequence[str]) -> str | None:
 
 def cell(a: str, b: str) -> Cell:
     """The verdict on features `a` and `b` (names in FEATURES)."""
-    fa, fb = BY_NAME[a], BY_NAME[b]
-    if fa.key == fb.key:
+    return verdict((a, b))
+
+
+def verdict(names: Sequence[str]) -> Cell:
+    """The verdict on a set of features (names in FEATURES): 'alternatives' where two set one key, else whether
+    the rules accept their run (`run_overrides`) or the line that refuses it."""
+    features = [BY_NAME[name] for name in names]
+    if len({f.key for f in features}) < len(features):
         return Cell("alternatives")
-    line = refusal(pair_overrides(fa, fb))
+    line = refusal(run_overrides(features))
     return Cell("composes") if line is None else Cell("refused", line)
 
 
@@ -144,13 +151,54 @@ def pairs() -> list[tuple[str, str]]:
     return [(a.name, b.name) for a, b in itertools.combinations(FEATURES, 2)]
 
 
+def exercised(run: Any, curriculum: Any = None) -> frozenset[str]:
+    """The FEATURES a resolved run (a `pjax.validate.Run`, its mesh built) exercises, each in a form that can
+    fail: a schedule at pp >= 2 (interleaved with 2 or more virtual stages), a context strategy at cp >= 2, SP at
+    tp >= 2, ZeRO sharding over 2 or more replicas (HSDP: 2 or more groups of them), experts split over 2 or more
+    devices, a compressed reduction, DiLoCo's or meta-learning's 2 or more groups, a `curriculum` (its
+    `pjax.data.curriculum.Curriculum`) with a shorter stage, a device's loss in 2 or more chunks.
+    `tests/proofs.py` holds a test's `proves` marks to the runs it made."""
+    mesh, train, model = run.mesh, run.train, run.model
+    on: set[str] = set()
+    if mesh.pp >= 2 and (run.pipeline.schedule not in ("interleaved", "zb_v") or run.pipeline.virtual_stages >= 2):
+        on.add(run.pipeline.schedule)
+    if mesh.cp >= 2:
+        on.add(run.context.strategy)
+    if mesh.tp >= 2 and train.sequence_parallel:
+        on.add("sp")
+    shard = train.zero_shard or mesh.dp
+    if train.zero and shard >= 2:
+        on.add(f"zero{train.zero}")
+        if train.zero_shard and mesh.dp // train.zero_shard >= 2:
+            on.add("hsdp")
+    if model.num_local_experts and max(mesh.ep, mesh.tp) >= 2:
+        on.add("moe")
+    copies = mesh.model_copies(model.num_local_experts)
+    if train.grad_compression != "none" and mesh.dp >= 2:
+        on.add(train.grad_compression if train.grad_compression == "powersgd" else f"{train.grad_compression}_reduce")
+    if train.local_steps and (train.diloco_groups or copies) >= 2:
+        on.add("streaming" if train.diloco_fragments >= 2 else "diloco")
+    if run.meta.algorithm and copies >= 2:
+        on.add(run.meta.algorithm)
+    if curriculum is not None and curriculum.stages:
+        on.add("curriculum")
+    if run.precision.resolve(train.dtype).fp8:
+        on.add("fp8")
+    if train.remat == "full":
+        on.add("remat_full")
+    tokens = train.batch_size // train.grad_accum // mesh.dp * train.seq_len // mesh.cp  # a device's micro-batch
+    if 0 < train.loss_chunk < tokens:
+        on.add("loss_chunk")
+    return frozenset(on)
+
+
 def parser() -> Any:
     """The command line's parser (tests/test_docs.py parses the commands the docs show with it)."""
     from pjax.cli import ArgumentParser
 
-    ap = ArgumentParser(prog="python -m pjax.compose", description="Whether two of pjax's features compose, by "
-                        "the rules pjax.train checks; with no names, every pair.")
-    ap.add_argument("features", nargs="*", help=f"two of: {', '.join(BY_NAME)}")
+    ap = ArgumentParser(prog="python -m pjax.compose", description="Whether two or more of pjax's features "
+                        "compose, by the rules pjax.train checks; with no names, every pair.")
+    ap.add_argument("features", nargs="*", help=f"two or more of: {', '.join(BY_NAME)}")
     return ap
 
 
@@ -161,12 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         unknown = [name for name in args.features if name not in BY_NAME]
-        if unknown or len(args.features) not in (0, 2):
-            raise ConfigError(f"name two features ({', '.join(BY_NAME)}), or none for every pair"
-                              f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}.")
-        for a, b in [tuple(args.features)] if args.features else pairs():
-            verdict = cell(a, b)
-            print(f"{a} + {b}: {verdict.status}{': ' + verdict.line if verdict.line else ''}")
+        if unknown or len(args.features) == 1:
+            raise ConfigError(f"name two or more features, or none for every pair{'; unknown: ' if unknown else ''}"
+                              f"{', '.join(unknown)} (python -m pjax.compose --help lists them).")
+        for names in [tuple(args.features)] if args.features else pairs():
+            answer = verdict(names)
+            print(f"{' + '.join(names)}: {answer.status}{': ' + answer.line if answer.line else ''}")
     return run_main(body)
 
 

@@ -1,4 +1,5 @@
-"""Test setup: 8 forced CPU devices, XLA:CPU options and no persistent compilation cache, before JAX is imported."""
+"""Test setup: 8 forced CPU devices, XLA:CPU options and no persistent compilation cache, before JAX is imported;
+the suite's two plugins."""
 import os
 
 # LLVM at -O0, and XLA:CPU's loop emitters in place of its MLIR fusion emitters: the tests' programs are small, and
@@ -19,3 +20,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 assert jax.device_count() == 8, f"tests need 8 forced CPU devices, got {jax.device_count()}"
+
+# Two plugins of the suite's own, their hooks imported here: every `proves` mark held to the runs its test made
+# (tests/proofs.py), and every error:/warning: line held to 200 characters (tests/error_lines.py).
+import error_lines  # noqa: E402  (tests/ is on sys.path: the tests import one another)
+import proofs  # noqa: E402
+from error_lines import pytest_runtest_makereport  # noqa: E402
+from proofs import pytest_deselected, pytest_fixture_setup, pytest_runtest_call, pytest_runtest_setup  # noqa: E402
+
+HOOKS = (pytest_runtest_makereport, pytest_deselected, pytest_fixture_setup, pytest_runtest_call, pytest_runtest_setup)
+proofs.install()
+error_lines.install()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import proofs
 from mesh import MeshConfig, make_mesh
 from mesh.errors import ConfigError
 from mesh.mesh import PP
@@ -171,7 +172,7 @@ def initial_state():
     return jax.tree.map(np.asarray, build_trainer(cp_mesh(1), CFG, TC).init(jax.random.key(0)))
 
 
-@functools.cache
+@proofs.cache
 def train_run(dp: int = 1, cp: int = 1, tp: int = 1, steps: int = 3, strategy: str = "ring", sp: bool = False
               ) -> tuple[tuple[float, ...], frozenset, str]:
     """Losses of `steps` training steps on the zigzag data pipeline, the step's collectives and its HLO."""

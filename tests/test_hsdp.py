@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import proofs
 from mesh import ConfigError, MeshConfig, make_mesh
 from models.precision import PrecisionConfig
 from pjax.config import PipelineConfig
@@ -25,7 +26,7 @@ from pjax.validate import validate_run
 from test_step import CFG, TC, assert_grads_close, make_batch
 
 
-@functools.cache
+@proofs.cache
 def hsdp_trainer(dp: int, zero: int, shard: int, tp: int = 1, pp: int = 1, cp: int = 1, layers: int = 2,
                  schedule: str = "1f1b", context: str = "ring", sp: bool = False, grad_accum: int = 2,
                  fp8: bool = False):

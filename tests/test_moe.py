@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import proofs
 from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama, moe
 from models.config import LlamaConfig
@@ -33,7 +34,7 @@ def layer(num_experts: int, seed: int = 0):
     return x, p
 
 
-@functools.cache
+@proofs.cache
 def value_and_grads(num_experts: int, top_k: int, routing: str, capacity_factor: float, dp: int = 1, tp: int = 1):
     """Output, stats and d/d(x, params) of a non-trivial scalar of the output, on a dp x tp mesh."""
     x, p = layer(num_experts)
@@ -186,7 +187,7 @@ LAYOUT = inspect.signature(moe_layout)
 def cache_by_layout(fn):
     """`functools.cache` keyed on the full layout (moe_trainer's arguments, defaults filled in):
     moe_trainer(2) and moe_trainer(2, 1, 0, "dropless") are one trainer and share their compiles."""
-    cached = functools.cache(fn)
+    cached = proofs.cache(fn)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -300,7 +301,15 @@ EP_LAYOUTS = {"dp4_ep2_zero3": dict(dp=4, zero=3, ep=2), "dp2_ep2_cp2_tp2": dict
               "dp4_ep4_cp2_zero1": dict(dp=4, cp=2, zero=1), "dp8_ep8": dict(dp=8)}
 
 
-@pytest.mark.parametrize("layout", [tuple(LAYOUT.bind(**kw).args) for kw in EP_LAYOUTS.values()], ids=list(EP_LAYOUTS))
+def layout_args(**named) -> tuple:
+    """`moe_layout`'s arguments as a tuple, defaults filled in (`bind(...).args` alone stops at the first default
+    left out, and loses every keyword after it)."""
+    bound = LAYOUT.bind(**named)
+    bound.apply_defaults()
+    return tuple(bound.args)
+
+
+@pytest.mark.parametrize("layout", [layout_args(**kw) for kw in EP_LAYOUTS.values()], ids=list(EP_LAYOUTS))
 @pytest.mark.proves("sp+moe", "zero3+moe")
 def test_moe_training_loss_grads_and_router_metrics_with_experts_over_ep_equal_one_device(layout):
     assert_equal_one_device(layout)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import proofs
 from mesh import ConfigError, MeshConfig, make_mesh
 from models import llama
 from models.config import LlamaConfig
@@ -195,7 +196,7 @@ class Compiled:
         return self.compiled.as_text()
 
 
-@functools.cache
+@proofs.cache
 def compile_layout(m, pp, schedule, dp, tp, cp, cfg, zero, strategy, sequence_parallel, remat, scan) -> Compiled:
     v, vshape = (V if schedule in ("interleaved", "zb_v") else 1), schedule == "zb_v"
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[: dp * pp * cp * tp])
@@ -342,14 +343,15 @@ def test_pipeline_with_other_context_strategies_equals_one_device(schedule, layo
 
 # Zero-bubble under cp > 1 runs its own lockstep tables (pipeline/zero_bubble_lockstep.py): every context
 # strategy once per schedule, with cp manual in the executor, and left to XLA under ZeRO-3 (whose W then sums
-# x^T g over cp inside the tick).
-ZB_CP = [("zb_h1", dict(cp=2)), ("zb_v", dict(cp=2)), ("zb_h1", dict(cp=2, strategy="all_gather", zero=3)),
+# x^T g over cp inside the tick) at dp 2, where ZeRO-3 shards the weights its W's gradients reduce-scatter.
+ZB_CP = [("zb_h1", dict(cp=2)), ("zb_v", dict(cp=2)), ("zb_h1", dict(dp=2, cp=2, strategy="all_gather", zero=3)),
          ("zb_v", dict(cp=2, strategy="all_gather")), ("zb_h1", dict(cp=2, strategy="ulysses")),
-         ("zb_v", dict(cp=2, strategy="ulysses", zero=3))]
+         ("zb_v", dict(dp=2, cp=2, strategy="ulysses", zero=3))]
 
 
 @pytest.mark.parametrize("schedule,layout", ZB_CP,
-                         ids=[f"{s}_{l.get('strategy', 'ring')}{'_zero3' if l.get('zero') else ''}" for s, l in ZB_CP])
+                         ids=[f"{s}_{ly.get('strategy', 'ring')}{'_dp2_zero3' if ly.get('zero') else ''}"
+                              for s, ly in ZB_CP])
 @pytest.mark.proves("zb_h1+ring", "zb_v+ring", "zb_h1+all_gather", "zb_v+all_gather", "zb_h1+ulysses",
                     "zb_v+ulysses", "zb_h1+zero3", "zb_v+zero3")
 def test_zero_bubble_with_context_parallelism_equals_one_device(schedule, layout):

@@ -1,20 +1,20 @@
 """Sequence parallelism (`train.sequence_parallel`, models/sequence_parallel.py): the same loss and
 gradients as one device, no activation all-reduce left in the HLO, and less activation memory."""
 import dataclasses
-import functools
 import re
 
 import jax
 import numpy as np
 import pytest
 
+import proofs
 from mesh import ConfigError, MeshConfig, make_mesh
 from pjax.observe.hlo import collective_stats, collectives_by_axis, device_groups, shape_bytes
 from pjax.step import build_trainer
 from test_step import CFG, TC, assert_grads_close, loss_and_grads, make_batch
 
 
-@functools.cache
+@proofs.cache
 def sp_trainer(dp: int = 1, tp: int = 2, sequence_parallel: bool = True, cfg=CFG, **train):
     mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
     return build_trainer(mesh, cfg, dataclasses.replace(TC, sequence_parallel=sequence_parallel, **train))

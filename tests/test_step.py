@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import proofs
 from mesh import ConfigError, MeshConfig, make_mesh
 from models.config import LlamaConfig
 from pjax.config import TrainConfig
@@ -26,7 +27,7 @@ CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidd
 TC = TrainConfig(seq_len=16, batch_size=16, grad_accum=2, dtype="float32", steps=10, warmup_steps=2)
 
 
-@functools.cache
+@proofs.cache
 def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
             loss_chunk: int = 0, cfg: LlamaConfig = CFG, dtype: str = "float32", attention: str = "auto"):
     mesh = make_mesh(MeshConfig(dp=dp, tp=tp), jax.devices()[: dp * tp])
@@ -35,7 +36,7 @@ def trainer(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size
     return build_trainer(mesh, cfg, tc)
 
 
-@functools.cache
+@proofs.cache
 def compiled_step(dp: int, tp: int = 1, zero: int = 0):
     """The train step of a layout, compiled once from shapes."""
     return trainer(dp, tp, zero).compile_step()
@@ -57,7 +58,7 @@ def initial_params():
     return initial_state().params
 
 
-@functools.cache
+@proofs.cache
 def compiled_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
                    loss_chunk: int = 0, dtype: str = "float32", attention: str = "auto"):
     """The trainer of a layout and its loss-and-gradients program, compiled once from shapes."""
@@ -66,7 +67,7 @@ def compiled_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, bat
         return tr, tr.grads.jitted.lower(tr.abstract_state().params, tr.abstract_batch()).compile()
 
 
-@functools.cache
+@proofs.cache
 def loss_and_grads(dp: int, tp: int = 1, zero: int = 0, grad_accum: int = 2, batch_size: int = 16, remat: str = "none",
                    loss_chunk: int = 0, dtype: str = "float32", attention: str = "auto"):
     tr, program = compiled_grads(dp, tp, zero, grad_accum, batch_size, remat, loss_chunk, dtype, attention)
