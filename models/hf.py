@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
-import safetensors.numpy
 
 from mesh.errors import ConfigError, first_line
 from models.config import LlamaConfig
@@ -77,7 +76,7 @@ class _Tensor:
         return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T if self.n_in else w)
 
 
-def _tensors(cfg: LlamaConfig) -> list[_Tensor]:
+def tensor_table(cfg: LlamaConfig) -> list[_Tensor]:
     """HF name -> pjax path and shape, for this config."""
     d, f, v, vp = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.padded_vocab_size
     h, k, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -144,7 +143,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{path} is not a valid safetensors file ({first_line(e)}); re-save or re-download "
+        raise ConfigError(f"{path} is not a valid safetensors file ({first_line(e, 40)}); re-save or re-download "
                           f"it.") from None
     return out
 
@@ -161,7 +160,7 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
         with open(index, encoding="utf-8") as fh:
             shard_names = sorted(set(json.load(fh)["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-        raise ConfigError(f"{index} is not a valid safetensors index ({first_line(e)}); copy the whole checkpoint "
+        raise ConfigError(f"{index} is not a valid safetensors index ({first_line(e, 40)}); copy the checkpoint "
                           f"again.") from None
     tensors: dict[str, np.ndarray] = {}
     for shard in shard_names:
@@ -230,12 +229,14 @@ def read_hf_config(path: str) -> LlamaConfig:
         with open(cfg_file, encoding="utf-8") as fh:
             hf = json.load(fh)
     except (ValueError, OSError) as e:
-        raise ConfigError(f"{cfg_file} is not a readable JSON file ({first_line(e)}); re-save the "
+        raise ConfigError(f"{cfg_file} is not a readable JSON file ({first_line(e, 40)}); re-save the "
                           f"checkpoint.") from None
     try:
         return LlamaConfig.from_hf(hf)
     except ConfigError as e:
-        raise ConfigError(f"{cfg_file}: " + str(e).removeprefix("config.json: ").removeprefix("config.json ")) from None
+        said = str(e)  # "config.json ..." names the file by its path
+        raise ConfigError(f"{cfg_file} {said.removeprefix('config.json ')}" if said.startswith("config.json ")
+                          else f"{cfg_file}: {said.removeprefix('config.json: ')}") from None
 
 
 def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
@@ -244,7 +245,7 @@ def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
     cfg = dataclasses.replace(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     tensors = _open_checkpoint(path)
     params: Params = {}
-    for t in _tensors(cfg):
+    for t in tensor_table(cfg):
         shape, host = _slicer(t, tensors, cfg.num_hidden_layers, dtype)
         if shardings is None:
             arr = jax.device_put(host(tuple(slice(None) for _ in shape)))
@@ -254,41 +255,10 @@ def load_hf(path: str, shardings: Params | None = None, dtype=np.float32,
     return cfg, params
 
 
-def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int | None = None) -> None:
-    """Write `params` as a HuggingFace checkpoint in their own dtype, in shards of `max_shard_bytes` if given."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(cfg.to_hf(), fh, indent=2)
-    host = jax.device_get(params)
-    tensors: dict[str, np.ndarray] = {}
-    for t in _tensors(cfg):
-        w = np.asarray(host[t.path[0]][t.path[1]])
-        for i, names in enumerate(t.names(cfg.num_hidden_layers)):
-            for j, name in enumerate(names):
-                part = w[i] if t.stacked else w
-                tensors[name] = t.to_hf(part[j] if t.experts else part)
+def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int | None = None,
+            dtype: str = "fp32") -> None:
+    """Write `params` (on host or devices) as a HuggingFace checkpoint in `dtype` ('fp32' or 'bf16'), in shards of
+    `max_shard_bytes` if given (`models.hf_shards`)."""
+    from models import hf_shards
 
-    # A stale file of the other layout would shadow the new one (HF prefers model.safetensors).
-    for stale in ("model.safetensors", "model.safetensors.index.json"):
-        if os.path.exists(os.path.join(out_dir, stale)):
-            os.remove(os.path.join(out_dir, stale))
-    meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
-    if max_shard_bytes is None:
-        safetensors.numpy.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)
-        return
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, w in tensors.items():
-        if shards[-1] and size + w.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = w
-        size += w.nbytes
-    weight_map = {}
-    for n, shard in enumerate(shards, 1):
-        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        safetensors.numpy.save_file(shard, os.path.join(out_dir, fname), metadata=meta)
-        weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-        json.dump(index, fh, indent=2)
+    hf_shards.write(cfg, out_dir, lambda path: params[path[0]][path[1]], dtype, max_shard_bytes)

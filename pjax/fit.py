@@ -3,11 +3,12 @@ from the checkpoint, a mesh that splits it (ARCHITECTURE.md, "A mesh for a model
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, listed
 from mesh.mesh import KEYS, MeshConfig
 from mesh.validate import fit_mesh
 from models.config import LlamaConfig
@@ -25,8 +26,10 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
     the user set that disagrees is a ConfigError."""
     try:
         hf = read_hf_config(cfg.train.init_from)
-    except ConfigError as e:
-        raise ConfigError(f"train.init_from: {e}") from None
+    except ConfigError as e:  # a line about its config.json starts with that file's path: it names the directory
+        said = str(e)
+        named = said.startswith(os.path.join(cfg.train.init_from, "config.json"))
+        raise ConfigError(said if named else f"train.init_from: {said}") from None
     # The run's own: the vocabulary padding, and router-loss coefficients (training, not shape).
     own = {k: getattr(cfg.model, k) for k in ("router_aux_loss_coef", "router_z_loss_coef") if f"model.{k}" in named}
     hf = dataclasses.replace(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, **own)
@@ -34,8 +37,8 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
     clash = [f"model.{k}={ours[k]} (config.json: {theirs[k]})" for k in theirs
              if f"model.{k}" in named and ours[k] != theirs[k]]
     if clash:
-        raise ConfigError(f"train.init_from={cfg.train.init_from} has another shape than you set: {', '.join(clash)}; "
-                          f"leave those model keys out (the model comes from config.json) or fix them.")
+        raise ConfigError(f"train.init_from={cfg.train.init_from} has another shape than you set: "
+                          f"{listed(clash, 40)}; leave those keys out (config.json sets them) or match them.")
     cfg = dataclasses.replace(cfg, model=hf)
     shipped = Path(cfg.train.init_from, "tokenizer.json")
     if "data.tokenizer" not in named and shipped.is_file():

@@ -13,6 +13,7 @@ if __name__ == "__main__":  # first, before JAX loads: glibc reads its tunables 
 
 import argparse
 import dataclasses
+import re
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -56,8 +57,8 @@ def _run(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     named = named_keys(args.config, args.overrides)
-    if cfg.train.init_from is not None:  # the model is the checkpoint's
-        cfg = adopt_hf_model(cfg, named)
+    if cfg.train.init_from is not None:  # the model and its tokenizer are the checkpoint's: a config file's only
+        cfg = adopt_hf_model(cfg, named_keys(None, args.overrides))  # state defaults, a command line's must agree
     fit = cfg.train.init_from is not None and not names_a_mesh(named)  # nor is the default mesh the user's
     num_processes = init_distributed(args.coordinator, args.num_processes, args.process_id, args.join_timeout,
                                      args.peer_timeout)
@@ -89,12 +90,20 @@ def _train_joined(cfg: Config, fit: bool, num_processes: int, progress: bool) ->
             raise
         import jax
 
-        from pjax.observe.memory import preallocation_hint
+        from pjax.observe.memory import memory_fixes
 
-        raise ConfigError(f"a device ran out of memory ({str(e).splitlines()[0][:160]}); lower the rows per device "
-                          f"(train.batch_size, or raise train.grad_accum), set train.remat=full, or split the state "
-                          f"further (train.zero, mesh.tp, mesh.pp). Checkpoints already written are intact."
-                          f"{preallocation_hint(jax.default_backend())}") from None
+        raise ConfigError(f"a device ran out of memory ({_allocation(e)}): {memory_fixes(jax.default_backend())}; "
+                          f"checkpoints are intact.") from None
+
+
+def _allocation(error: Exception) -> str:
+    """The allocation a device could not make, from XLA's RESOURCE_EXHAUSTED message, in a few words."""
+    line = (str(error).splitlines() or [""])[0]
+    allocating = re.search(r"allocate (\S+(?: bytes)?)", line)
+    if allocating:
+        return f"allocating {allocating.group(1).rstrip('.,;')}"
+    line = line.removeprefix("RESOURCE_EXHAUSTED: ")
+    return line if len(line) <= 40 else line[:40] + "…"
 
 
 def train(cfg: Config, progress: bool = True, devices: Sequence[Any] | None = None) -> list[dict[str, Any]]:
@@ -213,9 +222,8 @@ def _warn_if_longer_than_the_model(cfg: Config) -> None:
     tc, mc = cfg.train, cfg.model
     if tc.seq_len > mc.max_position_embeddings and jax.process_index() == 0:
         print(f"warning: train.seq_len={tc.seq_len} is longer than model.max_position_embeddings="
-              f"{mc.max_position_embeddings}; training goes on, but the saved and exported model declares the "
-              f"shorter context. Raise model.max_position_embeddings to at least {tc.seq_len}.",
-              file=sys.stderr, flush=True)
+              f"{mc.max_position_embeddings}; raise that to at least {tc.seq_len}, or the saved and exported model "
+              f"declares the shorter context.", file=sys.stderr, flush=True)
 
 
 def _warn_if_zero_has_whole_groups(tc: Any, mesh: Any) -> None:

@@ -302,8 +302,8 @@ def test_a_full_disk_mid_save_is_one_line_and_the_step_before_it_resumes(small_d
     err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert status == 2 and "Traceback" not in err and "ERROR" not in err, err
-    assert len(errors) == 1 and f"checkpoint.dir={small_disk}/ckpt ran out of disk space while saving step 2: one " \
-        "checkpoint needs about 16.5 MB" in errors[0] and "step 1 is intact" in errors[0], err
+    assert len(errors) == 1 and f"checkpoint.dir={small_disk}/ckpt is full: step 2 needs about 16.5 MB and " \
+        in errors[0] and "rerun to resume from step 1." in errors[0], err
     # keep=1 would have deleted step 1 once step 2 was complete: it never was, so step 1 stays.
     assert committed_steps(small_disk / "ckpt") == [1] and saving_in_progress(small_disk / "ckpt")
     with Checkpointer(str(small_disk / "ckpt"), read_only=True) as ckpt:
@@ -320,8 +320,8 @@ def test_a_full_disk_mid_save_is_one_line_and_the_step_before_it_resumes(small_d
 def exported(uninterrupted, tmp_path_factory) -> Path:
     from pjax.export import main
 
-    out = tmp_path_factory.mktemp("hf")
-    assert main(["--checkpoint", str(uninterrupted[0] / "ckpt"), "--out", str(out)]) == 0
+    out = tmp_path_factory.mktemp("hf")  # in shards of 1 MB, as transformers' max_shard_size spells it
+    assert main(["--checkpoint", str(uninterrupted[0] / "ckpt"), "--out", str(out), "--max-shard-size", "1MB"]) == 0
     return out
 
 
@@ -344,6 +344,45 @@ def test_export_loads_in_transformers_with_equal_logits(uninterrupted, exported)
         theirs = model(torch.from_numpy(tokens).long()).logits.numpy()
     assert np.abs(ours - theirs).max() <= 1e-5
     assert (exported / "tokenizer.json").is_file()
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    shards = sorted(exported.glob("model-*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == [p.name for p in shards] and len(shards) > 1
+    for shard in shards:  # at most 1 MB and its header, or one tensor larger than that alone (as transformers does)
+        held = [k for k, v in index["weight_map"].items() if v == shard.name]
+        assert shard.stat().st_size <= 1_000_000 + 10_000 or len(held) == 1, (shard.name, held)
+
+
+def test_a_bf16_export_is_the_fp32_one_rounded_and_each_process_writes_its_own_shards(uninterrupted, exported,
+                                                                                         tmp_path, monkeypatch):
+    """--dtype bf16: every tensor the fp32 export's rounded to nearest even. With two processes, process k writes
+    shards k, k + 2, ...: written apart (the process index faked, the barrier a no-op), they make the whole."""
+    import ml_dtypes
+    import safetensors.numpy
+    from jax.experimental import multihost_utils
+
+    from models import hf_shards
+    from models.hf import load_hf
+    from pjax.export import export
+
+    ckpt = str(uninterrupted[0] / "ckpt")
+    export(ckpt, str(tmp_path / "one"), max_shard_size="1MB", dtype="bf16")
+    fp32 = {k: v for p in exported.glob("model-*.safetensors") for k, v in safetensors.numpy.load_file(p).items()}
+    bf16 = {k: v for p in (tmp_path / "one").glob("model-*.safetensors")
+            for k, v in safetensors.numpy.load_file(p).items()}
+    assert bf16.keys() == fp32.keys()
+    for name, w in fp32.items():
+        np.testing.assert_array_equal(bf16[name], w.astype(ml_dtypes.bfloat16), err_msg=name)
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: None)
+    cfg, params = load_hf(str(exported))
+    mine = [hf_shards.write(cfg, str(tmp_path / "two"), lambda path: params[path[0]][path[1]], "bf16", 1_000_000,
+                            process=(k, 2)) for k in (0, 1)]
+    every = sorted(p.name for p in (tmp_path / "one").glob("model-*"))
+    assert mine == [every[0::2], every[1::2]]
+    for name in every:
+        one, two = (safetensors.numpy.load_file(d / name) for d in (tmp_path / "one", tmp_path / "two"))
+        assert one.keys() == two.keys() and all(np.array_equal(one[k], two[k]) for k in one), name
 
 
 def test_init_from_hf_export_trains_from_those_weights(exported, cache, tmp_path):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mesh.errors import ConfigError, first_line
+from mesh.errors import ConfigError, first_line, listed
 from mesh.mesh import PP
 from models import llama
 from models.config import LlamaConfig, shape_keys
@@ -91,7 +91,7 @@ class Checkpointer:
             return max(steps)
         if step not in steps:
             raise ConfigError(f"{self.directory} has no checkpoint for step {step}; saved steps: "
-                              f"{', '.join(map(str, sorted(steps)))}.")
+                              f"{listed([str(s) for s in sorted(steps)])}.")
         return step
 
     def readable(self, read: Callable[[int], T], step: int | None = None) -> tuple[int, T]:
@@ -105,8 +105,8 @@ class Checkpointer:
                 raise
             except Exception as e:
                 save_faults.quiet_abandoned_io()
-                raise ConfigError(f"checkpoint step {step} in {self.directory} cannot be read ({first_line(e)}); "
-                                  f"choose another step.") from None
+                raise ConfigError(f"checkpoint {self.directory}/{step} cannot be read ({first_line(e, 40)}); choose "
+                                  f"another step.") from None
         newest = self.resolve_step()
         for candidate in sorted(self._manager.all_steps(), reverse=True):
             try:
@@ -116,11 +116,10 @@ class Checkpointer:
             except Exception as e:
                 save_faults.quiet_abandoned_io()
                 self.unreadable.append(candidate)
-                self._warn(f"checkpoint step {candidate} in {self.directory} cannot be read ({first_line(e)}); "
-                           f"trying the step before it.")
-        raise ConfigError(f"no checkpoint step in {self.directory} can be read (the newest, {newest}, and every "
-                          f"one before it); the files are left as they are. Restore them from a copy, or start "
-                          f"afresh with a new checkpoint.dir.")
+                self._warn(f"checkpoint {self.directory}/{candidate} cannot be read ({first_line(e, 40)}); trying "
+                           f"the step before it.")
+        raise ConfigError(f"no checkpoint step in {self.directory} can be read (newest: {newest}); restore them from a "
+                          f"copy, or start afresh with a new checkpoint.dir.")
 
     def config(self, step: int | None = None) -> Config:
         """The config a checkpoint was written under (the model shape comes from here)."""
@@ -143,6 +142,18 @@ class Checkpointer:
         step, (cfg, params) = self.readable(read, step)
         return step, cfg, params
 
+    def restore_param(self, step: int, path: tuple[str, ...], sharding: Any) -> jax.Array:
+        """One parameter of checkpoint `step` (its path in the parameter tree), placed by `sharding`: the others
+        stay on disk (`pjax.export` reads a model one parameter at a time)."""
+        shapes = functools.reduce(lambda tree, key: tree[key], path, _param_shapes(self.read_config(step).model))
+        for key in reversed(path):
+            shapes = {key: shapes}
+        target = _abstract(shapes, jax.tree.map(lambda _: sharding, shapes))
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        params = self._manager.restore(step, args=ocp.args.Composite(params=args))["params"]
+        return functools.reduce(lambda tree, key: tree[key], path, params)
+
     def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
         """The whole training state on `trainer`'s mesh, saved under any layout of the same model and optimizer."""
         step, restored = self.readable(lambda s: self._restore(trainer, cfg, s), step)
@@ -151,7 +162,7 @@ class Checkpointer:
 
     def _restore(self, trainer: Trainer, cfg: Config, step: int) -> Restored:
         saved_cfg = self.read_config(step)
-        check_compatible(saved_cfg, cfg, f"{self.directory}/{step}")
+        check_compatible(saved_cfg, cfg, f"step {step}")
         target = trainer.abstract_state()
         items = self._manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target.params), opt_state=ocp.args.StandardRestore(target.opt_state),
@@ -243,7 +254,7 @@ class Checkpointer:
                 raise
             step, size = self._in_flight
             self._in_flight = None
-            raise save_faults.disk_full_error(self.directory, step, size, self.keep) from None
+            raise save_faults.disk_full_error(self.directory, step, size) from None
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -274,8 +285,8 @@ def check_compatible(saved: Config, cfg: Config, where: str) -> None:
     diff += [f"{key}={value(cfg, key)} (checkpoint: {value(saved, key)})" for key in ours_tree
              if ours_tree[key] != theirs_tree[key]]
     if diff:
-        raise ConfigError(f"the checkpoint {where} does not match this run: {', '.join(diff)}; use the checkpoint's "
-                          f"values, or checkpoint.resume=false with a new checkpoint.dir.")
+        raise ConfigError(f"checkpoint {where} does not match this run: {listed(diff, 80)}; use the checkpoint's "
+                          f"values, or a new checkpoint.dir.")
 
 
 def _optimizer_tree(cfg: Config) -> dict[str, bool]:
