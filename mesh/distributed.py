@@ -51,11 +51,10 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                                        heartbeat_timeout_seconds=max(watchdog.JAX_HEARTBEAT_FLOOR_S,
                                                                      int(3 * peer_timeout)))
     except Exception as e:
-        fix = ("SLURM's environment named these: check that every task is in the same srun step and that the "
-               "port is free (JAX_COORDINATOR_PORT picks another)" if slurm and not explicit else
-               "start every process with the same --coordinator and --num_processes and its own --process_id")
-        raise ConfigError(f"could not join the multi-process run at {coordinator} as process {process_id} of "
-                          f"{num_processes} ({first_line(e)}); {fix}.") from None
+        fix = ("check that all tasks share one srun step and a free port (JAX_COORDINATOR_PORT)" if slurm and not
+               explicit else "give all processes the same --coordinator and --num_processes, each its own --process_id")
+        raise ConfigError(f"process {process_id} of {num_processes} could not join {coordinator} "
+                          f"({first_line(e, 30)}): {fix}.") from None
     watchdog.start(distributed_client(), process_id, num_processes, peer_timeout)
     return num_processes
 
@@ -71,9 +70,8 @@ def distributed_client() -> Any:
 def join_deadline(seconds: float, coordinator: str, count: int, index: int) -> Iterator[None]:
     """One line and the end of this process when not every process has joined within `seconds`."""
     def give_up() -> None:
-        print(f"error: process {index} of {count} waited {seconds:g} s at {coordinator} for the others to join; "
-              f"start all {count} processes with the same coordinator (a missing or crashed process, a wrong "
-              f"process count, or an address the others cannot reach), or raise --join_timeout.",
+        print(f"error: process {index} of {count} waited {seconds:g} s at {coordinator} for the others to join: "
+              f"start all {count} with the same coordinator, or raise --join_timeout (docs/gpu_pods.md).",
               file=sys.stderr, flush=True)
         os._exit(2)  # JAX's connect cannot be interrupted, and its own timeout aborts with a stack trace
 
@@ -115,8 +113,8 @@ def slurm_process() -> tuple[str, int, int] | None:
         return None
     nodes = os.environ.get("SLURM_STEP_NODELIST", "")
     if not nodes:  # e.g. the batch script itself
-        raise ConfigError(f"SLURM_NTASKS={tasks} but this process is not in an srun step (no SLURM_STEP_NODELIST); "
-                          f"start every task with `srun python -m pjax.train ...`, or pass --coordinator, "
+        raise ConfigError(f"SLURM_NTASKS={tasks} but this process is in no srun step (no SLURM_STEP_NODELIST); "
+                          f"start the tasks with `srun python -m pjax.train ...`, or pass --coordinator, "
                           f"--num_processes and --process_id.")
     if not 0 <= rank < tasks:
         raise ConfigError(f"SLURM_PROCID={rank} is invalid for SLURM_NTASKS={tasks}; SLURM's environment is "

@@ -128,9 +128,9 @@ class MeshConfig:
             raise ConfigError(f"{head} groups consecutive data replicas for ZeRO, and mesh.dp={self.dp} does not "
                               f"split into groups of {zero_shard}; use a divisor of {self.dp}, or 0 for all of dp.")
         if zero_shard % ep:
-            raise ConfigError(f"{head} would cut the expert groups of mesh.ep={ep} (a ZeRO group holds whole ones); "
-                              f"set mesh.ep to a divisor of {zero_shard}, or train.zero_shard to a multiple of {ep} "
-                              f"that divides mesh.dp={self.dp}.")
+            raise ConfigError(f"{head} would cut the expert groups of mesh.ep={ep}: set mesh.ep to a divisor of "
+                              f"{zero_shard}, or train.zero_shard to a multiple of {ep} dividing mesh.dp={self.dp} (a "
+                              f"ZeRO group holds whole ones).")
 
     @property
     def size(self) -> int:

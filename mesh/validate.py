@@ -22,10 +22,10 @@ def validate_model(mesh: MeshConfig, *, num_layers: int, num_heads: int, num_kv_
             raise ConfigError(f"model.{key}={value} is not divisible by mesh.tp={mesh.tp}; choose a tp that divides it.")
     padded = -(-vocab_size // vocab_multiple) * vocab_multiple
     if padded % mesh.tp:
-        held = f"padded to {padded}, a multiple of" if padded != vocab_size else "with"
+        held = f"padded to {padded} by" if padded != vocab_size else "with"
         raise ConfigError(f"model.vocab_size={vocab_size} ({held} model.make_vocab_size_divisible_by={vocab_multiple}) "
-                          f"does not split over mesh.tp={mesh.tp}; set model.make_vocab_size_divisible_by to a "
-                          f"multiple of {mesh.tp}, or choose a tp that divides {padded}.")
+                          f"does not split over mesh.tp={mesh.tp}: make that key a multiple of {mesh.tp}, or use a tp "
+                          f"that divides {padded}.")
     if num_layers % mesh.pp:
         raise ConfigError(
             f"model.num_hidden_layers={num_layers} is not divisible by mesh.pp={mesh.pp}; "

@@ -78,8 +78,8 @@ class Watchdog:
     def lose(self, process: int, why: str) -> None:
         """The one line for a lost process, then the end of this one, skipping the exit handlers: JAX's would wait
         at a shutdown barrier the lost process never reaches. Process 0 goes last (`last_out`)."""
-        print(f"error: process {process} of {self.count} {why}; this process stops too. Start every "
-              f"process again: a run with checkpoint.dir resumes from its last committed checkpoint.",
+        print(f"error: process {process} of {self.count} {why}; this process stops too. Restart every process: a "
+              f"run with checkpoint.dir resumes from its last checkpoint.",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         with contextlib.suppress(Exception):

@@ -42,9 +42,9 @@ def select_attention(impl: str = "auto") -> Callable[..., jax.Array]:
             raise ConfigError(f"train.attention=cudnn needs a GPU, and this run's backend is {target_backend()}; "
                               f"use auto, blocked or reference.")
         if deterministic_gpu_ops():
-            raise ConfigError("XLA_FLAGS asks for --xla_gpu_deterministic_ops, and with it XLA (jax 0.11.2) fails "
-                              "on cuDNN's fused attention (an IndexError from inside XLA); set train.attention=reference "
-                              "for a deterministic run (6-7x slower on SmolLM-135M), or drop the flag.")
+            raise ConfigError("cuDNN's fused attention fails in XLA (jax 0.11.2) under XLA_FLAGS' "
+                              "--xla_gpu_deterministic_ops: drop the flag, or set train.attention=reference (6-7x "
+                              "slower on SmolLM-135M).")
         return _cudnn_attention
     raise ValueError(f"unknown attention implementation {impl!r}; choose auto, reference, blocked, chunked or cudnn.")
 

@@ -3,9 +3,33 @@ variants are a few more keys (experts, the top-k weights' renormalisation, per-h
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mesh.errors import ConfigError
+
+
+def _number(value: Any) -> bool:
+    """A finite int or float, not a bool: what every numeric model key takes."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _non_finite(tree: Any, path: str = "") -> str | None:
+    """The dotted key of the first infinite or NaN number in a JSON tree, or None."""
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return path
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _value_at(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree[int(key) if isinstance(tree, list) else key]
+    return tree
 
 
 # HF's defaults for absent config.json keys (its rms_norm_eps differs from pjax's).
@@ -42,10 +66,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
 ROPE_KEYS = ROPE_TYPES["llama3"]  # every scaling key (llama3 uses them all)
 # HF rope types pjax refuses, and why (any other unknown type is refused too).
 _ROPE_REFUSED = {
-    "dynamic": "dynamic NTK scaling recomputes the frequencies from each input's length at inference, and "
-               "transformers caches them across calls; pjax's RoPE is fixed per model",
-    "yarn": "YaRN (Qwen's and DeepSeek's scaling) is not implemented",
-    "longrope": "LongRoPE (Phi-3's scaling) is not implemented",
+    "dynamic": "dynamic NTK scaling varies with each input's length, and pjax's RoPE is fixed",
+    "yarn": "YaRN is not implemented",
+    "longrope": "LongRoPE is not implemented",
 }
 
 
@@ -59,8 +82,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
         why = _ROPE_REFUSED.get(rope_type, "it is not implemented") if isinstance(rope_type, str) else "not a name"
-        raise ConfigError(f"config.json asks for rope_type={rope_type!r}, which pjax refuses: {why}; it supports "
-                          f"{', '.join(ROPE_TYPES)} RoPE.")
+        raise ConfigError(f"config.json: use {', '.join(ROPE_TYPES)} RoPE; rope_type={rope_type!r} is refused: {why}.")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"config.json sets partial_rotary_factor={partial!r}; pjax rotates the whole head "
@@ -157,8 +179,8 @@ class LlamaConfig:
                               f"pairs), or null for hidden_size / num_attention_heads.")
         for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"model.{key}={value!r} is invalid; use a number > 0.")
+            if not _number(value) or not value > 0:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use a finite number > 0.")
             object.__setattr__(self, key, float(value))
         if not isinstance(self.num_local_experts, int) or isinstance(self.num_local_experts, bool) \
                 or self.num_local_experts < 0:
@@ -170,8 +192,8 @@ class LlamaConfig:
                               f"model.num_local_experts={self.num_local_experts}.")
         for key in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"model.{key}={value!r} is invalid; use a number >= 0.")
+            if not _number(value) or value < 0:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use a finite number >= 0.")
             object.__setattr__(self, key, float(value))
         shared = self.shared_expert_intermediate_size
         if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0 or (shared and not self.num_local_experts):
@@ -221,8 +243,8 @@ class LlamaConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ConfigError(f"model.{key}={value!r} is invalid; use an integer >= 1.")
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"model.{key}={value!r} is invalid; use a number > 0.")
+            if not _number(value) or not value > 0:
+                raise ConfigError(f"model.{key}={value!r} is invalid; use a finite number > 0.")
             object.__setattr__(self, key, float(value))
         if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
@@ -238,6 +260,9 @@ class LlamaConfig:
             raise ConfigError(f"config.json has model_type={model_type!r}; pjax reads {', '.join(map(repr, HF_TYPES))} "
                               f"checkpoints.")
         _refuse_hf_variants(hf, model_type)
+        bad = _non_finite(hf)
+        if bad is not None:
+            raise ConfigError(f"config.json: {bad}={_value_at(hf, bad)!r} is not a finite number; fix the file.")
         missing = [k for k in _HF_REQUIRED if k not in hf]
         if missing:
             raise ConfigError(f"config.json has no {', '.join(missing)}; it is not a complete LLaMA config.")

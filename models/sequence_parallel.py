@@ -147,8 +147,8 @@ def check_run(run) -> None:
     tokens = tc.batch_size // tc.grad_accum // mc.dp * (tc.seq_len // mc.cp)
     if tokens % mc.tp:
         raise ConfigError(f"train.sequence_parallel splits a device's {tokens} tokens per micro-batch over "
-                          f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, train.batch_size "
-                          f"or train.grad_accum, or set train.sequence_parallel=false.")
+                          f"mesh.tp={mc.tp}, which does not divide them; change train.seq_len, batch_size or "
+                          f"grad_accum, or set it to false.")
     if tc.loss_chunk % mc.tp:
         raise ConfigError(f"train.loss_chunk={tc.loss_chunk} with train.sequence_parallel takes loss_chunk / mesh.tp "
                           f"tokens from each tp part of the tokens; choose a multiple of mesh.tp={mc.tp}.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Callable
@@ -47,18 +48,34 @@ def _one_line_errors(body: Callable[[], Any]) -> int:
     except ValueError as e:  # jax's IndivisibleError (private): a shape no validator foresaw
         if type(e).__name__ != "IndivisibleError":
             raise
-        return fail(f"a dimension does not split over the mesh ({str(e).splitlines()[0][:300]}); choose mesh.dp, "
-                    f"mesh.pp, mesh.cp and mesh.tp sizes that divide the model's and the batch's dimensions.")
+        return fail(f"a dimension does not split over the mesh ({_indivisible(e)}); choose mesh.dp, mesh.pp, "
+                    f"mesh.cp and mesh.tp that divide the model's and the batch's sizes.")
     return 0
+
+
+def _indivisible(error: ValueError) -> str:
+    """jax's IndivisibleError as a phrase: which axis of which shape splits how many ways, else its first line cut."""
+    text = str(error)
+    match = re.search(r"array axis (\d+) is partitioned (\d+) times, but the dimension size is (\d+) "
+                      r"\(full shape: (\([^)]*\))", text)
+    if match:
+        axis, ways, _, shape = match.groups()  # the size is in the shape
+        return f"axis {axis} of shape {shape} split {ways} ways"
+    return cut(text.splitlines()[0] if text else type(error).__name__, 60)
 
 
 def fail(message: str) -> int:
     """Print the one-line error, over-long words cut, and return exit status 2."""
-    print(f"error: {' '.join(_short(word) for word in message.split())}", file=sys.stderr)
+    print(error_line(message), file=sys.stderr)
     return 2
 
 
-def _short(word: str, limit: int = 200) -> str:
+def error_line(message: str) -> str:
+    """The `error:` line `fail` prints for `message`: one line, over-long words cut."""
+    return f"error: {' '.join(_short(word) for word in message.split())}"
+
+
+def _short(word: str, limit: int = 100) -> str:
     if len(word) <= limit:
         return word
     stem = word.rstrip(").,;:'\"")  # the sentence's punctuation after the word stays

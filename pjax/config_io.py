@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from mesh.errors import ConfigError, cut, first_line, shown
+from mesh.errors import ConfigError, cut, first_line, listed, shown
 from pjax import assets
 from pjax.config import Config
 
@@ -53,7 +53,8 @@ def resolve_config_path(path: str | None) -> Path:
         for candidate in (CONFIG_DIR / given.name, CONFIG_DIR / f"{given.name}.yaml"):
             if candidate.is_file():
                 return candidate
-    raise ConfigError(f"config file '{path}' not found; available configs: {', '.join(available_configs())}.")
+    room = max(60, 145 - len(str(path)))  # the names that fit the line
+    raise ConfigError(f"config file '{path}' not found; available configs: {listed(available_configs(), room)}.")
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -84,7 +85,7 @@ def _read_text(file: Path) -> str:
 def _unreadable_number(error: ValueError) -> str:
     """The end of a one-line error for a value PyYAML could not build (an integer of over 4,300 digits)."""
     if "digits" in str(error):
-        return "holds an integer of over 4,300 digits, more than any setting can use; write a sensible number."
+        return "holds an integer of over 4,300 digits; write a sensible number."
     return f"holds a value that cannot be read ({first_line(error)}); fix or quote it."
 
 
@@ -94,7 +95,7 @@ def config_from_dict(document: Any, overrides: Sequence[str] = (), source: str =
         document = {}
     if not isinstance(document, dict):
         raise ConfigError(
-            f"{source} must be a mapping of sections ({', '.join(sorted(SECTIONS))}), got {_show(document)}."
+            f"{source} must be a mapping of sections (train:, model:, ...), got {_show(document, 30)}."
         )
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for section, body in document.items():
@@ -158,8 +159,9 @@ def dump_config(cfg: Config) -> str:
 def _section(name: Any, source: str) -> type:
     if name in SECTIONS:
         return SECTIONS[name]
-    raise ConfigError(f"unknown config section '{name}' in {source}{_did_you_mean(str(name), SECTIONS)}; "
-                      f"valid sections: {', '.join(sorted(SECTIONS))}.")
+    guess = _did_you_mean(str(name), SECTIONS)  # else the sections: one or the other fits a line
+    raise ConfigError(f"unknown config section '{name}' in {source}" +
+                      (f"{guess}." if guess else f"; valid sections: {', '.join(sorted(SECTIONS))}."))
 
 
 def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
@@ -222,9 +224,9 @@ def _did_you_mean(word: str, choices: Any) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int = 80) -> str:
     if value is None:
         return "null"
     if isinstance(value, (dict, list)):
-        return f"a {type(value).__name__} {shown(value)}"
-    return shown(value)
+        return f"a {type(value).__name__} {shown(value, limit)}"
+    return shown(value, limit)

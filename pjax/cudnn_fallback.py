@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from mesh.backend import target_backend
+from mesh.errors import first_line
 from pjax.config import TrainConfig
 
 
@@ -29,7 +30,5 @@ def compile_step(trainer: Any, rebuild: Callable[[TrainConfig], Any], seq_len: i
             compiled = chunked.compile_step(batch=chunked.abstract_batch(seq_len))
         except Exception:  # noqa: BLE001 - not the attention's fault: the first error is the one to read
             raise error from None
-        first = (str(error).strip().splitlines() or [""])[0][:160]
-        return chunked, compiled, (f"warning: cuDNN's attention (train.attention={trainer.tc.attention}) did not "
-                                   f"compile for this layout ({type(error).__name__}: {first}); training with "
-                                   f"train.attention=chunked, the same memory without cuDNN's kernel.")
+        return chunked, compiled, (f"warning: cuDNN's attention did not compile for this layout "
+                                   f"({first_line(error, 50)}); training with train.attention=chunked instead.")

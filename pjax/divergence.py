@@ -39,14 +39,14 @@ class DivergenceGuard:
         if not finite:
             self.skipped += 1
             self.in_a_row += 1
-            what = f"step {step}: the loss is {loss} and the gradient norm {grad_norm}"
+            what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
             if self.policy == "stop" or self.in_a_row >= self.max_skipped:
                 why = ("train.on_nonfinite=stop" if self.policy == "stop"
                        else f"{self.in_a_row} non-finite steps in a row, train.max_skipped={self.max_skipped}")
-                resume = (f"The last good checkpoint is {last_checkpoint}; resume from it" if last_checkpoint
-                          else "No checkpoint was written (set checkpoint.dir to keep them); start again")
-                other = ", or set train.on_nonfinite=skip" if self.policy == "stop" else ""
-                raise Diverged(f"{what}, not finite; stopped ({why}). {resume} with a lower train.lr{other}.")
+                resume = (f"resume from {last_checkpoint} with a lower train.lr" if last_checkpoint
+                          else "start again with a lower train.lr (no checkpoint was written)")
+                other = ", or train.on_nonfinite=skip" if self.policy == "stop" else ""
+                raise Diverged(f"{what}, not finite ({why}); {resume}{other}.")
             record = {"step": step, "loss": loss, "grad_norm": grad_norm, "skipped_step": True,
                       "skipped_steps": self.skipped}
             return record, (f"warning: {what}, not finite; skipped it (parameters and optimizer state unchanged, "

@@ -64,8 +64,10 @@ def missing_gpu(environ: MutableMapping[str, str] = os.environ, dev: str = "/dev
     error = driver_error() if evidence else None
     if error is None:
         return None
-    return (f"this host should have GPUs ({evidence}) but the NVIDIA driver cannot be loaded ({error}); fix the "
-            f"driver or the container's GPU access, or set JAX_PLATFORMS=cpu to run on the CPU on purpose.")
+    error = error.removeprefix("libcuda.so.1: ")
+    error = error if len(error) <= 30 else error[:30] + "…"
+    return (f"this host should have GPUs ({evidence}) but libcuda.so.1 does not load ({error}): fix the driver or "
+            f"GPU access, or set JAX_PLATFORMS=cpu.")
 
 
 FELL_BACK = "PJAX_CPU_FALLBACK"  # set where pjax chose the CPU for a host without a driver, not the user

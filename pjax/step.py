@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh import hosts
 from mesh.backend import on_target
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, listed
 from mesh.mesh import CP, DATA, DP, MeshConfig, PP, current, make_mesh
 from models import bias_balance, llama
 from models.attention import select_attention
@@ -277,8 +277,8 @@ def init_state(trainer: Trainer, rng: jax.Array, init_from: str | None = None) -
     diff = [f"model.{k}={ours[k]} (checkpoint: {theirs[k]})" for k in shape_keys(trainer.cfg.num_local_experts)
             if ours[k] != theirs[k]]
     if diff:
-        raise ConfigError(f"train.init_from={init_from} does not match the config: {', '.join(diff)}; "
-                          f"set those model keys to the checkpoint's values.")
+        raise ConfigError(f"train.init_from={init_from} does not match the config: {listed(diff, 65)}; use the "
+                          f"checkpoint's values.")
     if trainer.pipeline is not None:  # checkpoints are in model order; the state in pipeline order
         params = jax.jit(functools.partial(pipeline_layout.to_pipeline_layout, pp=trainer.mesh.shape[PP],
                                            v=trainer.pipeline.virtual_stages, vshape=trainer.pipeline.vshape),

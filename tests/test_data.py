@@ -372,7 +372,7 @@ def test_streaming_holds_out_every_kth_document_and_trains_on_the_others(tokeniz
     held = flat_inputs(list(it.eval_batches(3)))
     np.testing.assert_array_equal(held, stream(lambda i: i % 4 == 3)[:len(held)])
     np.testing.assert_array_equal(flat_inputs([next(it) for _ in range(30)]), stream(lambda i: i % 4 != 3)[:30 * 8 * SEQ])
-    with pytest.raises(ConfigError, match=r"held-out split \(no document, data\.eval_fraction\)"):
+    with pytest.raises(ConfigError, match=r"held-out split \(no document\) is under one batch"):
         stream_iter(str(path), tokenizer).num_eval_batches(1)
     assert DataConfig(eval_fraction=0.05, streaming=True).eval_stride == 20
 

@@ -132,7 +132,7 @@ def test_zero3_in_groups_of_one_replica_keeps_them_whole_and_shards_the_global_p
     assert 4 * _per_device(sharded["state"].params) == _per_device(plain["state"].params)
     assert 4 * _per_device(sharded["state"].opt_state) == _per_device(plain["state"].opt_state)  # outer momentum
     tc = load_config("debug", [*RUN, "train.zero=3"]).train
-    assert "nothing to shard within a group" in group_zero.whole_groups_note(tc, 4)
+    assert "set train.diloco_groups below the 4 replicas" in group_zero.whole_groups_note(tc, 4)
     assert group_zero.whole_groups_note(load_config("debug", [*RUN, "train.zero=3", "train.diloco_groups=2"]).train,
                                         4) is None
 

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -170,7 +171,7 @@ CASES: list[Case] = [
     ("corrupt tokenizer.json", "train", lambda f, c, t: [f"data.tokenizer={f['tokenizer.json']}"],
      "is not a valid tokenizer.json"),
     ("corrupt vocab.json", "train", lambda f, c, t: [f"data.tokenizer={f['root'] / 'gpt2_broken'}"],
-     "holds a vocab.json/merges.txt pair that does not load"),
+     ": its vocab.json/merges.txt pair does not load"),
     ("log dir in a file", "train", lambda f, c, t: [f"log.dir={f['a_file']}/run"], "log.dir="),
     ("cache dir in a file", "train", lambda f, c, t: [f"data.cache_dir={f['a_file']}/cache"], "data.cache_dir="),
     ("checkpoint dir in a file", "train", lambda f, c, t: [f"checkpoint.dir={f['a_file']}/ckpt"],
@@ -202,7 +203,7 @@ CASES: list[Case] = [
     ("init_from untied without lm_head", "train", lambda f, c, t: [f"train.init_from={f['hf_untied_no_head']}"],
      "no lm_head.weight but its config.json says tie_word_embeddings=false"),
     ("init_from with YaRN RoPE", "train", lambda f, c, t: [f"train.init_from={f['hf_rope_yarn']}"],
-     "asks for rope_type='yarn', which pjax refuses: YaRN (Qwen's and DeepSeek's scaling) is not implemented"),
+     "rope_type='yarn' is refused: YaRN is not implemented"),
     ("RoPE type not implemented", "train", lambda f, c, t: ["model.rope_type=dynamic"],
      "model.rope_type='dynamic' is not supported: dynamic NTK scaling"),
     ("llama3 RoPE without its keys", "train", lambda f, c, t: ["model.rope_type=llama3", "model.rope_factor=8"],
@@ -217,7 +218,7 @@ CASES: list[Case] = [
      lambda f, c, t: ["--coordinator", "127.0.0.1:1234", "--num_processes", "2", "--process_id", "2"],
      "--process_id=2 is invalid for --num_processes=2"),
     ("SLURM tasks outside srun", "train", lambda f, c, t: [],
-     "SLURM_NTASKS=2 but this process is not in an srun step", {**SRUN, "SLURM_STEP_NODELIST": None}),
+     "SLURM_NTASKS=2 but this process is in no srun step", {**SRUN, "SLURM_STEP_NODELIST": None}),
     ("SLURM without a job id", "train", lambda f, c, t: [], "SLURM_JOB_ID is not set", {**SRUN, "SLURM_JOB_ID": None}),
     ("SLURM process id out of range", "train", lambda f, c, t: [], "SLURM_PROCID=2 is invalid for SLURM_NTASKS=2",
      {**SRUN, "SLURM_PROCID": "2"}),
@@ -245,31 +246,31 @@ CASES: list[Case] = [
      "train.diloco_groups=0 is invalid; use an integer >= 1"),
     ("DiLoCo that never synchronises", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=400", "train.steps=10"],
-     "train.local_steps=400 (DiLoCo) first synchronises at step 400, after train.steps=10: the checkpoint and "
-     "export would hold the initial parameters"),
+     "train.local_steps=400 (DiLoCo) first synchronises at step 400, after train.steps=10: set "
+     "train.local_steps <= 10, or more train.steps"),
     ("streaming fragments that do not divide H", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=3", "train.diloco_fragments=2"],
-     "train.diloco_fragments=2 (streaming DiLoCo) sends one fragment every train.local_steps / fragments steps"),
+     "train.diloco_fragments=2 (streaming DiLoCo) needs train.local_steps=3 to divide by 2: use a divisor of 3"),
     ("streaming overlap past the next send", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=4", "train.diloco_fragments=2", "train.diloco_overlap=2"],
      "train.diloco_overlap=2 must land before the next fragment is sent, 2 steps later"),
     ("streaming fragments that do not split the layers", "train",
      lambda f, c, t: ["mesh.dp=2", "train.local_steps=6", "train.diloco_fragments=3"],
-     "and model.num_hidden_layers (2) does not divide by 3"),
+     "(streaming DiLoCo): model.num_hidden_layers (2) does not divide by 3"),
     ("MAML under sequence parallelism", "train",
      lambda f, c, t: ["mesh.dp=2", "mesh.tp=2", "train.sequence_parallel=true", "meta.algorithm=maml",
                       "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]", "meta.inner_steps=1",
                       "train.grad_accum=2"],
-     "the second derivative of sequence parallelism's shard_maps does not lower"),
+     "meta.algorithm=maml does not run with train.sequence_parallel: set it to false"),
     ("MAML with Ulysses", "train",
      lambda f, c, t: ["mesh.dp=2", "mesh.cp=2", "context.strategy=ulysses", "meta.algorithm=maml",
                       "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]", "meta.inner_steps=1",
                       "train.grad_accum=2"],
-     "the second derivative of Ulysses' all-to-alls in the groups' shard_map does not lower"),
+     "meta.algorithm=maml does not run with context.strategy=ulysses: use ring or all_gather"),
     ("streaming fragments a pipeline stores two of in a row", "train",
      lambda f, c, t: ["mesh.dp=2", "mesh.pp=2", "model.num_hidden_layers=4", "pipeline.schedule=interleaved",
                       "pipeline.virtual_stages=2", "train.local_steps=4", "train.diloco_fragments=2"],
-     "a device's 2 consecutive stored layers hold two of one fragment; use fragments that divide the 1 layer(s)"),
+     "with pipeline.schedule=interleaved: use fragments that divide the 1 layer(s) of a stage chunk"),
     ("streaming overlap without DiLoCo", "train", lambda f, c, t: ["train.diloco_overlap=1"],
      "train.diloco_overlap=1 is invalid; it applies only with train.local_steps > 0"),
     ("outer lr without an outer loop", "train", lambda f, c, t: ["train.outer_lr=0.5"],
@@ -287,7 +288,7 @@ CASES: list[Case] = [
     ("meta compression on one data replica", "train",
      lambda f, c, t: ["mesh.cp=2", "mesh.tp=1", "meta.algorithm=reptile", "meta.tasks=[data/austen/emma.txt]",
                       "train.grad_accum=1", "train.grad_compression=int8"],
-     "compresses the one mean over the groups, which are the dp replicas, and this mesh has dp=1"),
+     "meta.algorithm=reptile with train.grad_compression=int8 and mesh.dp=1: set mesh.dp >= 2"),
     ("meta compression after exact steps", "train",
      lambda f, c, t: ["mesh.dp=2", "meta.algorithm=fomaml",
                       "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]", "meta.inner_steps=1", "train.grad_accum=2", "train.grad_compression=powersgd",
@@ -297,9 +298,9 @@ CASES: list[Case] = [
      lambda f, c, t: ["mesh.dp=2", "mesh.cp=2", "mesh.tp=1", "meta.algorithm=maml",
                       "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]", "meta.inner_steps=1",
                       "train.grad_accum=2", "train.grad_compression=bf16"],
-     "the meta-gradient is summed inside the derivative, where no payload carries it"),
+     "and mesh.cp=2: use mesh.cp=1, meta.algorithm=fomaml or reptile, or train.grad_compression=none"),
     ("grad compression under ZeRO-3", "train", lambda f, c, t: ["mesh.dp=2", "train.zero=3", "train.grad_compression=bf16"],
-     "ZeRO-3 reduce-scatters every micro-batch, so there is no once-per-step reduction to compress"),
+     "with train.zero=3: use train.zero=1 (its reduce-scatter is compressed), or train.grad_compression=none"),
     ("attention kernel under ring attention", "train", lambda f, c, t: ["mesh.cp=2", "train.attention=reference"],
      "train.attention=reference has no effect with mesh.cp=2 and context.strategy=ring"),
     ("profile steps not [start, count]", "train", lambda f, c, t: ["log.profile_steps=[0,5]"],
@@ -309,11 +310,11 @@ CASES: list[Case] = [
     ("remat names without remat=names", "train", lambda f, c, t: ["train.remat_names=[q_proj, o_proj]"],
      "train.remat_names=['q_proj', 'o_proj'] is invalid; it applies only with train.remat=names"),
     ("non-finite loss", "train", lambda f, c, t: ["train.lr=1e20", "train.warmup_steps=0", "train.steps=3"],
-     "not finite; stopped (train.on_nonfinite=stop)"),
+     "not finite (train.on_nonfinite=stop)"),
     ("eval: HF dir without config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_no_config"])], "has no config.json"),
     ("eval: broken config.json", "eval", lambda f, c, t: ["--hf", str(f["hf_bad_json"])], "is not a readable JSON"),
     ("eval: dynamic NTK RoPE", "eval", lambda f, c, t: ["--hf", str(f["hf_rope_dynamic"])],
-     "asks for rope_type='dynamic', which pjax refuses: dynamic NTK"),
+     "rope_type='dynamic' is refused: dynamic NTK"),
     ("eval: binary text", "eval", lambda f, c, t: ["--hf", str(f["hf_good"]), "--text", str(f["binary.txt"])],
      "is not UTF-8 text"),
     ("eval: every step damaged", "eval", lambda f, c, t: ["--checkpoint", str(c["damaged"])], "no checkpoint step in"),
@@ -365,6 +366,28 @@ def test_the_table_holds_at_least_30_distinct_mistakes():
     assert len({name for name, *_ in CASES}) == len(CASES) >= 30
 
 
+def test_the_line_recorder_fails_a_201_character_line_and_passes_a_200_character_one(capsys):
+    """tests/error_lines.py records each ConfigError's `error:` line and each `warning:` line a test reads back, and
+    fails a test with a line over 200 characters (`error: ` included), naming the line and its length."""
+    import error_lines
+    from mesh.errors import ConfigError
+
+    words = lambda n: ("x" * 9 + " ") * (n // 10) + "x" * (n % 10)  # noqa: E731 (n characters, none cut by `fail`)
+    assert [len(words(n)) for n in (191, 192, 193, 194)] == [191, 192, 193, 194]
+    ConfigError(words(193))  # "error: " + 193 = 200 characters
+    print("warning: " + words(191), file=sys.stderr)  # 200
+    capsys.readouterr()
+    assert error_lines.drain() == []
+    error_lines.check(["error: " + words(193), "warning: " + words(191)])
+    ConfigError(words(194))  # 201
+    print("warning: " + words(192), file=sys.stderr)  # 201
+    capsys.readouterr()
+    lines = error_lines.drain()
+    assert lines == ["error: " + words(194), "warning: " + words(192)]
+    with pytest.raises(AssertionError, match=r"201 characters: error: x{9} .*\n201 characters: warning: x{9} "):
+        error_lines.check(lines)
+
+
 def test_a_damaged_newest_step_falls_back_with_a_warning_and_keeps_its_files(checkpoints, tmp_path, monkeypatch,
                                                                             capfd):
     shutil.copytree(checkpoints["good"], tmp_path / "ckpt")
@@ -375,8 +398,8 @@ def test_a_damaged_newest_step_falls_back_with_a_warning_and_keeps_its_files(che
     # Reading (eval): step 1 is used, nothing on disk changes.
     assert pjax_eval.main(["--checkpoint", str(tmp_path / "ckpt"), "--text", str(text), "--batch_size", "2"]) == 0
     err = capfd.readouterr().err
-    assert err.count("warning: checkpoint step 2 in") == 1 and "trying the step before it" in err and "Traceback" \
-        not in err, err
+    assert err.count(f"warning: checkpoint {tmp_path / 'ckpt'}/2 cannot be read (") == 1 \
+        and "trying the step before it" in err and "Traceback" not in err, err
     assert snapshot(tmp_path / "ckpt" / "2") == damaged
     # Training: resumes from step 1, sets step 2 aside (renamed, not deleted) and saves a new step 2.
     cfg = load_config("debug", [*SMALL, "train.steps=3", "checkpoint.every=1", f"data.cache_dir={checkpoints['cache']}",

@@ -203,10 +203,10 @@ def test_llama_31_config_json_reads_and_writes_back_its_rope_scaling():
 
 
 @pytest.mark.parametrize("rope,message", [
-    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic', which pjax refuses: dynamic NTK scaling"),
-    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, r"'yarn', which pjax refuses: YaRN"),
-    ({"rope_type": "rotating"}, r"'rotating', which pjax refuses: it is not implemented; it supports default, linear, "
-                                r"llama3"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic' is refused: dynamic NTK scaling"),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, r"'yarn' is refused: YaRN"),
+    ({"rope_type": "rotating"}, r"use default, linear, llama3 RoPE; rope_type='rotating' is refused: it is not "
+                                r"implemented"),
     ({"rope_type": "linear"}, r"rope_type='linear' without its 'factor'; add it to rope_scaling"),
     ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, r"without its 'low_freq_factor'"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},

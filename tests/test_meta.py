@@ -267,9 +267,10 @@ def test_a_resume_continues_bit_for_bit(tmp_path, task_files):
     (["mesh.dp=2", *_meta("maml", tasks=3)], "meta.tasks names 3 tasks, which do not divide over the mesh.dp=2"),
     (["mesh.dp=2", *_meta("maml")[:1], "meta.tasks=[a.txt,b.txt]", "train.grad_accum=1"],
      "reads 2 micro-batches per step \\(1 to adapt and 1 to take the meta-gradient on\\): set train.grad_accum=2"),
-    (["mesh.dp=2", "mesh.pp=2", *_meta("maml")], "meta.algorithm=maml differentiates through the inner steps"),
+    (["mesh.dp=2", "mesh.pp=2", *_meta("maml")], "meta.algorithm=maml does not run with mesh.pp=2: use mesh.pp=1"),
     (["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=interleaved", "model.num_hidden_layers=4",
-      "pipeline.virtual_stages=2", *_meta("reptile", steps=2)], "pipeline.schedule=interleaved needs them in groups"),
+      "pipeline.virtual_stages=2", *_meta("reptile", steps=2)],
+     "does not run with pipeline.schedule=interleaved: use 1f1b"),
     (["mesh.dp=2", "train.local_steps=4", *_meta("reptile")], "does not run with train.local_steps=4"),
 ])
 def test_runs_meta_learning_cannot_do_are_one_line(overrides, message):

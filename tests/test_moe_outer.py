@@ -194,7 +194,8 @@ def test_an_unset_ep_leaves_diloco_two_copies_of_the_experts():
      r"the experts span all mesh.dp=4 replicas \(mesh.ep=4\): set mesh.ep to a divisor of 4 below it"),
     (["mesh.dp=8", "mesh.ep=2", "train.local_steps=2", "train.diloco_groups=3"],
      r"the groups split the 4 copies of the experts \(mesh.dp=8 / mesh.ep=2\) evenly; use a divisor of 4"),
-    (["mesh.dp=4", "mesh.ep=2", *_meta("maml")], "second derivative of dropless routing's grouped GEMMs"),
+    (["mesh.dp=4", "mesh.ep=2", *_meta("maml")], r"moe.routing=dropless: use moe.routing=capacity with "
+                                                r"moe.capacity_factor >= \d"),
     (["mesh.dp=4", "mesh.ep=2", *_meta("reptile"), "meta.tasks=[a.txt,b.txt,c.txt]"],
      r"3 tasks, which do not divide over the 2 \(mesh.dp=4 / mesh.ep\) groups"),
 ])

@@ -56,9 +56,8 @@ def test_gpus_expected_and_no_driver_is_one_error_line_unless_the_cpu_is_asked_f
     environ = {"CUDA_VISIBLE_DEVICES": "0"}
     assert platforms.start_platforms(environ, str(tmp_path)) is None and "JAX_PLATFORMS" not in environ
     said = platforms.missing_gpu(environ, str(tmp_path))
-    assert said == ("this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but the NVIDIA driver cannot be loaded "
-                    "(libcuda.so.1: cannot open shared object file); fix the driver or the container's GPU access, "
-                    "or set JAX_PLATFORMS=cpu to run on the CPU on purpose.")
+    assert said == ("this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but libcuda.so.1 does not load (cannot "
+                    "open shared object file): fix the driver or GPU access, or set JAX_PLATFORMS=cpu.")
     assert platforms.missing_gpu({**environ, "JAX_PLATFORMS": "cpu"}, str(tmp_path)) is None
     assert platforms.missing_gpu({}, str(tmp_path)) is None  # no sign of GPUs: the CPU, said in a note
     monkeypatch.setattr(platforms, "driver_error", lambda: None)
@@ -72,8 +71,9 @@ def test_train_on_a_gpu_node_without_its_driver_stops_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "pjax.train", "train.steps=1"], cwd=REPO,
                           env={**env, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but the NVIDIA driver "
-                                  "cannot be loaded (libcuda.so.1: cannot open shared object file"), proc.stderr
+    assert proc.stderr.startswith("error: this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but libcuda.so.1 does "
+                                  "not load (cannot open shared object file"), proc.stderr
+    assert len(proc.stderr.rstrip("\n")) <= 200, proc.stderr  # tests/error_lines.py does not see a child's lines
 
 
 def test_a_run_on_the_cpu_pjax_chose_says_so_in_its_start_up_line(monkeypatch):

@@ -140,7 +140,7 @@ def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkey
 
     monkeypatch.setattr(pjax.observe.memory, "device_memory_limit", lambda device: 2**20)
     cfg = load_config("debug", ["mesh.dp=1", "mesh.tp=1", f"log.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache"])
-    with pytest.raises(ConfigError, match=r"needs \d+ MiB per device and a device has 1 MiB; lower the rows"):
+    with pytest.raises(ConfigError, match=r"needs \d+ MiB per device and a device has 1 MiB: raise train.grad_accum"):
         train(cfg, progress=False, devices=jax.devices()[:1])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -148,15 +148,16 @@ def test_step_too_large_for_device_memory_fails_before_training(tmp_path, monkey
 def test_memory_error_on_gpu_names_jax_preallocation_fraction(monkeypatch):
     """Found on an H100: a step needing 59.5 GiB was refused on an 80 GB card, whose JAX limit is
     75% of it; the error says how to raise that share (nothing to say on CPU)."""
-    from pjax.observe.memory import preallocation_hint
+    from pjax.observe.memory import memory_fixes, preallocation_hint
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
     assert preallocation_hint("cpu") == ""
-    hint = preallocation_hint("gpu")
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.75, JAX's default" in hint and "=.95 raises it" in hint and "\n" not in hint
+    assert preallocation_hint("gpu") == "XLA_PYTHON_CLIENT_MEM_FRACTION (.75)"
+    assert memory_fixes("gpu").endswith("raise train.zero or XLA_PYTHON_CLIENT_MEM_FRACTION (.75)")
+    assert memory_fixes("cpu") == "raise train.grad_accum, set train.remat=full or raise train.zero"
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.5)" in preallocation_hint("gpu")
+    assert preallocation_hint("gpu") == "XLA_PYTHON_CLIENT_MEM_FRACTION (.5)"
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")  # no preallocated pool: no such limit
     assert preallocation_hint("gpu") == ""
 
@@ -171,4 +172,4 @@ def test_out_of_memory_at_run_time_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(pjax.train, "force_cpu_devices", lambda *a: None)
     assert pjax.train.main(["mesh.dp=1", "mesh.tp=1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "ran out of memory (RESOURCE_EXHAUSTED: Out of memory" in err, err
+    assert err.count("\n") == 1 and "ran out of memory (allocating 30.02GiB): raise" in err, err

@@ -30,9 +30,8 @@ class DirectoryLock:
         except BlockingIOError:
             holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
             self.release()
-            raise ConfigError(f"{key}={directory} is in use by another run ({holder or 'it has just started'}); "
-                              f"two runs saving into one directory destroy each other's checkpoints. Wait for "
-                              f"that run to end or stop it, or point {key} at another directory.") from None
+            raise ConfigError(f"{key}={directory} is in use by another run ({holder or 'it has just started'}): "
+                              f"wait for it or stop it, or use another {key}.") from None
         except OSError as e:
             if e.errno not in _NO_LOCKS:
                 self.release()

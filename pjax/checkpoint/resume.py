@@ -29,7 +29,7 @@ def open_run(cfg: Config) -> RunCheckpoints:
         saved = None
         if ckpt is not None and ckpt.latest_step() is not None:
             step, saved = ckpt.readable(ckpt.read_config)
-            check_compatible(saved, cfg, f"{ckpt.directory}/{step}")
+            check_compatible(saved, cfg, f"step {step}")
         cfg, note = continue_schedule(cfg, saved)
         note = "\n".join(n for n in (note, moments_note(cfg, saved)) if n) or None
     except BaseException:

@@ -16,16 +16,14 @@ from mesh.errors import ConfigError
 _DISK_FULL = ("No space left on device", "Disk quota exceeded", "os_error_code='28'", "os_error_code='122'")
 
 
-def disk_full_error(directory: str, step: int, size: int, keep: int) -> ConfigError:
-    """The one line for a save of `step` (`size` bytes) that ran out of space in `directory`."""
+def disk_full_error(directory: str, step: int, size: int) -> ConfigError:
+    """The one line for a save of `step` (`size` bytes) that ran out of space in `directory`: what to do, and from
+    which step a rerun resumes (docs/checkpoints.md, "When things go wrong", says what is kept)."""
     done = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
-    kept = (f"step{'s' * (len(done) > 1)} {', '.join(map(str, done))} {'are' if len(done) > 1 else 'is'} intact"
-            if done else "no earlier step was saved")
+    then = f"rerun to resume from step {done[-1]}" if done else "rerun (no earlier step was saved)"
     free = shutil.disk_usage(directory).free
-    return ConfigError(f"checkpoint.dir={directory} ran out of disk space while saving step {step}: one "
-                       f"checkpoint needs about {size_text(size)} ({keep} kept: {size_text(keep * size)}), "
-                       f"{size_text(free)} is free; {kept}, and the partial step {step} will never be read. Free "
-                       f"space there or point checkpoint.dir at a larger disk, then rerun to resume.")
+    return ConfigError(f"checkpoint.dir={directory} is full: step {step} needs about {size_text(size)} and "
+                       f"{size_text(free)} is free; free space or use a larger disk, then {then}.")
 
 
 def is_disk_full(error: BaseException) -> bool:

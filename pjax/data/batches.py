@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh.errors import ConfigError
+from mesh.errors import ConfigError, listed
 from mesh.mesh import CP, DATA, MeshConfig
 from mesh.validate import validate_batch
 
@@ -197,10 +197,9 @@ class DataIterator:
         ours = self.state()
         keys = ("seed", "batch_size", "seq_len", "num_windows")
         if any(state[k] != ours[k] for k in keys):
-            saved = ", ".join(f"{k}={state[k]}" for k in keys)
-            now = ", ".join(f"{k}={ours[k]}" for k in keys)
-            raise ConfigError(f"the saved data stream ({saved}) differs from this run's ({now}); "
-                              f"resume with the same train.seed, batch_size, seq_len and data, or start afresh.")
+            differ = listed([f"{k}={ours[k]} (saved: {state[k]})" for k in keys if state[k] != ours[k]], 55)
+            raise ConfigError(f"the saved data stream differs from this run's: {differ}; resume with the same "
+                              f"train.seed, batch_size, seq_len and data, or start afresh.")
         if not 0 <= state["step_in_epoch"] < self.batches_per_epoch:
             raise ConfigError(f"the saved data state has step_in_epoch={state['step_in_epoch']}, outside "
                               f"[0, {self.batches_per_epoch}); the checkpoint does not match this data.")

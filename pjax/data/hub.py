@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from mesh.errors import ConfigError, first_line
+from mesh.errors import ConfigError, cut, first_line
 
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")
 
@@ -21,8 +21,7 @@ def _datasets(spec: str) -> Any:
         import datasets
     except ImportError as e:
         raise ConfigError(f"data.path={spec} is a HuggingFace dataset; run `pip install 'pjax[hub]'` (or `pip "
-                          f"install datasets`) to read it, or point data.path at a local .txt/.jsonl/.parquet "
-                          f"file.") from e
+                          f"install datasets`), or point data.path at a local .txt/.jsonl/.parquet file.") from e
     return datasets
 
 
@@ -30,11 +29,11 @@ def _open_saved(datasets: Any, path: Path, split: str, streaming: bool) -> Any:
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as e:
-        raise ConfigError(f"data.path={path} looks like a saved dataset but does not load ({first_line(e)}); "
+        raise ConfigError(f"data.path={path} looks like a saved dataset but does not load ({first_line(e, 30)}); "
                           f"write it again with save_to_disk.") from None
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
-            raise ConfigError(f"data.split={split} is not a split of {path} (it has {', '.join(saved)}); "
+            raise ConfigError(f"data.split={split} is not a split of {path} (it has {cut(', '.join(saved), 40)}); "
                               f"choose one of them.")
         saved = saved[split]
     elif split not in ("train", str(saved.split)):  # one saved Dataset is one split, whatever its name
@@ -47,9 +46,8 @@ def _open_hub(datasets: Any, name: str, split: str, streaming: bool) -> Any:
     try:
         return datasets.load_dataset(name, split=split, streaming=streaming)
     except Exception as e:
-        raise ConfigError(f"data.path={name} is not a local path and its split data.split={split} could not be "
-                          f"loaded from the HuggingFace hub (unreachable, or an unknown name or split: "
-                          f"{first_line(e)[:120]}); point data.path at a local file.") from e
+        raise ConfigError(f"data.path={name} is no local path, and the HuggingFace hub did not load its split "
+                          f"{split} ({first_line(e, 30)}): check both, or use a local file.") from e
 
 
 def hub_documents(spec: str, saved: Path | None, split: str, column: str, start: int = 0,
@@ -61,7 +59,7 @@ def hub_documents(spec: str, saved: Path | None, split: str, column: str, start:
     names = dataset.column_names  # None for a hub stream whose features are not declared
     if names is not None and column not in names:
         raise ConfigError(f"data.path={spec} (split {split}) has no column {column!r} (it has "
-                          f"{', '.join(names)}); set data.column to the one holding the text.")
+                          f"{cut(', '.join(names), 40)}); set data.column to the text's column.")
     if names is not None and len(names) > 1:
         dataset = dataset.select_columns([column])
     if start:

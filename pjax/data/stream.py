@@ -161,9 +161,9 @@ class StreamIterator:
                 self._eval.append(windows.reshape(self.shape))
         if not self._eval:
             held = f"every {self.eval_stride}th document" if self.eval_stride else "no document"
-            raise ConfigError(f"the held-out split ({held}, data.eval_fraction) holds less than one batch of "
-                              f"train.batch_size={self.batch_size} windows of train.seq_len={self.seq_len}; raise "
-                              f"data.eval_fraction, shrink the batch or set log.eval_every=0.")
+            raise ConfigError(f"the held-out split ({held}) is under one batch of train.batch_size={self.batch_size} "
+                              f"windows of train.seq_len={self.seq_len}: raise data.eval_fraction, shrink the batch "
+                              f"or set log.eval_every=0.")
         return len(self._eval) if limit is None else min(len(self._eval), limit)
 
     def eval_batches(self, n: int) -> Iterator[Batch]:

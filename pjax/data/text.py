@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
-from mesh.errors import ConfigError, first_line
+from mesh.errors import ConfigError, cut, first_line
 from pjax import assets
 from pjax.config import DataConfig
 from pjax.data.hub import hub_documents, is_saved_dataset
@@ -47,8 +47,8 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
             try:
                 return ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
             except Exception as e:  # tokenizers raises a bare Exception on malformed files
-                raise ConfigError(f"data.tokenizer={spec} holds a vocab.json/merges.txt pair that does not load "
-                                  f"({first_line(e)}); point it at a valid tokenizer.") from None
+                raise ConfigError(f"data.tokenizer={spec}: its vocab.json/merges.txt pair does not load "
+                                  f"({first_line(e, 30)}); point it at a valid tokenizer.") from None
         else:
             raise ConfigError(f"data.tokenizer={spec} is a folder without tokenizer.json or vocab.json+merges.txt; "
                               f"point it at a tokenizer file or folder.")
@@ -56,15 +56,15 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteLevelBPETokenizer:
         try:
             return Tokenizer.from_file(str(path))
         except Exception as e:
-            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({first_line(e)}); "
+            raise ConfigError(f"data.tokenizer={spec} is not a valid tokenizer.json ({first_line(e, 40)}); "
                               f"point it at one.") from None
     if _looks_like_path(spec):
         raise ConfigError(f"data.tokenizer={spec} does not exist; point it at a tokenizer.json or a tokenizer folder.")
     try:
         return Tokenizer.from_pretrained(spec)
     except Exception as e:
-        raise ConfigError(f"data.tokenizer={spec} is not an existing path and could not be loaded from the HuggingFace "
-                          f"hub (unreachable or unknown name); use a local tokenizer path.") from e
+        raise ConfigError(f"data.tokenizer={spec} is no local path and did not load from the HuggingFace hub "
+                          f"(unreachable or unknown name); use a local tokenizer path.") from e
 
 
 def eos_id(tokenizer: Any) -> int | None:
@@ -170,13 +170,14 @@ def _parquet_documents(path: Path, column: str, where: tuple[str, str] | None = 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise ConfigError(f"{path} is not a valid parquet file ({first_line(e)}); re-write it.") from None
+        raise ConfigError(f"{path} is not a valid parquet file ({first_line(e, 40)}); re-write it.") from None
     if column not in parquet.schema_arrow.names:
-        raise ConfigError(f"{path} has no \"{column}\" column (it has {', '.join(parquet.schema_arrow.names)}); "
-                          f"set data.column to the one holding the text.")
+        names = cut(", ".join(parquet.schema_arrow.names), 40)
+        raise ConfigError(f"{path} has no \"{column}\" column (it has {names}); set data.column to the text's "
+                          f"column.")
     if where is not None and where[0] not in parquet.schema_arrow.names:
         raise ConfigError(f"{path} has no \"{where[0]}\" column, which meta.task_field={where[0]} reads (it has "
-                          f"{', '.join(parquet.schema_arrow.names)}); name one of those.")
+                          f"{cut(', '.join(parquet.schema_arrow.names), 40)}); name one of those.")
     row = 0
     for batch in parquet.iter_batches(columns=[column] if where is None else [column, where[0]]):
         keys = batch.column(1).to_pylist() if where is not None else [None] * batch.num_rows
@@ -192,16 +193,16 @@ def documents(spec: str, *, split: str = "train", column: str = "text", start: i
     with `where` = (field, value) only the records whose field, as text, is that value."""
     files = source_files(spec)
     if files is None and where is not None:
-        raise ConfigError(f"meta.task_field={where[0]} reads local .jsonl or .parquet files; data.path={spec} is a "
-                          f"dataset: save the split as .jsonl or .parquet and point data.path at it.")
+        raise ConfigError(f"meta.task_field={where[0]} reads local .jsonl or .parquet files, and data.path={spec} is "
+                          f"a dataset: save its split as one and point data.path at it.")
     if files is None:
         rows = hub_documents(spec, saved_dataset(spec), split, column, start, streaming)
         for row, text in enumerate(rows, start):
             yield _text(f"data.path={spec} (split {split}) row {row}", text, column)
         return
     if split != "train":
-        raise ConfigError(f"data.split={split} applies only to a HuggingFace dataset (a hub name or a folder saved "
-                          f"with save_to_disk); data.path={spec} is neither, so leave data.split at train.")
+        raise ConfigError(f"data.split={split} applies only to a HuggingFace dataset (a hub name or a save_to_disk "
+                          f"folder); data.path={spec} is neither, so leave data.split at train.")
     yield from islice((doc for path in files for doc in _file_documents(path, column, where)), start, None)
 
 

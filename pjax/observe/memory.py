@@ -23,12 +23,19 @@ def device_memory_limit(device: jax.Device) -> int | None:
 
 
 def preallocation_hint(platform: str) -> str:
-    """On GPUs, how to let JAX's allocator use more of the card (its limit is a fraction of it, .75 by default)."""
+    """On GPUs, the setting that lets JAX's allocator use more of the card (its limit is a fraction of it, .75 by
+    default), with its value now; "" elsewhere."""
     if platform != "gpu" or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
         return ""
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75, JAX's default")
-    return (f" That limit is the share of the GPU's memory JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}); "
-            f"XLA_PYTHON_CLIENT_MEM_FRACTION=.95 raises it.")
+    return f"XLA_PYTHON_CLIENT_MEM_FRACTION ({os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '.75')})"
+
+
+def memory_fixes(platform: str) -> str:
+    """What to raise or set when a step does not fit a device (docs/troubleshooting.md, "During training", lists
+    the rest: fewer rows per device, more tp or pp)."""
+    hint = preallocation_hint(platform)
+    return ("raise train.grad_accum, set train.remat=full" +
+            (f", raise train.zero or {hint}" if hint else " or raise train.zero"))
 
 
 def check_fits(compiled: Any, mesh: Mesh) -> None:
@@ -38,7 +45,5 @@ def check_fits(compiled: Any, mesh: Mesh) -> None:
     need = step_memory_bytes(compiled)
     if limit and need > limit:
         size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-        raise ConfigError(
-            f"the training step needs {size(need)} per device and a device has {size(limit)}; "
-            f"lower the rows per device (train.batch_size, or raise train.grad_accum), set train.remat=full, "
-            f"or split the state further (train.zero, mesh.tp, mesh.pp).{preallocation_hint(local[0].platform)}")
+        raise ConfigError(f"the step needs {size(need)} per device and a device has {size(limit)}: "
+                          f"{memory_fixes(local[0].platform)} (docs/troubleshooting.md).")

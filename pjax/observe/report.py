@@ -64,9 +64,9 @@ class RunReport:
         if self.drops_said or moe.routing != "dropless" or not float(host.get("dropped_fraction", 0.0)) > 0:
             return
         self.drops_said = True
-        self.bar.warn(f"step {step}: moe.receive_factor={moe.receive_factor} dropped {float(host['dropped_fraction']):.2%} "
-                      f"of the expert assignments (they pass through the residual; dropped_fraction in metrics.jsonl); "
-                      f"raise it, or set moe.receive_factor=null to never drop.")
+        self.bar.warn(f"warning: step {step}: moe.receive_factor={moe.receive_factor} dropped "
+                      f"{float(host['dropped_fraction']):.2%} of the expert assignments (dropped_fraction in "
+                      f"metrics.jsonl); raise it, or set it to null to never drop.")
 
     def took(self, length: int) -> None:
         """Count one step, on windows of `length` tokens, towards the next log record."""

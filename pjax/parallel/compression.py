@@ -141,6 +141,6 @@ def check_run(run: Any) -> None:
         raise ConfigError(f"train.grad_compression={mode} compresses the gradient reduction over dp and cp, and this "
                           f"mesh has dp=1, cp=1: set mesh.dp > 1, or train.grad_compression=none.")
     if run.train.zero >= 3:
-        raise ConfigError(f"train.grad_compression={mode} with train.zero=3: ZeRO-3 reduce-scatters every "
-                          f"micro-batch, so there is no once-per-step reduction to compress; use train.zero=1 "
-                          f"(its reduce-scatter is compressed), or train.grad_compression=none.")
+        raise ConfigError(f"train.grad_compression={mode} with train.zero=3: use train.zero=1 (its reduce-scatter "
+                          f"is compressed), or train.grad_compression=none (ZeRO-3 has no once-per-step reduction "
+                          f"to compress).")

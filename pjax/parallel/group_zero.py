@@ -49,10 +49,9 @@ def whole_groups_note(tc: Any, replicas: int) -> str | None:
     """The warning for ZeRO under DiLoCo in groups of one replica (accepted: ZeRO still shards the global state)."""
     if not tc.local_steps or not tc.zero or sharded(tc, replicas):
         return None
-    return (f"train.zero={tc.zero} under DiLoCo (train.local_steps={tc.local_steps}) with groups of one replica: "
-            f"each group's inner state stays whole on its replica (nothing to shard within a group), and ZeRO "
-            f"shards only the global parameters' state over dp; set train.diloco_groups below the {replicas} "
-            f"replicas (mesh.dp, over mesh.ep for an MoE) to shard the inner state within groups.")
+    return (f"train.zero={tc.zero} under DiLoCo shards only the global state in groups of one replica: set "
+            f"train.diloco_groups below the {replicas} replicas to shard each group's inner state "
+            f"(docs/outer_loops.md).")
 
 
 def embed_axes(cfg: LlamaConfig) -> Any:

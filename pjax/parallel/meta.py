@@ -42,28 +42,23 @@ def check_run(run: Any) -> None:
         return
     head = f"meta.algorithm={meta.algorithm}"
     if mesh.pp > 1 and meta.algorithm == "maml":
-        raise ConfigError(f"{head} differentiates through the inner steps, and a pipeline's ticks run in a "
-                          f"lax.while_loop, which reverse-mode differentiation cannot enter: use mesh.pp=1, or "
-                          f"meta.algorithm=fomaml or reptile.")
+        raise ConfigError(f"{head} does not run with mesh.pp={mesh.pp}: use mesh.pp=1, or meta.algorithm=fomaml or "
+                          f"reptile (reverse-mode differentiation cannot enter a pipeline's lax.while_loop).")
     if meta.algorithm == "maml" and tc.sequence_parallel and mesh.tp > 1:
-        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative "
-                          f"of sequence parallelism's shard_maps does not lower (jax 0.10.2: a manual axis after a "
-                          f"free one in a residual's sharding): use train.sequence_parallel=false, or "
-                          f"meta.algorithm=fomaml or reptile.")
+        raise ConfigError(f"{head} does not run with train.sequence_parallel: set it to false, or use "
+                          f"meta.algorithm=fomaml or reptile (its shard_maps have no second derivative in jax 0.10.2).")
     if meta.algorithm == "maml" and mesh.cp > 1 and run.context.strategy == "ulysses":
-        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative "
-                          f"of Ulysses' all-to-alls in the groups' shard_map does not lower (jax 0.10.2); use "
-                          f"context.strategy=ring or all_gather, or meta.algorithm=fomaml or reptile.")
+        raise ConfigError(f"{head} does not run with context.strategy=ulysses: use ring or all_gather, or "
+                          f"meta.algorithm=fomaml or reptile (its all-to-alls have no second derivative in jax "
+                          f"0.10.2).")
     if meta.algorithm == "maml" and run.model.num_local_experts and run.moe.routing == "dropless":
         ample = run.model.num_local_experts / run.model.num_experts_per_tok
-        raise ConfigError(f"{head} differentiates through the inner steps' gradients, and the second derivative of "
-                          f"dropless routing's grouped GEMMs (lax.ragged_dot) is not implemented (jax 0.10.2): use "
-                          f"moe.routing=capacity (moe.capacity_factor >= {ample:g}, experts / top-k, drops nothing), "
-                          f"or meta.algorithm=fomaml or reptile.")
+        raise ConfigError(f"{head} does not run with moe.routing=dropless: use moe.routing=capacity with "
+                          f"moe.capacity_factor >= {ample:g}, or meta.algorithm=fomaml or reptile "
+                          f"(docs/outer_loops.md).")
     if mesh.pp > 1 and run.pipeline.schedule == "interleaved":
-        raise ConfigError(f"{head} with mesh.pp={mesh.pp} runs the pipeline on one micro-batch per inner step, and "
-                          f"pipeline.schedule=interleaved needs them in groups of pp: use pipeline.schedule=1f1b "
-                          f"(or afab, zb_h1, zb_v).")
+        raise ConfigError(f"{head} does not run with pipeline.schedule=interleaved: use 1f1b (or afab, zb_h1, zb_v); "
+                          f"an inner step is one micro-batch, and interleaved needs groups of mesh.pp={mesh.pp}.")
     _check_compression(run, head)
     refused = [(tc.zero > 0, f"train.zero={tc.zero}", "train.zero=0"),
                (tc.local_steps > 0, f"train.local_steps={tc.local_steps}", "train.local_steps=0")]
@@ -89,14 +84,13 @@ def _check_compression(run: Any, head: str) -> None:
         return
     with_it = f"{head} with train.grad_compression={tc.grad_compression}"
     if mesh.dp < 2:
-        raise ConfigError(f"{with_it} compresses the one mean over the groups, which are the dp replicas, and this "
-                          f"mesh has dp={mesh.dp}: set mesh.dp >= 2, or train.grad_compression=none.")
+        raise ConfigError(f"{with_it} and mesh.dp={mesh.dp}: set mesh.dp >= 2, or train.grad_compression=none "
+                          f"(it compresses the one mean over the groups, the dp replicas).")
     if tc.powersgd_start > 0:
         raise ConfigError(f"{with_it} compresses from the first meta step: set train.powersgd_start=0.")
     if run.meta.algorithm == "maml" and mesh.cp > 1:
-        raise ConfigError(f"{with_it} and mesh.cp={mesh.cp}: the groups' copies are differentiated together, so "
-                          f"the meta-gradient is summed inside the derivative, where no payload carries it; use "
-                          f"mesh.cp=1, or meta.algorithm=fomaml or reptile, or train.grad_compression=none.")
+        raise ConfigError(f"{with_it} and mesh.cp={mesh.cp}: use mesh.cp=1, meta.algorithm=fomaml or reptile, or "
+                          f"train.grad_compression=none (docs/outer_loops.md).")
 
 
 def meta_optimizer(meta: Any, tc: Any, adamw: optax.GradientTransformation) -> optax.GradientTransformation:

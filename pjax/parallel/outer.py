@@ -51,20 +51,20 @@ def check_run(run: Any) -> None:
                           f"train.local_steps=0.")
     if copies < 2:
         raise ConfigError(f"{head} syncs copies of the model, and the experts span all mesh.dp={mesh.dp} replicas "
-                          f"(mesh.ep={mesh.dp}): set mesh.ep to a divisor of {mesh.dp} below it, so that dp / ep "
-                          f">= 2 copies hold every expert, or train.local_steps=0.")
+                          f"(mesh.ep={mesh.dp}): set mesh.ep to a divisor of {mesh.dp} below it, or "
+                          f"train.local_steps=0.")
     if tc.steps < tc.local_steps:
-        raise ConfigError(f"{head} first synchronises at step {tc.local_steps}, after train.steps={tc.steps}: the "
-                          f"checkpoint and export would hold the initial parameters; set train.local_steps <= "
-                          f"{tc.steps}, or more train.steps.")
+        raise ConfigError(f"{head} first synchronises at step {tc.local_steps}, after train.steps={tc.steps}: set "
+                          f"train.local_steps <= {tc.steps}, or more train.steps (the export would hold initial "
+                          f"parameters).")
     if tc.diloco_groups is not None and copies % tc.diloco_groups:
         raise ConfigError(f"{head} with train.diloco_groups={tc.diloco_groups}: the groups split "
                           f"{_copies(mesh, copies)} evenly; use a divisor of {copies}, or null for one group per "
                           f"replica.")
     if tc.grad_compression != "none" and tc.powersgd_start > 0:
-        raise ConfigError(f"{head} does not run with train.powersgd_start={tc.powersgd_start}; use "
-                          f"train.powersgd_start=0 (the outer average is compressed from the first synchronisation), "
-                          f"or train.local_steps=0.")
+        raise ConfigError(f"{head} does not run with train.powersgd_start={tc.powersgd_start}: use "
+                          f"train.powersgd_start=0 (it compresses the outer average from the first sync), or "
+                          f"train.local_steps=0.")
 
 
 def copies_needed(tc: Any) -> int:

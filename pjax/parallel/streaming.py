@@ -55,8 +55,8 @@ def check_run(run: Any) -> None:
     parts, tau, h = tc.diloco_fragments, tc.diloco_overlap, tc.local_steps
     head = f"train.diloco_fragments={parts} (streaming DiLoCo)"
     if h % parts:
-        raise ConfigError(f"{head} sends one fragment every train.local_steps / fragments steps, and "
-                          f"train.local_steps={h} does not divide by {parts}; use a divisor of {h}.")
+        raise ConfigError(f"{head} needs train.local_steps={h} to divide by {parts}: use a divisor of {h} (one "
+                          f"fragment is sent every local_steps / fragments steps).")
     if tau >= h // parts:
         raise ConfigError(f"train.diloco_overlap={tau} must land before the next fragment is sent, "
                           f"{h // parts} steps later: use an overlap below {h // parts}.")
@@ -65,20 +65,17 @@ def check_run(run: Any) -> None:
              "model.hidden_size": (cfg.hidden_size, parts)}
     for what, (size, by) in sizes.items():
         if size % by:
-            raise ConfigError(f"{head} takes every {parts}-th slice of each parameter's leading axis, and {what} "
-                              f"({size}) does not divide by {by} (fragments x the mesh axis that splits it); "
-                              f"change train.diloco_fragments.")
+            raise ConfigError(f"{head}: {what} ({size}) does not divide by {by} (fragments x the mesh axis that "
+                              f"splits it); change train.diloco_fragments.")
     try:
         layer_columns(cfg.num_hidden_layers, parts, mesh.pp, run.pipeline.virtual_stages, run.pipeline.vshape)
     except ValueError:
         chunk = cfg.num_hidden_layers // (mesh.pp * run.pipeline.virtual_stages)
-        raise ConfigError(f"{head}: a fragment takes one of every {parts} layers of the model, and with "
-                          f"pipeline.schedule={run.pipeline.schedule} a device's {parts} consecutive stored layers "
-                          f"hold two of one fragment; use fragments that divide the {chunk} layer(s) of a stage "
-                          f"chunk, or more layers.") from None
+        raise ConfigError(f"{head} with pipeline.schedule={run.pipeline.schedule}: use fragments that divide the "
+                          f"{chunk} layer(s) of a stage chunk, or more layers (docs/outer_loops.md).") from None
     if tc.steps < h + tau:
-        raise ConfigError(f"{head}: its last fragment first lands at step {h + tau}, after train.steps={tc.steps}; "
-                          f"the checkpoint and export would hold initial parameters; set more train.steps.")
+        raise ConfigError(f"{head} first lands its last fragment at step {h + tau}, after train.steps={tc.steps}: "
+                          f"set train.steps >= {h + tau}, or the export holds initial parameters.")
 
 
 def _picked(x: jax.Array, f: jax.Array, parts: int, axis: int, columns: np.ndarray) -> tuple[jax.Array, jax.Array]:

@@ -15,7 +15,7 @@ import math  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from mesh.errors import ConfigError  # noqa: E402
+from mesh.errors import ConfigError, first_line  # noqa: E402
 from pjax.cli import ArgumentParser, run_main  # noqa: E402
 from pjax.plan.profiles import PROFILES, of_kind  # noqa: E402
 
@@ -65,13 +65,13 @@ def _curves(path: str, kind: str) -> Any:
     try:
         curves = Curves.load(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--calibration {path} is not a readable calibration record ({e}); make one with "
-                          f"python -m pjax.plan.calibrate --out FILE on the device kind you plan for.") from None
+        raise ConfigError(f"--calibration {path} is unreadable ({first_line(e, 30)}); run "
+                          f"`python -m pjax.plan.calibrate --out FILE` on that device kind.") from None
     if not of_kind(kind, curves.device_kind):
         measured = next((k for k in PROFILES if of_kind(k, curves.device_kind)), None)
         instead = f"plan with --device-kind {measured}" if measured else "plan for the kind it measured"
         raise ConfigError(f"--calibration {path} was measured on {curves.device_kind}, not on {kind}: {instead}, "
-                          f"or calibrate on the kind you plan for (python -m pjax.plan.calibrate --out FILE there).")
+                          f"or run pjax.plan.calibrate on {kind}.")
     return curves
 
 

@@ -33,8 +33,8 @@ def check_run(run) -> None:
     validate_strategy(strategy, mc, run.model.num_attention_heads, run.model.num_key_value_heads)
     if strategy != "ulysses" and attention != "auto":
         raise ConfigError(f"train.attention={attention} has no effect with mesh.cp={mc.cp} and context.strategy="
-                          f"{strategy}, which attends with its own online softmax; leave train.attention"
-                          f"=auto, or use context.strategy=ulysses, which runs that kernel.")
+                          f"{strategy} (its own online softmax); leave train.attention=auto, or use "
+                          f"context.strategy=ulysses.")
 
 
 def validate_strategy(strategy: str, mc: Any, num_heads: int, kv_heads: int) -> None:

@@ -22,9 +22,9 @@ from pjax.parallel.context.zigzag import zigzag_chunks
 def validate_heads(num_heads: int, kv_heads: int, cp: int, tp: int) -> None:
     """A one-line ConfigError unless both kinds of heads split over cp on each tp device."""
     if (num_heads // tp) % cp:
-        raise ConfigError(f"context.strategy=ulysses splits each tp device's heads over cp, and "
+        raise ConfigError(f"context.strategy=ulysses splits each tp device's heads over cp: "
                           f"model.num_attention_heads/mesh.tp = {num_heads // tp} is not divisible by mesh.cp={cp}; "
-                          f"use context.strategy=ring or all_gather, or another mesh.cp.")
+                          f"use ring or all_gather, or another mesh.cp.")
     kv = kv_heads // tp
     if kv % cp and cp % kv:
         raise ConfigError(f"context.strategy=ulysses needs model.num_key_value_heads/mesh.tp = {kv} to divide or be "
