@@ -171,7 +171,7 @@ def _coerce(section: str, key: Any, value: Any, cls: type, source: str) -> Any:
     if key not in fields:
         candidates = {f"{section}.{name}": name for name in fields}
         raise ConfigError(f"unknown key '{section}.{key}' in {source}{_did_you_mean(f'{section}.{key}', candidates)}; "
-                          f"the {section} keys are listed in README.md, \"Configs\".")
+                          f"every {section} key: docs/training.md#every-config-key.")
     name = f"{section}.{key}"
     kind = hints[key]
     optional = type(None) in typing.get_args(kind) if isinstance(kind, types.UnionType) else False

@@ -278,7 +278,7 @@ CASES: list[Case] = [
     ("meta key without meta-learning", "train", lambda f, c, t: ["meta.inner_steps=3"],
      "meta.inner_steps=3 is invalid; it applies only with a meta.algorithm"),
     ("unknown key", "train", lambda f, c, t: ["train.stpes=3"],
-     "(did you mean 'train.steps'?); the train keys are listed in README.md"),
+     "(did you mean 'train.steps'?); every train key: docs/training.md#every-config-key"),
     ("loss chunk that does not split over tp", "train",
      lambda f, c, t: ["mesh.tp=2", "train.sequence_parallel=true", "train.loss_chunk=3"],
      "train.loss_chunk=3 with train.sequence_parallel takes loss_chunk / mesh.tp tokens from each tp part"),
