@@ -62,8 +62,8 @@ def validate_batch(mesh: MeshConfig, *, batch_size: int, grad_accum: int, seq_le
         )
     if mesh.cp > 1 and seq_len % (2 * mesh.cp):
         raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by 2*mesh.cp = {2 * mesh.cp}; the load-balanced "
-            f"(zigzag) context-parallel layout cuts the sequence into 2*cp equal chunks."
+            f"train.seq_len={seq_len} is not divisible by 2*mesh.cp = {2 * mesh.cp}: zigzag context parallelism "
+            f"cuts a sequence into 2*cp equal chunks."
         )
 
 

@@ -110,7 +110,7 @@ def _refuse_hf_variants(hf: dict[str, Any], model_type: str) -> None:
     if model_type.endswith("_moe") and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
         step, dense = hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")
         raise ConfigError(f"config.json makes some layers dense (decoder_sparse_step={step!r}, mlp_only_layers={dense!r}); "
-                          f"pjax's MoE models have experts in every layer (decoder_sparse_step 1, mlp_only_layers []).")
+                          f"pjax puts experts in every layer.")
 
 
 def _hf_experts(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -63,10 +63,13 @@ def recorded_triples() -> list[tuple[str, ...]]:
 
 
 def draw_triples(cells: dict, seed: int, count: int = TRIPLES) -> list[tuple[str, ...]]:
-    """`count` triples, drawn with `seed`, whose three pairs compose and whose run the rules accept."""
+    """`count` triples, drawn with `seed`, whose three pairs compose, whose run the rules accept, and which
+    `test_composition.comparable` gives a reference."""
+    from test_composition import comparable
+
     composing = {p for p, (cell, _) in cells.items() if cell.status == "composes"}
     candidates = [t for t in itertools.combinations(list(compose.BY_NAME), 3)
-                  if all(pair(a, b) in composing for a, b in itertools.combinations(t, 2))]
+                  if all(pair(a, b) in composing for a, b in itertools.combinations(t, 2)) and comparable(t)]
     random.Random(seed).shuffle(candidates)
     return list(itertools.islice((t for t in candidates if compose.verdict(t).status == "composes"), count))
 

@@ -8,7 +8,7 @@ or stderr: what pytest captured of the phase (setup, call or teardown), and what
 length. Output of a process the test started is not seen, nor a line printed with pytest's capture off (`-s`).
 
 A line is measured as a user would see it: a path under pytest's temporary directory
-(/tmp/pytest-of-USER/pytest-N/test_name0/...) counts from /tmp, the rest of it as long as a user's own."""
+(/tmp/pytest-of-USER/pytest-N[/popen-gwK]/test_name0/...) counts from /tmp, the rest of it as long as a user's own."""
 from __future__ import annotations
 
 import re
@@ -25,7 +25,8 @@ _OVER_LONG: list[str] = []  # the lines over LIMIT recorded since the last repor
 PENDING: dict[str, str] = {}  # fragments of lines not yet shortened, and where they live
 
 
-_PYTEST_ROOT = re.compile(r"/\S*?/pytest-of-[^/\s]+/pytest-\d+")  # pytest's base temporary directory
+# pytest's base temporary directory, a worker's under pytest-xdist included
+_PYTEST_ROOT = re.compile(r"/\S*?/pytest-of-[^/\s]+/pytest-\d+(/popen-gw\d+)?")
 
 
 def length(line: str) -> int:

@@ -35,7 +35,7 @@ REPLICA_MATH = ("bf16_reduce", "int8_reduce", "powersgd", "diloco", "streaming",
 # the same parameters, must equal the reference's to FIRST_RTOL (fp8: FIRST_RTOL_FP8, measured 7e-7): the forward's
 # fp8 scales are per data replica, and where a run has more replicas than its reference they fall in the same power
 # of two on these batches (tests/test_fp8.py checks the loss to 1e-6 on layouts against their exact reference).
-RTOL = {"bf16_reduce": 1e-3, "fp8": 1e-3}
+RTOL = {"bf16_reduce": 1e-3, "int8_reduce": 1e-3, "fp8": 1e-3}  # int8: as bf16's (measured 3.1e-5, ZB-V's third step)
 FIRST_RTOL, FIRST_RTOL_FP8 = 1e-6, 1e-5
 RUN = ["train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", "log.every=1", "log.eval_every=0"]
 
@@ -70,6 +70,12 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("ulysses", "hsdp", "remat_full"),
     ("ring", "maml", "fp8"),  # a triple that ended in a traceback (pmax's missing derivative under MAML)
 )
+
+
+def comparable(features: tuple[str, ...]) -> bool:
+    """Whether a run of `features` has a reference here: PowerSGD compresses each tp block apart (a rank-r image
+    of each), so with tp (SP) its sum is not the reference's, which has no tp (measured 2.3% off by step 3)."""
+    return not ("powersgd" in features and any("tp" in compose.BY_NAME[f].axes for f in features))
 
 
 def reference(features: tuple[str, ...]) -> tuple[str, ...]:

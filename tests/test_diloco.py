@@ -259,7 +259,7 @@ def test_with_fp8_each_group_steps_as_one_device_does_on_its_rows(outer_loop):
 
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.dp=2", "train.grad_compression=powersgd", "train.powersgd_start=3"],
-     "does not run with train.powersgd_start=3; use train.powersgd_start=0"),
+     "does not run with train.powersgd_start=3: use train.powersgd_start=0"),
     (["mesh.dp=4", "train.diloco_groups=3"], "the groups split the mesh.dp=4 replicas evenly; use a divisor of 4"),
 ])
 def test_layouts_diloco_does_not_run_on_are_one_line(overrides, message):

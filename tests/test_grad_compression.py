@@ -196,7 +196,7 @@ def test_powersgd_starts_exact_and_a_resume_continues_with_the_saved_state_bit_f
 
 
 def test_compression_is_refused_where_it_has_no_reduction_to_compress():
-    with pytest.raises(ConfigError, match="ZeRO-3 reduce-scatters every micro-batch"):
+    with pytest.raises(ConfigError, match="ZeRO-3 has no once-per-step reduction to compress"):
         _trainer("debug", ["mesh.dp=2", "mesh.pp=2", "train.zero=3", "train.grad_compression=bf16"])
 
 
@@ -219,7 +219,11 @@ def test_a_pipelined_step_compresses_its_once_per_step_reduction(schedule, mode)
     exact_loss, exact = trainer.grads(state.params, batch)
     assert float(loss) == pytest.approx(float(exact_loss), rel=1e-6)
     diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), grads, exact)
-    assert 0 < _norm(diff) / _norm(exact) < REL_ERROR[mode]
+    rel = _norm(diff) / _norm(exact)
+    if mode == "powersgd":  # a band, not a float64 reference: the stage-stacked matrices' Q are drawn per stack
+        assert 0.85 < rel < 0.97, rel  # measured 0.924-0.930 (unpipelined: 0.89-0.90); uncompressed it is 0
+    else:
+        assert 0 < rel < REL_ERROR[mode]
     # The stage scales each micro-batch's loss by 1 / the batch's tokens before the reduction: so do the residuals.
     for g, r, e in zip(jax.tree.leaves(grads), jax.tree.leaves(residual["error"]), jax.tree.leaves(exact)):
         carried = np.asarray(g, np.float64) + np.asarray(r, np.float64).sum(axis=0)

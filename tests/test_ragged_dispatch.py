@@ -183,5 +183,5 @@ def test_a_run_says_once_when_its_capped_receive_buffer_drops():
         return lines
 
     lines = said("dropless", [0.0, 0.03, 0.05])
-    assert len(lines) == 1 and lines[0].startswith("step 2: moe.receive_factor=1.0 dropped 3.00%")
+    assert len(lines) == 1 and lines[0].startswith("warning: step 2: moe.receive_factor=1.0 dropped 3.00%")
     assert said("capacity", [0.1, 0.2]) == [] and said("dropless", [0.0, 0.0]) == []

@@ -23,7 +23,7 @@ def disk_full_error(directory: str, step: int, size: int) -> ConfigError:
     then = f"rerun to resume from step {done[-1]}" if done else "rerun (no earlier step was saved)"
     free = shutil.disk_usage(directory).free
     return ConfigError(f"checkpoint.dir={directory} is full: step {step} needs about {size_text(size)} and "
-                       f"{size_text(free)} is free; free space or use a larger disk, then {then}.")
+                       f"{size_text(free)} is free; free space, then {then}.")
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -24,8 +24,8 @@ def parse_stages(text: str) -> tuple[tuple[int, int], ...]:
     except ValueError:
         stages = []
     if not stages or any(len(stage) != 2 or min(stage) < 1 for stage in stages):
-        raise ConfigError(f"data.curriculum={text!r} is invalid; write {FORMAT} (100 steps of 64 tokens, then 200 "
-                          f"of 128, then train.seq_len), lengths and steps positive.")
+        raise ConfigError(f"data.curriculum={text!r} is invalid; write {FORMAT}, lengths and steps positive "
+                          f"(docs/outer_loops.md#sequence-length-curriculum).")
     for (length, _), (longer, _) in zip(stages, stages[1:]):
         if longer <= length:
             raise ConfigError(f"data.curriculum={text!r} is invalid; the stages' lengths must increase "
