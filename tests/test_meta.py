@@ -128,7 +128,8 @@ def test_groups_adapt_in_parallel_as_one_device_does_their_tasks_in_turn(algorit
 COMPRESSED = {"reptile": ["mesh.tp=1", "mesh.pp=2", "train.outer_lr=1.0", "train.outer_momentum=0"],
               "fomaml": ["mesh.tp=2"], "maml": ["mesh.tp=2"]}
 # (payload, its overrides, ||carried - exact|| / ||exact|| must be below), as DiLoCo's outer average's bounds.
-META_PAYLOADS = {"int8": ([], 0.02), "bf16": ([], 0.005), "powersgd": (["train.powersgd_rank=2"], 1.0)}
+# Measured: int8 0.015-0.019, bf16 0.0023; PowerSGD (Reptile's band) 0.917.
+META_PAYLOADS = {"int8": ([], 0.02), "bf16": ([], 0.005), "powersgd": (["train.powersgd_rank=2"], 0.97)}
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,16 @@ def test_a_compressed_meta_mean_is_the_exact_one_within_its_payload_and_keeps_wh
         np.testing.assert_allclose(2 * c + e.sum(axis=0), 2 * x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
     gap = np.sqrt(sum(np.sum((c - x) ** 2) for c, x in zip(jax.tree.leaves(carried), jax.tree.leaves(exact))))
     size = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(exact)))
-    assert 0 < gap < bound * size
+    # dp2 x tp2: held to its float64 rank-2 reference (measured 2.9e-7, the rank-2 mean 0.86-0.88 from the exact
+    # one); Reptile's pipelined stacks draw their Q per stage stack: a band, measured 0.917.
+    if payload == "powersgd" and algorithm != "reptile":
+        from test_grad_compression import POWERSGD_RTOL, powersgd_reference
+
+        ref = powersgd_reference(trainer, exact, 2)
+        off = np.sqrt(sum(np.sum((c - r) ** 2) for c, r in zip(jax.tree.leaves(carried), ref)))
+        assert gap > 0 and off < POWERSGD_RTOL * np.sqrt(sum(np.sum(r ** 2) for r in ref)), (off, gap / size)
+    else:
+        assert 0 < gap < bound * size
     if payload != "int8":  # the step's use of `compressed_mean` is one code path for every payload
         return
     if algorithm == "reptile":
