@@ -168,6 +168,7 @@ def test_a_timed_sample_queues_its_chain_of_calls_and_reports_seconds_per_call()
         time.sleep(0.02)
         return x + 1
     seconds = calibrate.timed(fn, jnp.ones(3), calls=2, chain=3)
+    # sleep's overshoot and the scheduler (measured 0.0205); a sample's whole 0.06 or a share of 6 calls' (0.01) fail
     assert len(calls) == 1 + 2 * 3 and 0.02 <= seconds < 0.04
 
 
@@ -217,7 +218,7 @@ def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
     text = breakdown(config, layout, profile, comm, p)
     rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
     ms = lambda name: float(rows[name].split()[1].replace(",", ""))  # noqa: E731
-    for term in ("compute", "bubble", "dp"):
+    for term in ("compute", "bubble", "dp"):  # printed to 0.01 ms: off by 0.005 at most (measured 4.3e-3)
         assert ms(term) == pytest.approx(p.terms[term] * 1e3, abs=0.006)
     assert ms("step") == pytest.approx(p.step_s * 1e3, abs=0.006)
     ratio = pipeline_ratio(layout, weight_share(config.model, 64))
@@ -226,7 +227,7 @@ def test_explain_breaks_the_prediction_into_its_terms_and_their_sources(record):
     tokens = 8 // 2 // 2 * 64
     d = config.model.hidden_size
     assert f"{tokens} x {d} x {config.model.num_attention_heads * config.model.head_dim}" in rows["q"]
-    assert float(rows["q"].split()[-2]) == pytest.approx(
+    assert float(rows["q"].split()[-2]) == pytest.approx(  # printed to 0.001 ms (measured 1.9e-4)
         forward_and_backward(profile.curves, (tokens, d, d)) * 1e3, abs=6e-4)
 
 

@@ -78,7 +78,7 @@ def test_zero_bubble_span_takes_w_s_share_of_the_backward_from_the_model_s_flops
     per_layer = (model_flops_per_token(cfg, 2048) - 6 * cfg.hidden_size * cfg.vocab_size) / cfg.num_hidden_layers
     attention = 2 * 2048 * cfg.num_attention_heads * cfg.head_dim  # forward, per token
     w = weight_share(cfg, 2048)
-    assert w == pytest.approx(1 - attention / (per_layer / 3)) and 0.8 < w < 0.9
+    assert w == pytest.approx(1 - attention / (per_layer / 3)) and 0.8 < w < 0.9  # measured 0.833
     zb_h1 = Layout(dp=1, pp=2, schedule="zb_h1", grad_accum=8)
     assert pipeline_ratio(zb_h1) < pipeline_ratio(zb_h1, w) < pipeline_ratio(Layout(dp=1, pp=2, grad_accum=8))
 
@@ -132,7 +132,8 @@ def test_hsdp_keeps_zero_inside_hosts_and_sends_a_shard_of_the_gradient_across()
     assert rows[hsdp]["link_bytes"] - rows[hsdp]["inter_link_bytes"] == pytest.approx(3 * 4 * params * 7 / 8)
     h100 = PROFILES["h100"]
     assert comm_seconds(rows[hsdp], h100, 64) < comm_seconds(rows[flat], h100, 64) / 5
-    assert state_bytes(config, hsdp)["params"] == pytest.approx(8 * state_bytes(config, flat)["params"], rel=1e-3)
+    # exact: llama2-7b's sharded dims divide by 64 (measured 0; a shard over 64 instead of 8 gives 1/8)
+    assert state_bytes(config, hsdp)["params"] == pytest.approx(8 * state_bytes(config, flat)["params"])
     found = layouts(config, 64, 8, zeros=(3,), remats=("full",))
     assert {l.zero_shard for l in found if (l.dp, l.grad_accum) == (64, 4)} == {0, 8}
     assert all(l.zero_shard in (0, 8 // (l.pp * l.cp * l.tp)) for l in found)  # a host's replicas per group
@@ -246,6 +247,7 @@ def test_analytic_link_bytes_of_cp_strategies_and_sequence_parallelism_are_the_c
     rows = collectives_by_axis(trainer.compile_step().as_text(), dict(dp=layout.dp, pp=1, cp=layout.cp, tp=layout.tp))
     predicted = analytic_comm(config, layout, act_bytes=4, per_host=8)
     axis = "cp" if layout.cp > 1 else "tp"
+    # measured 0 (cp rows) and 3.5e-3 (SP's tp row); one of SP's 50 tp collectives missed or doubled is 2% (reasoned)
     assert rows[axis]["link_bytes"] == pytest.approx(predicted[axis]["link_bytes"], rel=0.01), (rows[axis], predicted)
 
 
@@ -284,6 +286,7 @@ def test_a_pipeline_s_compiled_transfers_count_as_often_as_its_table_runs_them(n
     text = build_trainer(mesh, config.model, config.train, config.pipeline).compile_step().as_text()
     predicted = analytic_comm(config, layout, act_bytes=4, per_host=8)["pp"]["link_bytes"]
     counted = step_collectives(config, dict(mesh.shape), text, 8)["pp"]
+    # measured 1.2e-5; one of the 8 transfers missed or doubled is 12.5%, counting every tick's over 40% (below)
     assert counted["link_bytes"] == pytest.approx(predicted, rel=1e-4), (counted, predicted)
     assert counted["kinds"]["collective-permute"] == 2 * layout.grad_accum  # m activations, m cotangents
     assert collectives_by_axis(text, dict(mesh.shape))["pp"]["link_bytes"] > 1.4 * predicted  # once per tick

@@ -111,6 +111,7 @@ def test_fragments_land_in_turn_tau_steps_after_their_send_and_move_only_their_s
     assert not np.allclose(_part(s[5].params, 1)["embed"]["embedding"], _part(s[3].params, 1)["embed"]["embedding"])
 
 
+# DiLoCo's outer bounds (test_diloco); here measured int8 3.6e-3, bf16 2.6e-3 (2^-9 a value); nothing carried is 1.
 @pytest.mark.parametrize("payload, bound", [("int8", 0.02), ("bf16", 0.005)])
 @pytest.mark.proves("int8_reduce+streaming", "bf16_reduce+streaming")
 def test_a_compressed_fragment_lands_within_its_payload_and_its_residuals_keep_the_rest(payload, bound):
@@ -171,10 +172,11 @@ def test_a_powersgd_fragment_is_the_rank_r_mean_from_its_own_warm_start_q():
             leaf = lambda tree: functools.reduce(lambda t, k: t[k.key], path, tree)  # noqa: E731
             carried = _part(leaf(before.params), f) - _part(leaf(after.params), f)
             if not feedback.has_q(leaf(names)):  # a vector: the exact mean
-                want = grad.mean(axis=0)
+                want = grad.mean(axis=0)  # carried: two norm scales near 1 apart (measured 6.0e-5)
                 np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
                 continue
-            # Within fp32's rounding of the parameters (carried is a difference of two of them) and of the products.
+            # Within fp32's rounding of the parameters (carried is a difference of two of them) and of the products:
+            # measured 6.4e-6 (mean), 4.7e-6 (residual), 4.6e-6 (Q) of the largest; another fragment's Q gives O(1).
             want, q_next, errors = _powersgd_mean(grad, q_of(leaf(before.residual["q"]), path), leaf(names))
             np.testing.assert_allclose(carried, want, atol=1e-4 * np.abs(want).max(), err_msg=f"{n}, {path}")
             np.testing.assert_allclose(_part(leaf(after.residual["error"]), f, 1), errors,
