@@ -208,7 +208,9 @@ def test_a_resume_across_a_length_change_repeats_the_straight_losses(straight, c
 def test_dp2_x_cp2_trains_the_curriculum_as_one_device_does(straight, cache, tmp_path):
     records = train(curriculum_cfg(tmp_path, cache, "train.steps=4", "mesh.dp=2", "mesh.cp=2"), progress=False,
                     devices=jax.devices()[:4])
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight[0]], rtol=2e-5)
+    # fp32 sums over dp and cp in another order (measured 1.2e-7); a lost update repeats a loss the next step
+    # moves by 2e-3 or more (measured on the straight run)
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight[0]], rtol=2e-6)
 
 
 # -- with the other features: the same program as their plain runs --------------------------------

@@ -65,7 +65,9 @@ def test_eval_loss_matches_transformers(setup, reference_loss, capsys):
     assert n_pred % SEQ and n_pred // SEQ > 8  # a partial last window, and a padded second batch
     result = pjax_eval.run(_args(setup), load_config(None, OVERRIDES), setup["mesh"])
     assert result["tokens"] == n_pred
-    assert abs(result["loss"] - reference_loss) <= 1e-4
+    # transformers' fp32 kernels against XLA's (measured 2.6e-7 on a loss of 8.5); a lost or doubled window
+    # moves the mean by its share of the tokens times its gap to the mean, ~1e-3 here (reasoned)
+    assert abs(result["loss"] - reference_loss) <= 1e-5
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
 
@@ -79,7 +81,7 @@ def test_eval_cli_prints_matching_json_line(setup, reference_loss):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"loss", "tokens", "perplexity"}
     assert result["tokens"] == len(setup["tokens"]) - 1
-    assert abs(result["loss"] - reference_loss) <= 1e-4
+    assert abs(result["loss"] - reference_loss) <= 1e-5  # as in-process (measured 2.6e-7)
 
 
 def _torch_greedy(model, prompt: list[int], n: int) -> list[int]:

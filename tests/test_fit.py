@@ -80,7 +80,7 @@ def test_eval_of_a_smollm_shaped_hf_model_needs_no_mesh_flags(smollm_like, no_fo
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("mesh chosen for the model: dp=8 tp=1 (tp: the largest divisor of its 3 kv-heads")
     result = json.loads(out[-1])
-    assert abs(result["loss"] - reference) <= 1e-4, (result, reference)
+    assert abs(result["loss"] - reference) <= 1e-5, (result, reference)  # fp32, as test_eval's (measured 0.0)
 
 
 def test_an_impossible_mesh_the_user_names_stays_a_one_line_error(smollm_like, no_forced_devices, capsys):

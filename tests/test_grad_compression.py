@@ -168,7 +168,9 @@ def test_error_feedback_keeps_the_accumulated_update_bounded_where_rounding_drif
     target = jax.tree.map(lambda e: 8 * np.asarray(e, np.float64), layout["exact"])
     err = lambda total: _norm(jax.tree.map(lambda t, x: np.asarray(t, np.float64) - x, total, target))  # noqa: E731
     one_step = _norm(jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), layout["grads"], layout["exact"]))
-    assert err(total_plain) == pytest.approx(8 * one_step, rel=1e-3)
+    # The payload's few bits sum exactly in fp32 (measured 6e-10); feedback holds one step's error, measured
+    # 0.96-1.01x of it, where a dropped residual gives the 8x of total_plain.
+    assert err(total_plain) == pytest.approx(8 * one_step, rel=1e-6)
     assert err(total_fb) < 2 * one_step
 
 
@@ -253,7 +255,9 @@ def test_powersgd_at_full_rank_is_the_exact_sum():
     with jax.set_mesh(trainer.mesh):
         full = jax.jit(trainer.strategy.compressed_loss_and_grads)(state.params, batch, state.residual)[1]
     for g, e in zip(jax.tree.leaves(full), jax.tree.leaves(trainer.grads(state.params, batch)[1])):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-3, atol=2e-5 * np.abs(e).max())
+        # fp32 QR and projections: measured 1.5e-5 of a leaf's largest, each entry within atol alone; rank 2
+        # instead leaves 0.72 of the norm (test_diloco's figure).
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-4, atol=2e-5 * np.abs(e).max())
 
 
 @pytest.mark.parametrize("layout", ["dp2-tp2-zero1-powersgd"], indirect=True)
@@ -264,7 +268,7 @@ def test_powersgd_below_full_rank_sums_low_rank_matrices_and_vectors_exactly(lay
     for block in np.split(wq, 2, axis=2):
         for layer in block.reshape(block.shape[0], block.shape[1], -1):
             s = np.linalg.svd(layer, compute_uv=False)
-            assert s[2] < 1e-4 * s[0]
+            assert s[2] < 1e-6 * s[0]  # fp32's noise: measured 1.6e-8 (the second is 0.74-0.90 of the first)
     np.testing.assert_allclose(np.asarray(layout["grads"]["layers"]["attn_norm"]),
                                np.asarray(layout["exact"]["layers"]["attn_norm"]), rtol=1e-5, atol=1e-8)
 

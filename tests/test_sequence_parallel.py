@@ -45,7 +45,8 @@ def test_sequence_parallel_loss_and_grads_equal_one_device(layout):
                            sp_loss_and_grads(tp=1, sequence_parallel=False, cfg=kw["cfg"]))
     loss, grads = sp_loss_and_grads(**kw)
     bf16 = kw.get("dtype") == "bfloat16"
-    assert abs(loss - ref_loss) <= (1e-2 * abs(ref_loss) if bf16 else 1e-6)
+    # bf16 against fp32: measured 7.2e-5 (loss) and 1.2e-2 (grads); a dropped micro-batch gives 3.9e-3 and 0.5-1.0
+    assert abs(loss - ref_loss) <= (1e-3 * abs(ref_loss) if bf16 else 1e-6)
     assert_grads_close(grads, ref_grads, rtol=5e-2 if bf16 else 1e-5)
 
 

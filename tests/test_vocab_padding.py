@@ -62,7 +62,8 @@ def test_gpt2_vocabulary_under_tp_gives_the_one_device_loss_and_gradients(one_de
     tp_loss, tp_grads = _loss_and_grads(CFG, params, tp)
     assert abs(tp_loss - loss) <= 1e-5 * abs(loss), (tp_loss, loss)
     for got, want in zip(jax.tree.leaves(tp_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4)
+        # the vocabulary's sums split over tp: measured 1.5e-6 of a leaf's largest, each entry within atol alone
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_padded_model_equals_the_unpadded_one_and_padding_gets_no_gradient(one_device):
