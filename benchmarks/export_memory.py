@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,13 +43,15 @@ def make_checkpoint(config: str, directory: Path) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def peak_rss_mib(args: list[str]) -> int:
-    """Peak resident MiB of a process running `pjax.export` with `args` (`--open DIR`: the baseline)."""
+def peak_rss_mib(args: list[str]) -> tuple[int, float]:
+    """Peak resident MiB of a process running `pjax.export` with `args` (`--open DIR`: the baseline), and its
+    seconds."""
+    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", _MEASURE, *args], check=True, capture_output=True, text=True,
                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split()
     if len(out) < 2 or out[-1] != "0":
         raise SystemExit(f"export failed: {' '.join(out)}")
-    return int(out[-2])
+    return int(out[-2]), round(time.perf_counter() - start, 1)
 
 
 def main() -> None:
@@ -62,16 +65,16 @@ def main() -> None:
         if checkpoint is None:
             make_checkpoint(args.config, Path(tmp))
             checkpoint = f"{tmp}/ckpt"
-        baseline = peak_rss_mib(["--open", checkpoint])
+        baseline, _ = peak_rss_mib(["--open", checkpoint])
         for shard in [None, *args.shards.split(",")]:
             out = Path(tmp, f"out-{shard}")
             extra = [] if shard is None else ["--max-shard-size", shard]
-            peak = peak_rss_mib(["--checkpoint", checkpoint, "--out", str(out), *extra])
+            peak, seconds = peak_rss_mib(["--checkpoint", checkpoint, "--out", str(out), *extra])
             files = sorted(out.glob("model*.safetensors"))
             print(json.dumps({"config": args.config, "max_shard_size": shard, "files": len(files),
                               "weights_mib": round(sum(f.stat().st_size for f in files) / 2**20),
                               "largest_file_mib": round(max(f.stat().st_size for f in files) / 2**20),
-                              "peak_rss_mib": peak, "baseline_rss_mib": baseline}), flush=True)
+                              "peak_rss_mib": peak, "baseline_rss_mib": baseline, "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ class _Tensor:
         layers = range(num_layers) if self.stacked else [None]
         return [[self.hf_name.format(i=i, j=j) for j in range(self.experts or 1)] for i in layers]
 
+    @property
+    def lead(self) -> int:
+        """How many leading axes index its HF tensors: layer, then expert."""
+        return int(self.stacked) + int(bool(self.experts))
+
     def stack_shape(self, num_layers: int) -> tuple[int, ...]:
         return (*((num_layers,) if self.stacked else ()), *((self.experts,) if self.experts else ()), *self.shape)
 
@@ -190,7 +195,7 @@ def _slicer(t: _Tensor, tensors: dict[str, np.ndarray], num_layers: int, dtype) 
     """The pjax shape of `t` and a function index -> host array holding just that slice of it."""
     parts = [[_mapped(t, tensors, name) for name in names] for names in t.names(num_layers)]
     shape = t.stack_shape(num_layers)
-    lead = int(t.stacked) + int(bool(t.experts))
+    lead = t.lead
 
     def host(idx: tuple[slice, ...]) -> np.ndarray:
         # A fresh copy: JAX could alias a view of the map on CPU.
@@ -261,4 +266,6 @@ def save_hf(params: Params, cfg: LlamaConfig, out_dir: str, max_shard_bytes: int
     `max_shard_bytes` if given (`models.hf_shards`)."""
     from models import hf_shards
 
-    hf_shards.write(cfg, out_dir, lambda path: params[path[0]][path[1]], dtype, max_shard_bytes)
+    # np.asarray of a jax.Array is cached on it: a parameter leaves its devices once
+    hf_shards.write(cfg, out_dir, lambda path, index: np.asarray(params[path[0]][path[1]])[index], dtype,
+                    max_shard_bytes)

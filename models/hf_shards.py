@@ -3,11 +3,10 @@
 fits one shard.
 
 The plan comes from the shapes alone (`plan`), so every process knows every shard's name before anything is read.
-Tensors are then read a parameter at a time (`leaf`: a pjax parameter, a stack of layers, on any one device) and
-cut into HF's per-layer, per-expert tensors as their shard is written: a process holds one parameter and one
-shard's tensors at a time, never the model (a layer alone cannot be read cheaply: Orbax keeps a parameter saved
-from one device as one chunk). With several processes, process k writes shards k, k + n, ...; process
-0 writes config.json and the index."""
+Each HF tensor is then read on its own (`read`: one layer and expert of a pjax parameter, e.g.
+`pjax.checkpoint.param_reader`) and converted as its shard is written: a process holds one shard's tensors, never
+the model. With several processes, process k writes shards k, k + n, ...; process 0 writes config.json and the
+index. No process waits on another."""
 from __future__ import annotations
 
 import json
@@ -52,6 +51,11 @@ class Piece(NamedTuple):
     expert: int
     nbytes: int
 
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Its leading indices in the pjax parameter: (layer, expert), (layer,) or ()."""
+        return ((self.layer,) if self.tensor.stacked else ()) + ((self.expert,) if self.tensor.experts else ())
+
 
 def plan(cfg: LlamaConfig, dtype: np.dtype, max_shard_bytes: int | None) -> list[list[Piece]]:
     """The shards, each a list of pieces in parameter order (a parameter's pieces are consecutive, so each is read
@@ -76,45 +80,35 @@ def file_names(count: int) -> list[str]:
                                                      for k in range(1, count + 1)]
 
 
-def write(cfg: LlamaConfig, out_dir: str, leaf: Callable[[tuple[str, str]], Any], dtype: str = "fp32",
-          max_shard_bytes: int | None = None, process: tuple[int, int] | None = None) -> list[str]:
-    """Write the checkpoint whose pjax parameter at path ('layers', 'wq') `leaf` returns (any array on one device,
-    or a host array) into `out_dir` in `dtype` ('fp32' or 'bf16'), as process `process` (index, count; default
-    JAX's) of the run; returns the shard files it wrote."""
+def write(cfg: LlamaConfig, out_dir: str, read: Callable[[tuple[str, str], tuple[int, ...]], Any],
+          dtype: str = "fp32", max_shard_bytes: int | None = None, process: tuple[int, int] | None = None) -> list[str]:
+    """Write the checkpoint whose pjax parameter at path ('layers', 'wq') and leading (layer, expert) indices `read`
+    returns (a host array) into `out_dir` in `dtype` ('fp32' or 'bf16'), as process `process` (index, count;
+    default JAX's) of the export; returns the shard files it wrote."""
     np_dtype, torch_name = DTYPES[dtype]
     shards = plan(cfg, np_dtype, max_shard_bytes)
     names = file_names(len(shards))
     me, processes = process or (jax.process_index(), jax.process_count())
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     if me == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        # A stale file of another layout would shadow the new one (transformers prefers model.safetensors).
-        for stale in [out / "model.safetensors.index.json", *out.glob("model*.safetensors")]:
-            stale.unlink(missing_ok=True)
+        # A file of another layout would shadow this one (transformers prefers model.safetensors). This export's own
+        # names are never removed, so the other processes need not wait for this.
+        index_file = out / "model.safetensors.index.json"
+        for stale in [index_file, *out.glob("model*.safetensors")]:
+            if stale.name not in names:
+                stale.unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": torch_name}, indent=2))
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(p.nbytes for s in shards for p in s)},
                      "weight_map": {p.name: name for s, name in zip(shards, names) for p in s}}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if processes > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("pjax.export: stale files removed")
-    written, path, current = [], None, None
-    for k, shard in enumerate(shards):
-        mine = k % processes == me
-        tensors = {}
-        for piece in shard:
-            if piece.tensor.path != path:  # every process reads every parameter in turn: a read may be collective
-                path, current = piece.tensor.path, None  # the last parameter goes before the next is read
-                current = leaf(path)
-            if mine:
-                part = current[piece.layer] if piece.tensor.stacked else current
-                part = part[piece.expert] if piece.tensor.experts else part
-                # astype copies: the shard holds no view that would keep a whole parameter alive
-                tensors[piece.name] = piece.tensor.to_hf(np.asarray(part)).astype(np_dtype)
-                del part
-        if mine:
-            safetensors.numpy.save_file(tensors, os.fspath(out / names[k]), metadata=_META)
-            written.append(names[k])
+            index_file.write_text(json.dumps(index, indent=2))
+    written = []
+    for k in range(me, len(shards), processes):
+        # astype copies: the shard holds no view of what `read` returned
+        tensors = {p.name: p.tensor.to_hf(np.asarray(read(p.tensor.path, p.index))).astype(np_dtype)
+                   for p in shards[k]}
+        safetensors.numpy.save_file(tensors, os.fspath(out / names[k]), metadata=_META)
+        written.append(names[k])
+        del tensors
     return written

@@ -18,6 +18,7 @@ import pytest
 
 from mesh.errors import ConfigError
 from mesh.mesh import MeshConfig, make_mesh
+from models import llama
 from pjax import assets
 from pjax.checkpoint.checkpointer import Checkpointer, layer_rows, saving_in_progress
 from pjax.config import PipelineConfig
@@ -329,8 +330,6 @@ def test_export_loads_in_transformers_with_equal_logits(uninterrupted, exported)
     import torch
     import transformers
 
-    from models import llama
-
     ckpt = Checkpointer(str(uninterrupted[0] / "ckpt"), read_only=True)
     cfg = ckpt.config()
     on_device_0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -353,19 +352,17 @@ def test_export_loads_in_transformers_with_equal_logits(uninterrupted, exported)
 
 
 def test_a_bf16_export_is_the_fp32_one_rounded_and_each_process_writes_its_own_shards(uninterrupted, exported,
-                                                                                         tmp_path, monkeypatch):
-    """--dtype bf16: every tensor the fp32 export's rounded to nearest even. With two processes, process k writes
-    shards k, k + 2, ...: written apart (the process index faked, the barrier a no-op), they make the whole."""
+                                                                                         tmp_path):
+    """--dtype bf16: every tensor the fp32 export's rounded to nearest even. Two `pjax.export` processes side by
+    side: process k writes shards k, k + 2, ... and nothing else (process 0 the config and index too); together
+    they write the files one process writes."""
     import ml_dtypes
     import safetensors.numpy
-    from jax.experimental import multihost_utils
 
-    from models import hf_shards
-    from models.hf import load_hf
     from pjax.export import export
 
     ckpt = str(uninterrupted[0] / "ckpt")
-    export(ckpt, str(tmp_path / "one"), max_shard_size="1MB", dtype="bf16")
+    step, written = export(ckpt, str(tmp_path / "one"), max_shard_size="1MB", dtype="bf16")
     fp32 = {k: v for p in exported.glob("model-*.safetensors") for k, v in safetensors.numpy.load_file(p).items()}
     bf16 = {k: v for p in (tmp_path / "one").glob("model-*.safetensors")
             for k, v in safetensors.numpy.load_file(p).items()}
@@ -374,15 +371,21 @@ def test_a_bf16_export_is_the_fp32_one_rounded_and_each_process_writes_its_own_s
         np.testing.assert_array_equal(bf16[name], w.astype(ml_dtypes.bfloat16), err_msg=name)
     assert json.loads((tmp_path / "one" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
-    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: None)
-    cfg, params = load_hf(str(exported))
-    mine = [hf_shards.write(cfg, str(tmp_path / "two"), lambda path: params[path[0]][path[1]], "bf16", 1_000_000,
-                            process=(k, 2)) for k in (0, 1)]
     every = sorted(p.name for p in (tmp_path / "one").glob("model-*"))
-    assert mine == [every[0::2], every[1::2]]
-    for name in every:
-        one, two = (safetensors.numpy.load_file(d / name) for d in (tmp_path / "one", tmp_path / "two"))
-        assert one.keys() == two.keys() and all(np.array_equal(one[k], two[k]) for k in one), name
+    assert written == every and len(every) >= 3
+    args = ["--checkpoint", ckpt, "--out", str(tmp_path / "two"), "--max-shard-size", "1MB", "--dtype", "bf16",
+            "--num_processes", "2"]
+    procs = [subprocess.Popen([sys.executable, "-m", "pjax.export", *args, "--process_id", str(k)], cwd=REPO,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for k, (p, (out, err)) in enumerate(zip(procs, outs)):
+        mine = len(every[k::2])
+        assert p.returncode == 0 and out.strip().endswith(f"(process {k} of 2: {mine} shards)"), (out, err)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
+        p.name for p in (tmp_path / "one").iterdir())
+    for name in [*every, "config.json", "model.safetensors.index.json", "tokenizer.json"]:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
 def test_init_from_hf_export_trains_from_those_weights(exported, cache, tmp_path):
@@ -411,3 +414,31 @@ def test_eval_on_a_checkpoint_equals_eval_on_its_hf_export(uninterrupted, export
     assert ours["tokens"] == theirs["tokens"] and abs(ours["loss"] - theirs["loss"]) <= 1e-6
     with pytest.raises(ConfigError, match="is a HuggingFace checkpoint"):
         pjax_eval.run(pjax_eval.parse_args(["--checkpoint", str(exported), "--text", str(text)]), cfg, mesh)
+
+
+def test_export_reads_one_layer_and_expert_at_a_time_and_reads_older_checkpoints_whole(tmp_path):
+    """Saved parameters are chunked per layer and expert, so `ParamReader` reads a layer's chunk alone; a checkpoint
+    saved as one chunk per parameter (before that) is read whole, once, and gives the same slices."""
+    import orbax.checkpoint as ocp
+
+    from models.config import LlamaConfig
+    from pjax.checkpoint.checkpointer import _per_piece
+    from pjax.checkpoint.param_reader import ParamReader
+
+    model = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    params = jax.tree.map(lambda s: np.random.default_rng(0).standard_normal(s.shape).astype(np.float32),
+                          jax.eval_shape(lambda: llama.init_params(model, jax.random.key(0))))
+    for name, args in [("pieces", _per_piece(params, model)), ("whole", None)]:
+        with ocp.CheckpointManager(tmp_path / name) as manager:
+            manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params, save_args=args)))
+        read = ParamReader(tmp_path / name / "1")
+        chunks = {path: read._open(path).chunk_layout.read_chunk.shape for path in
+                  [("layers", "wq"), ("layers", "w_up"), ("embed", "embedding")]}
+        if name == "pieces":
+            assert chunks[("layers", "wq")][0] == 1 and chunks[("layers", "w_up")][:2] == (1, 1), chunks
+        else:
+            assert chunks[("layers", "wq")] == params["layers"]["wq"].shape, chunks
+        np.testing.assert_array_equal(read(("layers", "w_up"), (2, 3)), params["layers"]["w_up"][2, 3])
+        np.testing.assert_array_equal(read(("layers", "wq"), (1,)), params["layers"]["wq"][1])
+        np.testing.assert_array_equal(read(("embed", "embedding")), params["embed"]["embedding"])

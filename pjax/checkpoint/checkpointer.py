@@ -20,6 +20,7 @@ from mesh.errors import ConfigError, first_line, listed
 from mesh.mesh import PP
 from models import llama
 from models.config import LlamaConfig, shape_keys
+from models.hf import tensor_table
 from pjax.checkpoint import replicas, save_faults
 from pjax.config import Config
 from pjax.config_io import config_from_dict, config_to_dict
@@ -142,18 +143,6 @@ class Checkpointer:
         step, (cfg, params) = self.readable(read, step)
         return step, cfg, params
 
-    def restore_param(self, step: int, path: tuple[str, ...], sharding: Any) -> jax.Array:
-        """One parameter of checkpoint `step` (its path in the parameter tree), placed by `sharding`: the others
-        stay on disk (`pjax.export` reads a model one parameter at a time)."""
-        shapes = functools.reduce(lambda tree, key: tree[key], path, _param_shapes(self.read_config(step).model))
-        for key in reversed(path):
-            shapes = {key: shapes}
-        target = _abstract(shapes, jax.tree.map(lambda _: sharding, shapes))
-        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                      partial_restore=True)
-        params = self._manager.restore(step, args=ocp.args.Composite(params=args))["params"]
-        return functools.reduce(lambda tree, key: tree[key], path, params)
-
     def restore(self, trainer: Trainer, cfg: Config, step: int | None = None) -> Restored:
         """The whole training state on `trainer`'s mesh, saved under any layout of the same model and optimizer."""
         step, restored = self.readable(lambda s: self._restore(trainer, cfg, s), step)
@@ -224,8 +213,9 @@ class Checkpointer:
         with self._disk_full_is_one_line():
             # force: pjax decides when to save, not Orbax's interval policy.
             per_replica = replicas.save_args(state, meta, self._rows)
+            params = ocp.args.StandardSave(state.params, save_args=_per_piece(state.params, config.model))
             self._manager.save(step, force=True, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
+                params=params, opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config_to_dict(config)), **per_replica))
         self.last_saved = step
 
@@ -307,6 +297,14 @@ def _sync(name: str) -> None:
 
 def _param_shapes(cfg: LlamaConfig) -> Any:
     return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+
+
+def _per_piece(params: Any, model: LlamaConfig) -> Any:
+    """Orbax's save args for `params`: a stacked parameter in one chunk per layer (and expert), which
+    `param_reader.ParamReader` reads alone."""
+    lead = {t.path: t.lead for t in tensor_table(model)}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: ocp.SaveArgs(shard_axes=tuple(range(lead.get(tuple(k.key for k in path), 0)))), params)
 
 
 def _abstract(shapes: Any, shardings: Any) -> Any:
