@@ -43,6 +43,7 @@ def test_a_compressed_sum_equals_the_exact_sum_within_its_rounding_and_keeps_wha
     exact = x.sum(axis=0)
     for device in range(4):  # every device has the same sum
         np.testing.assert_array_equal(total[device], total[0])
+    # 4 devices' roundings, each within a quantum of the largest (measured 8.5% (bf16), 12% (int8) of the bound)
     assert np.max(np.abs(total[0] - exact)) <= tolerance * np.max(np.abs(x)) * 4
     assert np.max(np.abs(total[0] - exact)) > 0  # it did round
     # Nothing is lost: the sum plus what every device keeps is the exact sum.
@@ -60,7 +61,8 @@ def test_error_feedback_carries_what_rounding_drops_so_the_accumulated_sum_stays
         total, residual = (np.asarray(a) for a in run(x, residual))
         reduced = reduced + total[0]
         # Exactly what was not yet delivered is held in the residuals.
-        np.testing.assert_allclose(reduced + residual.sum(axis=0), step * x.sum(axis=0), atol=1e-3)
+        # fp32 sums of 30 steps near 1.2 (measured 1.8e-7); the sums of 40s are exact
+        np.testing.assert_allclose(reduced + residual.sum(axis=0), step * x.sum(axis=0), atol=1e-5)
     without = np.max(np.abs(steps * dropped - steps * x.sum(axis=0)))
     assert without >= steps * 4 * 0.01 * 0.99  # no feedback: the gap grows with every step
     assert np.max(np.abs(reduced - steps * x.sum(axis=0))) <= 4 * 40 / 127  # feedback: within a step per device
@@ -75,7 +77,7 @@ def test_a_compressed_reduce_scatter_gives_each_device_its_slice(payload):
         mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P("dp")))
     mine, residual = (np.asarray(a) for a in run(x, np.zeros_like(x)))
     exact = x.sum(axis=0)
-    for device in range(4):
+    for device in range(4):  # as the all-reduce's bound (measured 3.3% (bf16), 8.7% (int8) of it)
         np.testing.assert_allclose(mine[device], exact[2 * device:2 * device + 2],
                                    atol=(2 ** -7 if payload == "bf16" else 2 / 127) * np.abs(x).max() * 4)
     np.testing.assert_allclose(np.concatenate(list(mine)) + residual.sum(axis=0), exact, atol=1e-5)

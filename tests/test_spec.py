@@ -52,6 +52,7 @@ def losses(pp: int) -> tuple[float, float]:
 def test_a_precision_policy_is_one_object_that_every_strategy_runs():
     plain, plain_policy = losses(1)
     piped, piped_policy = losses(2)
-    assert plain_policy != plain and abs(plain_policy - plain) < 1e-2  # the policy changed the numbers a little
+    # the policy changed the numbers a little (measured 6.1e-5 on a loss of 4.8)
+    assert plain_policy != plain and abs(plain_policy - plain) < 1e-3
     assert piped == pytest.approx(plain, abs=1e-6)
     assert piped_policy == pytest.approx(plain_policy, abs=1e-6)  # the pipeline ran the same policy
