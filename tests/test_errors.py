@@ -447,3 +447,19 @@ def test_a_sequence_longer_than_the_models_positions_is_one_warning_and_the_run_
     assert len(warnings) == 1, err
     assert "train.seq_len=64 is longer than model.max_position_embeddings=32" in warnings[0]
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step": 1') == 1
+
+
+def test_a_refusal_at_the_command_line_is_the_process_s_only_output(tmp_path):
+    """In a process of its own, as a user runs it: nothing left running prints after the `error:` line (SP with
+    ZeRO-1 and FOMAML once ended in `RuntimeError: cannot schedule new futures after shutdown` after its refusal)."""
+    import subprocess
+
+    argv = ["mesh.dp=2", "mesh.tp=2", "train.sequence_parallel=true", "train.zero=1", "meta.algorithm=fomaml",
+            "meta.tasks=[data/austen/emma.txt,data/austen/persuasion.txt]", f"log.dir={tmp_path}",
+            f"checkpoint.dir={tmp_path}/ckpt"]
+    done = subprocess.run([sys.executable, "-m", "pjax.train", "--no_progress", *argv], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.splitlines() == ["error: meta.algorithm=fomaml does not run with train.zero=1; use "
+                                        "train.zero=0."], done.stderr
