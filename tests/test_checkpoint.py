@@ -442,3 +442,16 @@ def test_export_reads_one_layer_and_expert_at_a_time_and_reads_older_checkpoints
         np.testing.assert_array_equal(read(("layers", "w_up"), (2, 3)), params["layers"]["w_up"][2, 3])
         np.testing.assert_array_equal(read(("layers", "wq"), (1,)), params["layers"]["wq"][1])
         np.testing.assert_array_equal(read(("embed", "embedding")), params["embed"]["embedding"])
+
+
+def test_an_export_process_knows_its_index_from_the_flags_or_from_srun(monkeypatch):
+    from pjax.export import this_process
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    assert this_process(None, None) == (0, 1) and this_process(3, 2) == (2, 3)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-04]")
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    assert this_process(None, None) == (3, 4) and this_process(4, 3) == (3, 4)
