@@ -44,4 +44,3 @@ class ParamReader:
         kvstore = {"driver": "ocdbt", "base": f"file://{self._dir.resolve()}/", "path": ".".join(path)}
         return ts.open({"driver": self._driver, "kvstore": kvstore}, open=True, read=True,
                        context=self._context).result()
-
