@@ -43,7 +43,7 @@ def make_checkpoint(config: str, directory: Path) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def peak_rss_mib(args: list[str]) -> tuple[int, float]:
+def peak_and_seconds(args: list[str]) -> tuple[int, float]:
     """Peak resident MiB of a process running `pjax.export` with `args` (`--open DIR`: the baseline), and its
     seconds."""
     start = time.perf_counter()
@@ -65,11 +65,11 @@ def main() -> None:
         if checkpoint is None:
             make_checkpoint(args.config, Path(tmp))
             checkpoint = f"{tmp}/ckpt"
-        baseline, _ = peak_rss_mib(["--open", checkpoint])
+        baseline, _ = peak_and_seconds(["--open", checkpoint])
         for shard in [None, *args.shards.split(",")]:
             out = Path(tmp, f"out-{shard}")
             extra = [] if shard is None else ["--max-shard-size", shard]
-            peak, seconds = peak_rss_mib(["--checkpoint", checkpoint, "--out", str(out), *extra])
+            peak, seconds = peak_and_seconds(["--checkpoint", checkpoint, "--out", str(out), *extra])
             files = sorted(out.glob("model*.safetensors"))
             print(json.dumps({"config": args.config, "max_shard_size": shard, "files": len(files),
                               "weights_mib": round(sum(f.stat().st_size for f in files) / 2**20),

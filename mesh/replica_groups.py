@@ -3,14 +3,14 @@
 replicas only, never over all of dp. An MoE layer's router statistics read it (`models/moe.py`), whose balancing
 loss would otherwise couple the groups through its gradient; fp8's amax takes none over dp at all.
 
-`lax.psum` and `lax.pmax` take no `axis_index_groups` in a shard_map (jax 0.10.2), so a group's reduction is an
+`lax.psum` takes no `axis_index_groups` in a shard_map (jax 0.10.2), so a group's reduction is an
 all-gather over dp of the (small) statistic and a reduction of the group's slice of it: every replica of a group
 ends with the same value, and its transpose hands each replica its group's cotangents."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,24 +30,15 @@ def replica_groups(size: int) -> contextlib.AbstractContextManager[None]:
 
 def psum(tree: Any, axes: tuple[str, ...]) -> Any:
     """`lax.psum(tree, axes)`, over dp within the replica group only."""
-    return _reduce(tree, axes, lax.psum, jnp.sum)
-
-
-def pmax(tree: Any, axes: tuple[str, ...]) -> Any:
-    """`lax.pmax(tree, axes)`, over dp within the replica group only."""
-    return _reduce(tree, axes, lax.pmax, jnp.max)
-
-
-def _reduce(tree: Any, axes: tuple[str, ...], collective: Callable, local: Callable) -> Any:
     group = _GROUP.get()
     if group is None or DP not in axes:
-        return collective(tree, axes) if axes else tree
+        return lax.psum(tree, axes) if axes else tree
     rest = tuple(ax for ax in axes if ax != DP)
-    tree = collective(tree, rest) if rest else tree
+    tree = lax.psum(tree, rest) if rest else tree
     if group == 1:
         return tree
 
     def in_group(x: jax.Array) -> jax.Array:
         every = lax.all_gather(x, DP)  # one per replica: the group's are `group` consecutive ones
-        return local(lax.dynamic_slice_in_dim(every, lax.axis_index(DP) // group * group, group), axis=0)
+        return jnp.sum(lax.dynamic_slice_in_dim(every, lax.axis_index(DP) // group * group, group), axis=0)
     return jax.tree.map(in_group, tree)

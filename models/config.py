@@ -14,22 +14,16 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _non_finite(tree: Any, path: str = "") -> str | None:
-    """The dotted key of the first infinite or NaN number in a JSON tree, or None."""
+def _non_finite(tree: Any, path: str = "") -> tuple[str, float] | None:
+    """(dotted key, value) of the first infinite or NaN number in a JSON tree, or None."""
     if isinstance(tree, float) and not math.isfinite(tree):
-        return path
+        return path, tree
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
     for key, value in items:
         found = _non_finite(value, f"{path}.{key}" if path else str(key))
         if found is not None:
             return found
     return None
-
-
-def _value_at(tree: Any, dotted: str) -> Any:
-    for key in dotted.split("."):
-        tree = tree[int(key) if isinstance(tree, list) else key]
-    return tree
 
 
 # HF's defaults for absent config.json keys (its rms_norm_eps differs from pjax's).
@@ -262,7 +256,7 @@ class LlamaConfig:
         _refuse_hf_variants(hf, model_type)
         bad = _non_finite(hf)
         if bad is not None:
-            raise ConfigError(f"config.json: {bad}={_value_at(hf, bad)!r} is not a finite number; fix the file.")
+            raise ConfigError(f"config.json: {bad[0]}={bad[1]!r} is not a finite number; fix the file.")
         missing = [k for k in _HF_REQUIRED if k not in hf]
         if missing:
             raise ConfigError(f"config.json has no {', '.join(missing)}; it is not a complete LLaMA config.")

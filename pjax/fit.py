@@ -28,8 +28,8 @@ def adopt_hf_model(cfg: Config, named: set[str]) -> Config:
         hf = read_hf_config(cfg.train.init_from)
     except ConfigError as e:  # a line about its config.json starts with that file's path: it names the directory
         said = str(e)
-        named = said.startswith(os.path.join(cfg.train.init_from, "config.json"))
-        raise ConfigError(said if named else f"train.init_from: {said}") from None
+        names_file = said.startswith(os.path.join(cfg.train.init_from, "config.json"))
+        raise ConfigError(said if names_file else f"train.init_from: {said}") from None
     # The run's own: the vocabulary padding, and router-loss coefficients (training, not shape).
     own = {k: getattr(cfg.model, k) for k in ("router_aux_loss_coef", "router_z_loss_coef") if f"model.{k}" in named}
     hf = dataclasses.replace(hf, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, **own)

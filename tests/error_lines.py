@@ -20,11 +20,6 @@ PREFIXES = ("error: ", "warning: ")
 
 _OVER_LONG: list[str] = []  # the lines over LIMIT recorded since the last report
 
-# Lines whose words live in files another change is editing now: a line holding one of these fragments is not
-# failed. Remove an entry once its file says the fix first within LIMIT.
-PENDING: dict[str, str] = {}  # fragments of lines not yet shortened, and where they live
-
-
 # pytest's base temporary directory, a worker's under pytest-xdist included
 _PYTEST_ROOT = re.compile(r"/\S*?/pytest-of-[^/\s]+/pytest-\d+(/popen-gw\d+)?")
 
@@ -35,9 +30,8 @@ def length(line: str) -> int:
 
 
 def over_long(lines: list[str]) -> list[str]:
-    """The `error:` or `warning:` lines of `lines` longer than LIMIT (but for PENDING ones)."""
-    return [line for line in lines if line.startswith(PREFIXES) and length(line) > LIMIT
-            and not any(fragment in line for fragment in PENDING)]
+    """The `error:` or `warning:` lines of `lines` longer than LIMIT."""
+    return [line for line in lines if line.startswith(PREFIXES) and length(line) > LIMIT]
 
 
 def drain() -> list[str]:
