@@ -14,7 +14,7 @@ from jax import lax
 
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP, RP
-from models.projection import PLAIN, Gemm
+from models.projection import PLAIN, Gemm, Quantized, cotangent
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 WEIGHT_SCOPE = "fp8_weight"
@@ -69,6 +69,16 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
         return quantize(w, E4M3, whole_amax(w, copies=(CP,)))
 
 
+def weight_operand(w: jax.Array | Quantized) -> tuple[jax.Array, jax.Array]:
+    """A dense weight in e4m3 and its scale: a `Quantized` weight's, made once per step, or `quantize_weight`'s."""
+    return (w.q, w.scale) if isinstance(w, Quantized) else quantize_weight(w)
+
+
+def _shape_of(w: jax.Array | Quantized):
+    """What a backward needs of a weight to return its gradient (`projection.cotangent`): empty, its dtype kept."""
+    return jax.tree.map(lambda a: jnp.zeros((0,), a.dtype), w)
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The fp8 values back in `dtype`, times their scale."""
     return q.astype(dtype) * scale.astype(dtype)
@@ -108,15 +118,15 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _matmul_fwd(x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
-    return _scaled(_XW, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
+    (xq, sx), (wq, sw) = quantize(x, E4M3), weight_operand(w)
+    return _scaled(_XW, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, _shape_of(w))
 
 
 def _matmul_bwd(res, g):
     xq, sx, wq, sw, w_like = res
     gq, sg = quantize(g, E5M2)
     return (_typed_like(_scaled(_GWT, gq, wq, sg * sw, g.dtype), xq),
-            _typed_like(_scaled(_XTG, xq, gq, sx * sg, w_like.dtype), wq))
+            cotangent(w_like, _typed_like(_scaled(_XTG, xq, gq, sx * sg, w_like.dtype), wq)))
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -124,7 +134,7 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def prepare(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The operands of Y = X W (x [N, D], w [D, F]) in e4m3, and their scales' product."""
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize_weight(w)
+    (xq, sx), (wq, sw) = quantize(x, E4M3), weight_operand(w)
     return xq, wq, sx * sw
 
 
@@ -135,7 +145,7 @@ def multiply(xq: jax.Array, wq: jax.Array, scale: jax.Array, out: jnp.dtype) -> 
 
 def input_grad(g: jax.Array, w: jax.Array, out=None) -> jax.Array:
     """dX = dY W^T (g [N, F], w [D, F]) as an e5m2 x e4m3 GEMM, for a hand-written backward."""
-    (gq, sg), (wq, sw) = quantize(g, E5M2), quantize_weight(w)
+    (gq, sg), (wq, sw) = quantize(g, E5M2), weight_operand(w)
     return _scaled(_GWT, gq, wq, sg * sw, out or g.dtype)
 
 

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mesh.mesh import EP, current
 from mesh.rules import by_shard_groups, constrain, flatten_tokens, manual_size, unflatten_tokens
-from models import deferred_grads, fp8
+from models import deferred_grads, fp8, fp8_weights
 from models.bias_balance import BIAS
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention
@@ -25,6 +25,7 @@ from models.remat import DEFAULT_NAMES, policy
 from models.rope import rope, rope_inv_freq, rope_tables  # noqa: F401 (rope_inv_freq: llama's API)
 
 Params = dict[str, Any]
+SHARED = ("w_shared_gate", "w_shared_up", "w_shared_down")  # Qwen2-MoE's shared expert's GEMM weights
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init) -> jax.Array:
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
@@ -49,8 +50,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, tables: tuple[jax.Array, jax.Array],
-                 taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """positions [B, T], tables `rope_tables(positions)`, taps `deferred_grads` -> (x, MoE router stats or None)."""
+                 taps: dict | None = None, quantized: fp8_weights.Stacks | None = None
+                 ) -> tuple[jax.Array, RouterStats | None]:
+        """positions [B, T], tables `rope_tables(positions)`, taps `deferred_grads`, `quantized` this layer's slice
+        of `fp8_weights.quantize_layers` -> (x, MoE router stats or None)."""
         c = self.cfg
         d, h, kv, dh, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         normal, ones = nn.initializers.normal(c.initializer_range), nn.initializers.ones
@@ -72,13 +75,15 @@ class DecoderLayer(nn.Module):
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
         p = self.precision
         attn, mlp = (lambda w: w.astype(p.attention)), (lambda w: w.astype(p.mlp))
+        gemm_weight = lambda name, w: fp8_weights.attach(name, w.astype(p.weight_dtype(name)), quantized)  # noqa: E731
         sp = seqpar.active(self.sequence_parallel)
         column, row = self._projections(sp, taps)
         residual = ("sp_tokens" if sp else "tokens", "embed")
         x = constrain(x, residual)
 
         y = checkpoint_name(rms_norm(x, attn_norm, c.rms_norm_eps, p.norms), "attn_norm").astype(p.attention)
-        o = self._attention(y, [attn(w) for w in (wq, wk, wv, wo, *biases)], [attn(w) for w in qk_norms],
+        o = self._attention(y, [gemm_weight(n, w) for n, w in zip(("wq", "wk", "wv", "wo"), (wq, wk, wv, wo))]
+                            + [attn(w) for w in biases], [attn(w) for w in qk_norms],
                             positions, tables, column, row)
         x = x + constrain(o.astype(x.dtype), residual)
 
@@ -94,15 +99,16 @@ class DecoderLayer(nn.Module):
             if self.is_initializing():  # every parameter is declared; routing needs a real batch
                 return x, None
             always = 0 if not shared else constrain(
-                self._shared_expert(y, [mlp(w) for w in shared], sp).astype(x.dtype), residual)
+                self._shared_expert(y, [gemm_weight(n, w) for n, w in zip(SHARED, shared[:3])] + [mlp(shared[3])],
+                                    sp).astype(x.dtype), residual)
             weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down),
                        **bias}
             down, stats = self._experts(y, weights)
             return x + constrain(down.astype(x.dtype), residual) + always, stats
-        gate, up = column(y, [mlp(w_gate), mlp(w_up)], "gate_up")
+        gate, up = column(y, [gemm_weight("w_gate", w_gate), gemm_weight("w_up", w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
-        down = row(gated, mlp(w_down), "down")
+        down = row(gated, gemm_weight("w_down", w_down), "down")
         return x + constrain(down.astype(x.dtype), residual), None
 
 
@@ -255,25 +261,27 @@ def decoder_layer(cfg: LlamaConfig, *, precision: Precision = Precision(), remat
 
 def apply_layers(layer: DecoderLayer, layer_params: Params, x: jax.Array, positions: jax.Array, *,
                  remat: str = "none", remat_names: Sequence[str] = DEFAULT_NAMES, scan: bool = True,
-                 taps: dict | None = None) -> tuple[jax.Array, RouterStats | None]:
+                 taps: dict | None = None, quantized: fp8_weights.Stacks | None = None
+                 ) -> tuple[jax.Array, RouterStats | None]:
     """A stack of `layer`s (the model or a pipeline stage) -> (output, MoE router statistics summed). Unrolled,
-    `layer_params` and `taps` may be per-layer lists: a stage slices them outside its VJP, keeping no slices."""
+    `layer_params` and `taps` may be per-layer lists: a stage slices them outside its VJP, keeping no slices.
+    `quantized`: the stack's weights in fp8, made once per step (`fp8_weights.quantize_layers`)."""
     tables = rope_tables(positions, layer.cfg)
 
     def body(h, p_taps):
-        p, t = p_taps
-        return layer.apply({"params": p}, h, positions, tables, t)
+        p, t, q = p_taps
+        return layer.apply({"params": p}, h, positions, tables, t, q)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=policy(remat, remat_names), prevent_cse=not scan)
     if scan:
-        x, stats = jax.lax.scan(body, x, (layer_params, taps))
+        x, stats = jax.lax.scan(body, x, (layer_params, taps, quantized))
         return x, jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
     layer_i = lambda tree, i: tree[i] if isinstance(tree, list) else jax.tree.map(lambda a: a[i], tree)
     n = len(layer_params) if isinstance(layer_params, list) else jax.tree.leaves(layer_params)[0].shape[0]
     stats = []
     for i in range(n):
-        x, s = body(x, (layer_i(layer_params, i), layer_i(taps, i)))
+        x, s = body(x, (layer_i(layer_params, i), layer_i(taps, i), layer_i(quantized, i)))
         stats.append(s)
     return x, (jax.tree.map(lambda *s: sum(s), *stats) if layer.cfg.num_local_experts else None)
 

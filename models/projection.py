@@ -56,6 +56,40 @@ class Gemm(NamedTuple):
 
 
 PLAIN = Gemm()
+
+
+class Quantized(NamedTuple):
+    """A weight whose fp8 form its step made once, before the micro-batch loop (`models/fp8_weights.py`): an fp8
+    GEMM reads `q` times `scale` (one power of two per layer and merged GEMM) and its gradient goes to `w`, whose
+    values nothing reads (it gives the gradient's dtype and its path to the fp32 master). Shaped like `w`."""
+
+    w: jax.Array
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.w.dtype
+
+    def astype(self, dtype) -> "Quantized":
+        return self._replace(w=self.w.astype(dtype))
+
+    def reshape(self, *shape: int) -> "Quantized":
+        return self._replace(w=self.w.reshape(*shape), q=self.q.reshape(*shape))
+
+
+def cotangent(w, dw: jax.Array):
+    """dW as a custom_vjp returns it for the weight `w` (an array or `Quantized`, of which only the dtype is read):
+    in w's dtype, and for a `Quantized` weight none for its fp8 form, a constant of the step."""
+    if isinstance(w, Quantized):
+        return Quantized(dw.astype(w.dtype), None, None)
+    return dw.astype(w.dtype)
+
+
 ProjectFn = Callable[..., tuple[jax.Array, ...]]  # (x, ws, gemm=PLAIN) -> one output per w
 
 
@@ -64,7 +98,10 @@ def _tp() -> int:
 
 
 def merge_over_tp(arrays: Sequence[jax.Array], tp: int) -> jax.Array:
-    """[..., F_i] arrays split over tp -> [..., sum F_i], each device's blocks side by side (local)."""
+    """[..., F_i] arrays split over tp -> [..., sum F_i], each device's blocks side by side (local). `Quantized`
+    weights merge their fp8 forms too, which share one scale (`models/fp8_weights.py` quantized them merged)."""
+    if isinstance(arrays[0], Quantized):
+        return Quantized(*(merge_over_tp([getattr(a, f) for a in arrays], tp) for f in ("w", "q")), arrays[0].scale)
     lead = arrays[0].shape[:-1]
     return jnp.concatenate([a.reshape(*lead, tp, a.shape[-1] // tp) for a in arrays], axis=-1).reshape(*lead, -1)
 
@@ -102,11 +139,11 @@ def _fwd(x, ws, gemm):
 
 def weight_grads(x: jax.Array, gs: Sequence[jax.Array], ws: Sequence[jax.Array], gemm: Gemm = PLAIN
                  ) -> tuple[jax.Array, ...]:
-    """dW_i = x^T @ g_i in each w_i's dtype; on XLA:CPU from one materialised x^T."""
+    """dW_i = x^T @ g_i in each w_i's dtype (as `cotangent`); on XLA:CPU from one materialised x^T."""
     # On XLA:CPU x^T materialised once (behind a barrier, or XLA folds it back into each dot); elsewhere the
     # transpose folds into the dots' dimensions.
     xt = jax.lax.optimization_barrier(x.T) if target_backend() == "cpu" else x.T
-    return tuple(dw.astype(w.dtype) for dw, w in zip(weight_products(xt, gs, gemm), ws))
+    return tuple(cotangent(w, dw) for dw, w in zip(weight_products(xt, gs, gemm), ws))
 
 
 def weight_products(xt: jax.Array, gs: Sequence[jax.Array], gemm: Gemm = PLAIN) -> tuple[jax.Array, ...]:

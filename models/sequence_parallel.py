@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 from mesh.errors import ConfigError
 from mesh.mesh import TP, current
 from mesh.rules import auto_size, in_shard_groups, logical_to_spec, per_device
-from models.projection import PLAIN, Gemm, merge_over_tp, split_over_tp, weight_grads, weight_products
+from models.projection import (PLAIN, Gemm, Quantized, cotangent, merge_over_tp, split_over_tp, weight_grads,
+                               weight_products)
 
 TOKENS, SP_TOKENS = logical_to_spec(("tokens",)), logical_to_spec(("sp_tokens",))
 
@@ -50,11 +51,13 @@ def reduce_scatter_product(gs: Sequence[jax.Array], ws: Sequence[jax.Array], dty
     """sum_i g_i @ w_i^T reduce-scattered over tp along the tokens: a column-parallel input gradient."""
     def local(gs, ws):
         g = jnp.concatenate([g.astype(dtype) for g in gs], axis=-1)
-        w = jnp.concatenate([w.astype(dtype) for w in ws], axis=-1)
+        w = merge_over_tp([w.astype(dtype) for w in ws], 1)  # this device's blocks side by side
         d = gemm.input_grad(g, w, jnp.float32).astype(dtype)
         return lax.psum_scatter(d, TP, scatter_dimension=0, tiled=True)
 
-    specs = ([P(TOKENS[0], TP)] * len(gs), [P(None, TP)] * len(ws))
+    block = P(None, TP)  # a column-parallel weight's; a `Quantized` one's fp8 values alike, its scale whole
+    specs = ([P(TOKENS[0], TP)] * len(gs), [Quantized(block, block, P()) if isinstance(w, Quantized) else block
+                                            for w in ws])
     return _per_device(local, specs, SP_TOKENS)(list(gs), list(ws))
 
 
@@ -80,7 +83,7 @@ def _column_bwd(out_dtype, gemm, res, gs):
     x, ws = res
     gs = [g.astype(x.dtype) for g in gs]
     xt = gather_transposed(x)
-    d_ws = tuple(dw.astype(w.dtype) for dw, w in zip(weight_products(xt, gs, gemm), ws))
+    d_ws = tuple(cotangent(w, dw) for dw, w in zip(weight_products(xt, gs, gemm), ws))
     return reduce_scatter_product(gs, ws, x.dtype, gemm), type(ws)(d_ws)
 
 

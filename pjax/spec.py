@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh.rules import flatten_tokens
-from models import fp8, llama
+from models import fp8, fp8_weights, llama
 from models import sequence_parallel as seqpar
 from models.attention import reference_attention, select_attention
 from models.config import LlamaConfig
@@ -35,6 +35,9 @@ class StepSpec:
     moe: MoeConfig = MoeConfig()
     sequence_parallel: bool = False
     loss_chunk: int = 0
+    # fp8 weights quantized once per step (models/fp8_weights.py); off where a step is differentiated through
+    # (MAML), whose second derivative reaches a weight through the fp8 form its GEMM makes of it.
+    quantize_once: bool = True
 
     @classmethod
     def build(cls, cfg: LlamaConfig, tc: TrainConfig, moe: MoeConfig = MoeConfig(),
@@ -60,11 +63,11 @@ class StepSpec:
         """Token ids [B, T] -> x [B*T, D] in the compute dtype (reads params['embed'])."""
         return llama.embed(params, tokens, self.cfg, self.dtype, self.sequence_parallel)
 
-    def layers(self, layer_params: Any, x: jax.Array, positions: jax.Array, taps: Any = None
-               ) -> tuple[jax.Array, RouterStats | None]:
+    def layers(self, layer_params: Any, x: jax.Array, positions: jax.Array, taps: Any = None,
+               quantized: fp8_weights.Stacks | None = None) -> tuple[jax.Array, RouterStats | None]:
         """A stack of decoder layers (the model's or a stage's): x and their summed router statistics."""
         return llama.apply_layers(self.decoder_layer(), layer_params, x, positions, remat=self.remat,
-                                  remat_names=self.remat_names, scan=self.scan, taps=taps)
+                                  remat_names=self.remat_names, scan=self.scan, taps=taps, quantized=quantized)
 
     def decoder_layer(self) -> llama.DecoderLayer:
         """The decoder layer module with this spec's choices (dtype, attention, matmul form, MoE, sequence parallelism)."""
@@ -94,15 +97,24 @@ class StepSpec:
         """The parameters `head` reads besides `x`."""
         return ("final_norm", "embed" if self.cfg.tie_word_embeddings else "lm_head")
 
-    def loss_sum(self, params: Any, micro: Batch) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
-        """Summed loss of one micro-batch ({'inputs', 'labels', 'positions'}: [B, T]) and (count, router metrics)."""
-        x, stats = self.layers(params["layers"], self.embed(params, micro["inputs"]), micro["positions"])
+    def loss_sum(self, params: Any, micro: Batch, quantized: fp8_weights.Stacks | None = None
+                 ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+        """Summed loss of one micro-batch ({'inputs', 'labels', 'positions'}: [B, T]) and (count, router metrics);
+        `quantized`: the layers' fp8 weights of this step (`quantize_weights`), else each GEMM quantizes its own."""
+        x, stats = self.layers(params["layers"], self.embed(params, micro["inputs"]), micro["positions"],
+                               quantized=quantized)
         return self.head(params, x, stats, micro["labels"])
 
     def hidden(self, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """The final-normed hidden states [B*T, D] (evaluation, generation)."""
         x, _ = self.layers(params["layers"], self.embed(params, tokens), positions)
         return self.final_norm(params, x)
+
+    def quantize_weights(self, layer_params: Any) -> fp8_weights.Stacks | None:
+        """Under `precision.fp8`, the stacked layer weights' fp8 forms for a step's micro-batches to share."""
+        if not (self.precision.fp8 and self.quantize_once):
+            return None
+        return fp8_weights.quantize_layers(layer_params, self.precision)
 
     def final_norm(self, params: Any, x: jax.Array) -> jax.Array:
         """The final RMSNorm, in the output layer's dtype."""
@@ -112,8 +124,10 @@ class StepSpec:
 
 def accumulate(params: Any, batch: Batch, spec: StepSpec, pin: Callable[[Any], Any] = lambda g: g
                ) -> tuple[jax.Array, jax.Array, Any, dict[str, jax.Array]]:
-    """Summed loss, token count and gradients (in `precision.grad_accum`), mean MoE router metrics: a micro-batch scan."""
-    grad_fn = jax.value_and_grad(spec.loss_sum, has_aux=True)
+    """Summed loss, token count and gradients (in `precision.grad_accum`), mean MoE router metrics: a micro-batch scan.
+    fp8 weights are quantized here, once, for every micro-batch (models/fp8_weights.py)."""
+    quantized = spec.quantize_weights(params["layers"])
+    grad_fn = jax.value_and_grad(lambda p, micro: spec.loss_sum(p, micro, quantized), has_aux=True)
 
     def micro_step(carry, micro):
         totals, grads_acc = carry

@@ -214,6 +214,8 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
     if mesh.shape[CP] > 1:
         attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
     spec = StepSpec.build(cfg, tc, moe, attention_fn, policy)
+    if meta_cfg.algorithm == "maml":  # differentiated through its adaptation (`StepSpec.quantize_once`)
+        spec = dataclasses.replace(spec, quantize_once=False)
     if mc.pp > 1:
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:

@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 import numpy as np
 import optax
 import pytest
@@ -16,6 +17,7 @@ import proofs
 from mesh import MeshConfig, make_mesh
 from mesh.errors import ConfigError
 from models import fp8
+from models import llama
 from models.config import LlamaConfig
 from models.precision import PrecisionConfig
 from models.projection import PLAIN, plain_projection
@@ -23,6 +25,7 @@ from pjax.config import PipelineConfig, TrainConfig
 from pjax.config_io import load_config
 from pjax.parallel.context.zigzag import zigzag_layout
 from pjax.parallel.pipeline.layout import to_pipeline_layout
+from pjax.spec import StepSpec, accumulate
 from pjax.step import add_positions, build_trainer
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -141,9 +144,10 @@ def initial_params(experts: int = 0):
 @proofs.cache
 def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero: int = 0, sp: bool = False,
                        precision: PrecisionConfig = FP8, experts: int = 0,
-                       schedule: str = "1f1b", grad_accum: int = TC.grad_accum) -> tuple[float, float, str]:
+                       schedule: str = "1f1b", grad_accum: int = TC.grad_accum
+                       ) -> tuple[float, float, str, tuple[int, ...]]:
     """Loss and gradient norm of the batch (in `grad_accum` micro-batches) on a layout (a pipeline's `schedule`
-    where pp > 1), and its loss-and-gradients program as lowered."""
+    where pp > 1), its loss-and-gradients program as lowered, and the loops around each weight's cast to e4m3."""
     mesh = make_mesh(MeshConfig(dp=dp, pp=pp, cp=cp, tp=tp), jax.devices()[:dp * pp * cp * tp])
     tc = TrainConfig(**{**TC.__dict__, "zero": zero, "sequence_parallel": sp, "grad_accum": grad_accum})
     cfg = dataclasses.replace(CFG, num_local_experts=experts) if experts else CFG
@@ -158,10 +162,11 @@ def loss_and_grad_norm(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, zero:
         batch = jax.tree.map(lambda a: a[..., cols], batch)
     batch = jax.device_put(batch, trainer.batch_sharding)
     with jax.set_mesh(mesh):
-        lowered = trainer.grads.jitted.lower(params, batch)
+        traced = trainer.grads.jitted.trace(params, batch)
+        lowered = traced.lower()
         loss, grads = lowered.compile()(params, batch)
     norm = float(optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
-    return float(loss), norm, lowered.as_text()
+    return float(loss), norm, lowered.as_text(), tuple(_weight_casts_by_loop_depth(traced.jaxpr.jaxpr))
 
 
 @pytest.mark.proves("1f1b+fp8", "ring+fp8", "sp+fp8")
@@ -171,9 +176,10 @@ def test_fp8_step_on_a_sharded_layout_equals_one_devices():
     8e-8 apart; the gradient norm 7e-8, GRAD_NORM_RTOL says why it gets more). Fed its columns in plain order,
     ring attention masks the wrong keys: 2e-3 off on the loss and 1.8e-2 on the gradient norm."""
     fp8_only = PrecisionConfig(fp8=True)
-    ref_loss, ref_norm, _ = loss_and_grad_norm(precision=fp8_only)
-    loss, norm, text = loss_and_grad_norm(precision=fp8_only, pp=2, cp=2, tp=2, sp=True)
+    ref_loss, ref_norm, _, _ = loss_and_grad_norm(precision=fp8_only)
+    loss, norm, text, casts = loss_and_grad_norm(precision=fp8_only, pp=2, cp=2, tp=2, sp=True)
     assert "f8E4M3FN" in text and "f8E5M2" in text  # the sharded program does round through fp8
+    assert casts == (0,) * 4, casts  # the pipeline's weights quantized once per step, outside its loops
     assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=GRAD_NORM_RTOL), \
         (loss, norm)
 
@@ -195,10 +201,11 @@ def test_fp8_scales_are_per_tensor_on_every_layout(layout):
     on another CPU: it depends on the CPU's vector code)."""
     fp8_only = PrecisionConfig(fp8=True)
     experts = layout.get("experts", 0)  # over ep = dp = 2: an expert group's GEMMs and capacity take both rows
-    ref_loss, ref_norm, _ = loss_and_grad_norm(precision=fp8_only, experts=experts,
-                                               grad_accum=TC.grad_accum * (1 if experts else layout["dp"]))
-    loss, norm, text = loss_and_grad_norm(precision=fp8_only, **layout)
+    ref_loss, ref_norm, _, _ = loss_and_grad_norm(precision=fp8_only, experts=experts,
+                                                  grad_accum=TC.grad_accum * (1 if experts else layout["dp"]))
+    loss, norm, text, casts = loss_and_grad_norm(precision=fp8_only, **layout)
     assert "f8E4M3FN" in text and "f8E5M2" in text
+    assert casts == (0,) * (2 if experts else 4), casts  # once per step; an expert's weights stay in its GEMMs
     assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=GRAD_NORM_RTOL), \
         (loss, norm)
 
@@ -252,6 +259,42 @@ def test_weights_that_share_an_input_take_one_scale():
     merged = fp8.matmul(x, jnp.concatenate([wa, wb], axis=1))
     np.testing.assert_array_equal(jnp.concatenate([ya, yb], axis=1), merged)
     assert not np.allclose(ya, fp8.matmul(x, wa), rtol=1e-6)  # wa alone takes a finer scale
+
+
+def _weight_casts_by_loop_depth(jaxpr) -> list[int]:
+    """Per cast of a weight to e4m3 (`fp8.WEIGHT_SCOPE`) in `jaxpr`, how many loops (scans, whiles) enclose it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if (eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == fp8.E4M3
+                and fp8.WEIGHT_SCOPE in str(eqn.source_info.name_stack)):
+            found.append(0)
+        loop = eqn.primitive.name in ("scan", "while")
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            found += [d + loop for d in _weight_casts_by_loop_depth(sub)]
+    return found
+
+
+@pytest.mark.parametrize("shared_expert", [False, True], ids=["dense", "shared_expert"])
+def test_a_step_quantizes_each_weight_once_and_its_numbers_do_not_change(shared_expert, monkeypatch):
+    """A step's dense GEMM weights are cast to e4m3 before the micro-batch loop, one cast per merged GEMM (q, k, v;
+    o; gate, up; down; a shared expert's), none inside a loop; the loss and every gradient equal, bit for bit, those
+    of the step whose GEMMs quantize their weights themselves in every micro-batch and layer."""
+    cfg = dataclasses.replace(CFG, num_local_experts=4, shared_expert_intermediate_size=32) if shared_expert else CFG
+    spec = StepSpec.build(cfg, TC, precision=PrecisionConfig(preset="fp8").resolve())
+    params = llama.init_params(cfg, jax.random.key(0))
+    step = jax.jit(lambda p, b: accumulate(p, b, spec))
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        depths = _weight_casts_by_loop_depth(jax.make_jaxpr(step)(params, make_batch(2)).jaxpr)
+        once = step(params, make_batch(2))
+        monkeypatch.setattr(StepSpec, "quantize_weights", lambda self, layers: None)
+        step = jax.jit(lambda p, b: accumulate(p, b, spec))
+        per_gemm = step(params, make_batch(2))
+        per_gemm_depths = _weight_casts_by_loop_depth(jax.make_jaxpr(step)(params, make_batch(2)).jaxpr)
+    assert depths == [0] * 4, depths  # qkv, o and the two MLP GEMMs (the shared expert's or the dense ones)
+    assert per_gemm_depths and set(per_gemm_depths) == {2}, per_gemm_depths  # micro-batch loop x layer loop
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_gemm)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_fp8_on_a_gpu_without_fp8_gemms_is_one_line(monkeypatch):

@@ -14,6 +14,7 @@ from jax import lax
 
 from mesh.mesh import CP, DATA, PP, TP, current
 from mesh.rules import auto_size, constrain
+from models import fp8_weights
 from models.moe import ROUTER_METRICS
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.buffers import buffer_plan
@@ -48,8 +49,10 @@ def _plan(sched: ps.Schedule, stage: Stage, lockstep: bool, params: Any, batch: 
     # parameters are gathered over dp here, once per step: left to XLA inside the ticks, they trip its partitioner.
     shared, batch = _unzero(stage, varying({k: a for k, a in params.items() if k != "layers"})), varying(batch)
     # Cast once per step outside the VJP, so that the residuals never hold per-micro-batch copies of the weights.
-    layers = varying(stage.precision.cast_layer_weights(
-        {k: a.reshape(sched.v, -1, *a.shape[1:]) for k, a in params["layers"].items()}))
+    # fp8 weights are quantized here too, once per step, for every micro-batch's GEMMs (models/fp8_weights.py).
+    by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(sched.v, -1, *a.shape[1:]), tree)  # noqa: E731
+    layers = varying(fp8_weights.with_stacks(stage.precision.cast_layer_weights(by_chunk(params["layers"])),
+                                             by_chunk(stage.quantize(params["layers"]))))
     _, b, t = batch["inputs"].shape
     x0 = varying(jnp.zeros((b * t, shared["embed"]["embedding"].shape[1]), stage.precision.embedding))
     nothing = (x0, stage.no_stats())
@@ -83,7 +86,8 @@ def _start(plan: Plan, slots: int) -> Buffers:
     acc = plan.stage.precision.grad_accum
     return Buffers(inbox=inbox(), cotangents=inbox(),
                    slots=varying(plan.pool.zeros(slots + 1 if plan.lockstep else slots)),  # lockstep: a discard slot
-                   grad_layers=_zeros(plan.layers, acc), grad_head=_zeros(plan.head(plan.shared), acc),
+                   grad_layers=_zeros(fp8_weights.split_stacks(plan.layers)[0], acc),
+                   grad_head=_zeros(plan.head(plan.shared), acc),
                    loss=varying(jnp.zeros(())), router=_zeros(router),
                    d_embedded=_rows(x0, plan.batch["inputs"].shape[0] + 1))
 

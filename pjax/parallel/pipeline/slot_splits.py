@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.mesh import EP, TP, current
 from mesh.rules import logical_to_spec, manual_size
+from models import fp8_weights
 from pjax.parallel.pipeline.stage import VjpLayout
 
 Split = tuple | None  # per dimension tp or None; None: not known
@@ -72,7 +73,9 @@ def slot_splits(stage: Any, pool: Any, w: Any, act: Any, positions: jax.Array, t
         cotangents = jax.tree.leaves(vjp_fn(out)[2])
         return residuals, [cotangents[i] for i in tapped]
 
-    layer = stage.layer_specs
+    one = w[0] if isinstance(w, list) else w
+    _, stacks = fp8_weights.split_stacks(one)
+    layer = fp8_weights.with_stacks(stage.layer_specs, stacks and fp8_weights.stack_specs(stacks, stage.layer_specs))
     w_specs = jax.tree.map(lambda s: P(None, *s), layer) if stage.scan else [layer] * len(w)
     stats = jax.tree.map(lambda _: P(), act[1])  # an MoE stage's router statistics travel replicated
     in_specs = (w_specs, (logical_to_spec((stage.tokens, "embed")), stats), P(), jax.tree.map(lambda _: P(), taps))

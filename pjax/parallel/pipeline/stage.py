@@ -10,7 +10,7 @@ from jax import lax
 
 from mesh.mesh import CP, current, data_size
 from mesh.rules import logical_to_spec
-from models import deferred_grads, fp8, llama
+from models import deferred_grads, fp8, fp8_weights, llama
 from models import sequence_parallel as seqpar
 
 Activation = tuple[jax.Array, Any]  # (x [B*T, D], router stats so far or (): ARCHITECTURE.md, "MoE in a pipeline")
@@ -32,7 +32,8 @@ class Stage(NamedTuple):
     shared_specs: Any  # embedding / final norm / output layer specs without ZeRO (see the executor)
     embed: Callable[[Any, jax.Array], jax.Array]  # (shared params, tokens [B, T]) -> x [B*T, D]
     no_stats: Callable[[], Any]
-    layers: Callable[..., Activation]  # (chunk weights, activation, positions[, taps: models/deferred_grads.py])
+    layers: Callable[..., Activation]  # (chunk weights[ and fp8 stacks: fp8_weights.with_stacks], activation,
+                                       #  positions[, taps: models/deferred_grads.py])
     loss: Callable[[Any, Activation, jax.Array], tuple[jax.Array, dict]]  # (shared, act, labels) -> scaled loss, router metrics
     head_keys: tuple[str, ...]
     tokens: str = "tokens"  # the activations' token axis: 'sp_tokens' under sequence parallelism
@@ -40,6 +41,7 @@ class Stage(NamedTuple):
     weight_grads: Callable[[Any, Any], dict] | None = None  # W: (taps' cotangents, chunk weights) -> dW
     scan: bool = True
     layer_specs: Any = None
+    quantize: Callable[[Any], Any] = lambda layers: None  # stacked weights -> their fp8 stacks (`StepSpec`'s) or None
 
     def per_layer(self, tree: Any) -> Any:
         """Stacked weights (or taps) as the VJP takes them; unrolled, slices cut outside it, so not in its residuals."""
@@ -66,7 +68,8 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
 
     def layers(w, act, positions, taps=None):
         x, stats = act
-        y, own = spec.layers(w, x, positions, taps)
+        w, quantized = fp8_weights.split_stacks(w)
+        y, own = spec.layers(w, x, positions, taps, quantized)
         return y, (jax.tree.map(jnp.add, stats, own) if experts else ())
 
     def loss(shared, act, labels):
@@ -88,6 +91,7 @@ def make_stage(spec: Any, scale: float, data_manual: bool = False) -> Stage:
         weight_grads=lambda taps, w: deferred_grads.tap_weight_grads(taps, w, seqpar.active(spec.sequence_parallel),
                                                                      fp8.gemm(spec.precision.fp8)),
         scan=spec.scan,
+        quantize=spec.quantize_weights,
         layer_specs=jax.tree.map(lambda n: logical_to_spec(n[1:]), llama.param_logical_axes(cfg)["layers"],
                                  is_leaf=is_names),
     )

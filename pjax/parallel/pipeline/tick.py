@@ -11,6 +11,7 @@ from jax import lax
 
 from mesh.mesh import PP
 from mesh.rules import constrain
+from models import fp8_weights
 from pjax.parallel.pipeline import schedules as ps
 from pjax.parallel.pipeline.slots import SlotPool
 from pjax.parallel.pipeline.stage import Activation, Stage, VjpLayout
@@ -155,7 +156,7 @@ def backward(plan: Plan, row: Row, buf: Buffers) -> tuple[Buffers, Activation]:
         dw, dact, *dtaps = plan.layout.unpack(row.w, plan.pool.read(pooled, row.slot, 0))(_at(buf.cotangents, row.slot))
         pooled = _leave_for_weight(plan, row, pooled, dw, dact, dtaps)
         grad_layers = jax.tree.map(lambda g, d: g.at[row.chunk].add(row.keep(d).astype(g.dtype)), grad_layers,
-                                   plan.stage.stacked(dw))
+                                   fp8_weights.split_stacks(plan.stage.stacked(dw))[0])
         discard = plan.batch["inputs"].shape[0]
         d_embedded = d_embedded.at[jnp.where(row.first & (row.active > 0), row.mb, discard)].set(dact[0])
         return grad_layers, d_embedded, pooled, dact
