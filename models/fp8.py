@@ -74,6 +74,12 @@ def weight_operand(w: jax.Array | Quantized) -> tuple[jax.Array, jax.Array]:
     return (w.q, w.scale) if isinstance(w, Quantized) else quantize_weight(w)
 
 
+def expert_operand(w: jax.Array | Quantized) -> tuple[jax.Array, jax.Array]:
+    """A device's expert weights in e4m3 and their one scale: a `Quantized` weight's, made once per step (its one
+    block's scale), or `quantize`'s; experts over ep are each device's own, so no amax crosses devices."""
+    return (w.q, w.scale.reshape(())) if isinstance(w, Quantized) else quantize(w, E4M3)
+
+
 def _shape_of(w: jax.Array | Quantized):
     """What a backward needs of a weight to return its gradient (`projection.cotangent`): empty, its dtype kept."""
     return jax.tree.map(lambda a: jnp.zeros((0,), a.dtype), w)
@@ -170,9 +176,9 @@ def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _einsum_fwd(subscripts, x, w):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts over ep: each device's own
+    (xq, sx), (wq, sw) = quantize(x, E4M3), expert_operand(w)
     product = lambda a, b, out: jnp.einsum(subscripts, a, b, preferred_element_type=out)  # noqa: E731
-    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, jnp.zeros((0,), w.dtype))
+    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, _shape_of(w))
 
 
 def _einsum_bwd(subscripts, res, g):
@@ -182,7 +188,7 @@ def _einsum_bwd(subscripts, res, g):
     b, c = rest.split("->")
     over = lambda spec: lambda p, q, out: jnp.einsum(spec, p, q, preferred_element_type=out)  # noqa: E731
     return (_typed_like(_scaled(over(f"{c},{b}->{a}"), gq, wq, sg * sw, g.dtype), xq),
-            _typed_like(_scaled(over(f"{a},{c}->{b}"), xq, gq, sx * sg, w_like.dtype), wq))
+            cotangent(w_like, _typed_like(_scaled(over(f"{a},{c}->{b}"), xq, gq, sx * sg, w_like.dtype), wq)))
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
@@ -199,9 +205,9 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _ragged_fwd(x, w, group_sizes):
-    (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)  # experts over ep: each device's own
+    (xq, sx), (wq, sw) = quantize(x, E4M3), expert_operand(w)
     product = lambda a, b, out: lax.ragged_dot(a, b, group_sizes, preferred_element_type=out)  # noqa: E731
-    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), w.dtype))
+    return _scaled(product, xq, wq, sx * sw, x.dtype), (xq, sx, wq, sw, group_sizes, _shape_of(w))
 
 
 def _ragged_bwd(res, g):
@@ -211,7 +217,7 @@ def _ragged_bwd(res, g):
     d_w = lambda a, b, out: lax.ragged_dot_general(a, b, group_sizes, _GROUPED_WEIGHT_GRAD,  # noqa: E731
                                                    preferred_element_type=out)
     return (_typed_like(_scaled(d_x, gq, wq, sg * sw, g.dtype), xq),
-            _typed_like(_scaled(d_w, xq, gq, sx * sg, w_like.dtype), wq), None)
+            cotangent(w_like, _typed_like(_scaled(d_w, xq, gq, sx * sg, w_like.dtype), wq)), None)
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

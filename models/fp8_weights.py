@@ -1,11 +1,12 @@
-"""Dense weights quantized once per step, before the micro-batch loop (ARCHITECTURE.md, "fp8 GEMMs"): each layer's
-GEMM weights in e4m3, grouped as its GEMMs merge them (q, k, v; gate, up), with one power-of-two scale per layer
-and group. A layer reads them as `projection.Quantized` weights, so its fp8 GEMMs multiply these fp8 values and
-never quantize a weight again; gradients still reach the fp32 masters through the layer's own cast.
+"""GEMM weights quantized once per step, before the micro-batch loop (ARCHITECTURE.md, "fp8 GEMMs"): each layer's
+dense weights in e4m3, grouped as its GEMMs merge them (q, k, v; gate, up), with one power-of-two scale per layer
+and group; its experts' weights with one scale per layer and device's block of experts, as their GEMMs scale them.
+A layer reads them as `projection.Quantized` weights, so its fp8 GEMMs multiply these fp8 values and never
+quantize a weight again; gradients still reach the fp32 masters through the layer's own cast.
 
-Each fp8 value and scale is the one `fp8.quantize_weight` gives inside the GEMM (same cast, same merge, same amax),
-so a step's numbers do not change; what changes is that a weight is quantized once, not once per micro-batch, and
-that the loop holds one byte per weight in the GEMM's layout in place of a transposed fp32 copy."""
+Each fp8 value and scale is the one the GEMM made of its weight (same cast, same merge, same amax), so a step's
+numbers do not change; what changes is that a weight is quantized once, not once per micro-batch, and that the
+loop holds one byte per weight in the GEMM's layout in place of a transposed fp32 copy."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +15,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mesh.mesh import TP, current
+from mesh.mesh import CP, EP, TP, current
 from mesh.rules import auto_size
 from models import fp8
 from models.precision import Precision
@@ -23,7 +24,9 @@ from models.projection import Quantized, merge_over_tp, split_over_tp
 # A layer's dense GEMMs by the weights each reads, merged where there are several (`Gemm.merged`): their names.
 GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",),
           ("w_shared_gate", "w_shared_up"), ("w_shared_down",))
-Stacks = dict[str, tuple[jax.Array, jax.Array]]  # name -> (e4m3 [L, ...] shaped like the weight, scales [L])
+EXPERTS = ("w_gate", "w_up", "w_down")  # an MoE layer's, [E, ...]: one GEMM each, per expert block
+# name -> (e4m3 [L, ...] shaped like the weight, scales [L], or [L, blocks] for experts)
+Stacks = dict[str, tuple[jax.Array, jax.Array]]
 KEY = "fp8"  # where a pipeline carries the stacks beside a stage's weights (`with_stacks`)
 
 
@@ -41,19 +44,36 @@ def _group(names: tuple[str, ...], ws: list[jax.Array], tp: int) -> dict[str, tu
     return {n: (part.reshape(w.shape), scale) for n, part, w in zip(names, parts, ws)}
 
 
+def _expert_blocks(w: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's experts [E, ...] -> (e4m3 like them, [blocks] scales): one scale per ep device's experts, as
+    `fp8.einsum` and `fp8.ragged_dot` take one for the experts they are handed."""
+    def one(block):
+        with jax.named_scope(fp8.WEIGHT_SCOPE):
+            return fp8.quantize(block, fp8.E4M3, fp8.whole_amax(block, copies=(CP,)))
+    q, scales = jax.vmap(one)(w.reshape(blocks, -1, *w.shape[1:]))
+    return q.reshape(w.shape), scales
+
+
 def quantize_layers(layers: dict[str, jax.Array], precision: Precision) -> Stacks:
-    """The stacked layer weights [L, ...] (fp32 masters) -> per dense GEMM weight, its e4m3 stack and per-layer
-    scales, as the layer reads it: cast to its module's dtype first, as the layer casts it. Expert weights (a
-    leading experts dimension) are left to their GEMMs, which take one scale per device's experts."""
-    tp = auto_size(current(), TP)
-    experts = "router" in layers
+    """The stacked layer weights [L, ...] (fp32 masters) -> per GEMM weight, its e4m3 stack and per-layer scales,
+    as the layer reads it: cast to its module's dtype first, as the layer casts it."""
+    mesh = current()
+    tp, experts = auto_size(mesh, TP), "router" in layers
     out: Stacks = {}
     for names in GROUPS:
-        if not all(n in layers for n in names) or (experts and names[0] in ("w_gate", "w_down")):
+        if not all(n in layers for n in names) or (experts and names[0] in EXPERTS):
             continue
         ws = [lax.stop_gradient(layers[n]).astype(precision.weight_dtype(n)) for n in names]
         out.update(jax.vmap(lambda *one: _group(names, list(one), tp))(*ws))
+    for name in EXPERTS if experts else ():
+        w = lax.stop_gradient(layers[name]).astype(precision.weight_dtype(name))
+        out[name] = jax.vmap(lambda one: _expert_blocks(one, auto_size(mesh, EP)))(w)
     return out
+
+
+def expert_specs(spec: P) -> Quantized:
+    """A `Quantized` expert weight's partition specs where its experts split as `spec`: the scales alike."""
+    return Quantized(spec, spec, spec)
 
 
 def attach(name: str, w: jax.Array, stacks: Stacks | None) -> jax.Array | Quantized:

@@ -101,8 +101,8 @@ class DecoderLayer(nn.Module):
             always = 0 if not shared else constrain(
                 self._shared_expert(y, [gemm_weight(n, w) for n, w in zip(SHARED, shared[:3])] + [mlp(shared[3])],
                                     sp).astype(x.dtype), residual)
-            weights = {"router": router.astype(p.router), "w_gate": mlp(w_gate), "w_up": mlp(w_up), "w_down": mlp(w_down),
-                       **bias}
+            weights = {"router": router.astype(p.router), **bias, **{name: gemm_weight(name, w) for name, w in
+                                                                      zip(fp8_weights.EXPERTS, (w_gate, w_up, w_down))}}
             down, stats = self._experts(y, weights)
             return x + constrain(down.astype(x.dtype), residual) + always, stats
         gate, up = column(y, [gemm_weight("w_gate", w_gate), gemm_weight("w_up", w_up)], "gate_up")

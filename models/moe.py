@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from mesh import replica_groups
 from mesh.errors import ConfigError
 from mesh.mesh import CP, DP, EP, PP, RP, current
-from models import bias_balance, grouped_gemm
+from models import bias_balance, fp8_weights, grouped_gemm
+from models.projection import Quantized
 from models.ragged_dispatch import ragged_experts, receive_rows
 
 ROUTINGS = ("dropless", "capacity", "dense")
@@ -242,7 +243,8 @@ def moe_mlp(x: jax.Array, p: dict[str, jax.Array], *, top_k: int, config: MoeCon
         # A pipeline slot keeps the layer's input, not its dispatch buffers (ARCHITECTURE.md, "MoE in a pipeline").
         return (jax.checkpoint(local) if PP in mesh.manual_axes else local)(x, p)
     experts = P(EP) if axis else P()
-    specs = {name: experts if name.startswith("w_") else P() for name in p}
+    specs = {name: (fp8_weights.expert_specs(experts) if isinstance(p[name], Quantized) else experts)
+             if name.startswith("w_") else P() for name in p}
     sharded = _differentiated_inside if PP in mesh.manual_axes else _sharded
     return sharded(local, token_axes, specs)(x, p)
 

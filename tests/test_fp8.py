@@ -205,7 +205,7 @@ def test_fp8_scales_are_per_tensor_on_every_layout(layout):
                                                   grad_accum=TC.grad_accum * (1 if experts else layout["dp"]))
     loss, norm, text, casts = loss_and_grad_norm(precision=fp8_only, **layout)
     assert "f8E4M3FN" in text and "f8E5M2" in text
-    assert casts == (0,) * (2 if experts else 4), casts  # once per step; an expert's weights stay in its GEMMs
+    assert casts == (0,) * (5 if experts else 4), casts  # once per step: q/k/v, o and the MLP's (each expert's)
     assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=GRAD_NORM_RTOL), \
         (loss, norm)
 
@@ -276,9 +276,9 @@ def _weight_casts_by_loop_depth(jaxpr) -> list[int]:
 
 @pytest.mark.parametrize("shared_expert", [False, True], ids=["dense", "shared_expert"])
 def test_a_step_quantizes_each_weight_once_and_its_numbers_do_not_change(shared_expert, monkeypatch):
-    """A step's dense GEMM weights are cast to e4m3 before the micro-batch loop, one cast per merged GEMM (q, k, v;
-    o; gate, up; down; a shared expert's), none inside a loop; the loss and every gradient equal, bit for bit, those
-    of the step whose GEMMs quantize their weights themselves in every micro-batch and layer."""
+    """A step's GEMM weights are cast to e4m3 before the micro-batch loop, one cast per merged GEMM (q, k, v; o;
+    gate, up; down; a shared expert's) and per expert weight, none inside a loop; the loss and every gradient equal,
+    bit for bit, those of the step whose GEMMs quantize their weights themselves in every micro-batch and layer."""
     cfg = dataclasses.replace(CFG, num_local_experts=4, shared_expert_intermediate_size=32) if shared_expert else CFG
     spec = StepSpec.build(cfg, TC, precision=PrecisionConfig(preset="fp8").resolve())
     params = llama.init_params(cfg, jax.random.key(0))
@@ -291,7 +291,7 @@ def test_a_step_quantizes_each_weight_once_and_its_numbers_do_not_change(shared_
         step = jax.jit(lambda p, b: accumulate(p, b, spec))
         per_gemm = step(params, make_batch(2))
         per_gemm_depths = _weight_casts_by_loop_depth(jax.make_jaxpr(step)(params, make_batch(2)).jaxpr)
-    assert depths == [0] * 4, depths  # qkv, o and the two MLP GEMMs (the shared expert's or the dense ones)
+    assert depths == [0] * (7 if shared_expert else 4), depths  # qkv, o, the MLP's two (+ the experts' three)
     assert per_gemm_depths and set(per_gemm_depths) == {2}, per_gemm_depths  # micro-batch loop x layer loop
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_gemm)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
