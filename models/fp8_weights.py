@@ -86,8 +86,8 @@ def attach(name: str, w: jax.Array, stacks: Stacks | None) -> jax.Array | Quanti
 
 
 def with_stacks(layers: dict[str, Any], stacks: Stacks | None) -> dict[str, Any]:
-    """A pipeline's stage weights with their fp8 stacks under `KEY`: sliced by chunk and layer alike, and kept out
-    of the VJP's stored residuals as the weights are (`pipeline/stage.py`)."""
+    """A pipeline's stage weights with their fp8 stacks under `KEY`, so that the executor slices both by chunk and
+    layer alike and the stage's VJP takes both as its weights (`pipeline/stage.py`)."""
     return layers if not stacks else {**layers, KEY: stacks}
 
 
