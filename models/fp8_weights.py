@@ -18,12 +18,13 @@ from jax.sharding import PartitionSpec as P
 from mesh.mesh import CP, EP, TP, current
 from mesh.rules import auto_size
 from models import fp8
+from models.deferred_grads import SITES
 from models.precision import Precision
 from models.projection import Quantized, merge_over_tp, split_over_tp
 
-# A layer's dense GEMMs by the weights each reads, merged where there are several (`Gemm.merged`): their names.
-GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",),
-          ("w_shared_gate", "w_shared_up"), ("w_shared_down",))
+# A layer's dense GEMMs by the weights each reads, merged where there are several (`Gemm.merged`): the projection
+# sites', and Qwen2-MoE's shared expert's.
+GROUPS = (*SITES.values(), ("w_shared_gate", "w_shared_up"), ("w_shared_down",))
 EXPERTS = ("w_gate", "w_up", "w_down")  # an MoE layer's, [E, ...]: one GEMM each, per expert block
 # name -> (e4m3 [L, ...] shaped like the weight, scales [L], or [L, blocks] for experts)
 Stacks = dict[str, tuple[jax.Array, jax.Array]]

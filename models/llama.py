@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         w_up = _param(self, "w_up", (*e, d, f), (*experts, "embed", "mlp"), normal)
         w_down = _param(self, "w_down", (*e, f, d), (*experts, "mlp", "embed"), normal)
         p = self.precision
-        attn, mlp = (lambda w: w.astype(p.attention)), (lambda w: w.astype(p.mlp))
+        attn = lambda w: w.astype(p.attention)  # noqa: E731
         gemm_weight = lambda name, w: fp8_weights.attach(name, w.astype(p.weight_dtype(name)), quantized)  # noqa: E731
         sp = seqpar.active(self.sequence_parallel)
         column, row = self._projections(sp, taps)
@@ -89,28 +89,35 @@ class DecoderLayer(nn.Module):
 
         y = checkpoint_name(rms_norm(x, mlp_norm, c.rms_norm_eps, p.norms), "mlp_norm").astype(p.mlp)
         if e:
-            router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
-            bias = ({BIAS: _param(self, BIAS, (c.num_local_experts,), (None,), nn.initializers.zeros)}
-                    if c.router_score == "sigmoid" else {})  # selects only, moved outside the optimizer
-            fs = c.shared_expert_intermediate_size
-            shared = [_param(self, name, shape, axes, normal) for name, shape, axes in (  # Qwen2-MoE's shared expert
-                ("w_shared_gate", (d, fs), ("embed", "mlp")), ("w_shared_up", (d, fs), ("embed", "mlp")),
-                ("w_shared_down", (fs, d), ("mlp", "embed")), ("shared_gate", (d, 1), ("embed", None)))] if fs else []
-            if self.is_initializing():  # every parameter is declared; routing needs a real batch
-                return x, None
-            always = 0 if not shared else constrain(
-                self._shared_expert(y, [gemm_weight(n, w) for n, w in zip(SHARED, shared[:3])] + [mlp(shared[3])],
-                                    sp).astype(x.dtype), residual)
-            weights = {"router": router.astype(p.router), **bias, **{name: gemm_weight(name, w) for name, w in
-                                                                      zip(fp8_weights.EXPERTS, (w_gate, w_up, w_down))}}
-            down, stats = self._experts(y, weights)
-            return x + constrain(down.astype(x.dtype), residual) + always, stats
+            return self._moe(x, y, [w_gate, w_up, w_down], gemm_weight, sp, residual)
         gate, up = column(y, [gemm_weight("w_gate", w_gate), gemm_weight("w_up", w_up)], "gate_up")
         gate, up = checkpoint_name(gate, "gate_proj"), checkpoint_name(up, "up_proj")
         gated = constrain(jax.nn.silu(gate) * up, ("tokens", "mlp"))
         down = row(gated, gemm_weight("w_down", w_down), "down")
         return x + constrain(down.astype(x.dtype), residual), None
 
+    def _moe(self, x: jax.Array, y: jax.Array, experts: list[jax.Array], gemm_weight: Callable, sp: bool,
+             residual: tuple[str, str]) -> tuple[jax.Array, RouterStats | None]:
+        """An MoE layer's MLP half on the normed residual y: x plus its routed experts (`experts`: w_gate, w_up,
+        w_down) and Qwen2-MoE's shared expert; declares the router's and the shared expert's parameters."""
+        c, p, d = self.cfg, self.precision, self.cfg.hidden_size
+        normal = nn.initializers.normal(c.initializer_range)
+        router = _param(self, "router", (d, c.num_local_experts), ("embed", None), normal)
+        bias = ({BIAS: _param(self, BIAS, (c.num_local_experts,), (None,), nn.initializers.zeros)}
+                if c.router_score == "sigmoid" else {})  # selects only, moved outside the optimizer
+        fs = c.shared_expert_intermediate_size
+        shared = [_param(self, name, shape, axes, normal) for name, shape, axes in (  # Qwen2-MoE's shared expert
+            ("w_shared_gate", (d, fs), ("embed", "mlp")), ("w_shared_up", (d, fs), ("embed", "mlp")),
+            ("w_shared_down", (fs, d), ("mlp", "embed")), ("shared_gate", (d, 1), ("embed", None)))] if fs else []
+        if self.is_initializing():  # every parameter is declared; routing needs a real batch
+            return x, None
+        always = 0 if not shared else constrain(
+            self._shared_expert(y, [gemm_weight(n, w) for n, w in zip(SHARED, shared[:3])]
+                                + [shared[3].astype(p.mlp)], sp).astype(x.dtype), residual)
+        weights = {"router": router.astype(p.router), **bias,
+                   **{name: gemm_weight(name, w) for name, w in zip(fp8_weights.EXPERTS, experts)}}
+        down, stats = self._experts(y, weights)
+        return x + constrain(down.astype(x.dtype), residual) + always, stats
 
     def _attention(self, y: jax.Array, weights: list[jax.Array], qk_norms: list[jax.Array], positions: jax.Array,
                    tables: tuple[jax.Array, jax.Array], column: Callable, row: Callable) -> jax.Array:

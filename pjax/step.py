@@ -210,12 +210,7 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         local = diloco.fresh(params, mesh.shape[DP]) if diloco else None
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), residual, local)
 
-    attention_fn = None
-    if mesh.shape[CP] > 1:
-        attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
-    spec = StepSpec.build(cfg, tc, moe, attention_fn, policy)
-    if meta_cfg.algorithm == "maml":  # differentiated through its adaptation (`StepSpec.quantize_once`)
-        spec = dataclasses.replace(spec, quantize_once=False)
+    spec = _step_spec(mesh, cfg, tc, moe, context, policy, meta_cfg)
     if mc.pp > 1:
         strategy = Pipelined(spec, tc.zero, g_sharding, pipeline, compression=tc.grad_compression)
     else:
@@ -240,6 +235,17 @@ def build_trainer(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, pipeline: Pipel
         diloco=diloco,
         learner=learner,
     )
+
+
+def _step_spec(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, moe: MoeConfig, context: ContextConfig,
+               policy: Any, meta_cfg: MetaConfig) -> StepSpec:
+    """The run's StepSpec: cp > 1's attention, and under MAML (differentiated through its adaptation) fp8 weights
+    quantized by each GEMM (`StepSpec.quantize_once`)."""
+    attention_fn = None
+    if mesh.shape[CP] > 1:
+        attention_fn = context_strategy.context_attention(context.strategy, select_attention(tc.attention))
+    spec = StepSpec.build(cfg, tc, moe, attention_fn, policy)
+    return dataclasses.replace(spec, quantize_once=False) if meta_cfg.algorithm == "maml" else spec
 
 
 def _validated(mesh: Mesh, cfg: LlamaConfig, tc: TrainConfig, *sections: Any) -> MeshConfig:
